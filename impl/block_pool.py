@@ -1,0 +1,104 @@
+"""The block pool: physical KV blocks, their reference counts, the free queue
+in eviction order, and the prefix cache (block hash -> block)."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Hashable, Iterable
+
+
+class KVCacheBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: Hashable | None = None
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_cnt})"
+
+
+class FreeQueue:
+    """Free blocks, least recently freed first: the eviction order."""
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._blocks: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in blocks)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __iter__(self):
+        return iter(self._blocks.values())
+
+    def popleft(self) -> KVCacheBlock:
+        _, block = self._blocks.popitem(last=False)
+        return block
+
+    def append(self, block: KVCacheBlock) -> None:
+        self._blocks[block.block_id] = block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        del self._blocks[block.block_id]
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeQueue(self.blocks)
+        self.enable_caching = enable_caching
+        self.cached: dict[Hashable, KVCacheBlock] = {}
+
+    def get_num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def get_cached_block(self, block_hash: Hashable) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        assert num_blocks <= len(self.free_queue), "block pool: not enough free blocks"
+        blocks = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            blocks.append(block)
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on cache hits, pulling free ones out of the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks_in_eviction_order: Iterable[KVCacheBlock]) -> None:
+        for block in blocks_in_eviction_order:
+            assert block.ref_cnt > 0, f"block pool: double free of block {block.block_id}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: Hashable) -> None:
+        if block.block_hash is not None or block_hash in self.cached:
+            return  # already cached, or another block holds this content
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Drop a block from the prefix cache (its content cannot be trusted)."""
+        self._evict(block)
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+
+    def reset_prefix_cache(self) -> bool:
+        if len(self.free_queue) != len(self.blocks):
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return True

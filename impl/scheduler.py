@@ -1,0 +1,433 @@
+"""The reference scheduler.
+
+``schedule()`` reads like its table of contents: running requests first
+(preempting when the pool is full), then waiting ones (prefix hits, external
+loads), then the output. ``update_from_output()`` applies the worker's report:
+failed loads first, then sampled tokens and stops, then finished transfers.
+"""
+from __future__ import annotations
+
+import attrs
+
+from kvspec.impl.config import SchedulerConfig
+from kvspec.impl.connector import KVConnector, NoConnector, check_matched_tokens
+from kvspec.impl.kv_cache_manager import KVCacheManager
+from kvspec.impl.outputs import ModelRunnerOutput, SchedulerOutput
+from kvspec.impl.recovery import RecoveryBook, truncate_request
+from kvspec.impl.request import Request
+from kvspec.impl.request_queue import RequestQueue
+from kvspec.spec.state import STATS_UNSET, RequestStatus
+
+
+@attrs.define
+class StepPlan:
+    """What one ``schedule()`` call has decided so far."""
+
+    budget: int
+    num_scheduled_tokens: dict[str, int] = attrs.Factory(dict)
+    num_computed_before: dict[str, int] = attrs.Factory(dict)
+    spec_tokens: dict[str, list[int]] = attrs.Factory(dict)
+    new_reqs: list[Request] = attrs.Factory(list)
+    resumed_reqs: list[Request] = attrs.Factory(list)
+    running_reqs: list[Request] = attrs.Factory(list)
+    preempted: list[Request] = attrs.Factory(list)
+
+    def add(self, request: Request, num_tokens: int, start: int) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.num_computed_before[request.request_id] = start
+        self.budget -= num_tokens
+
+    def drop(self, request: Request) -> None:
+        self.budget += self.num_scheduled_tokens.pop(request.request_id, 0)
+        self.num_computed_before.pop(request.request_id, None)
+        self.spec_tokens.pop(request.request_id, None)
+        if request in self.running_reqs:
+            self.running_reqs.remove(request)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, connector: KVConnector | None = None) -> None:
+        self.config = config
+        self.connector = connector or NoConnector()
+        self.kv = KVCacheManager(config.block_sizes, config.num_blocks,
+                                 config.enable_prefix_caching)
+        self.block_size = config.block_size
+        self.requests: dict[str, Request] = {}
+        self.waiting = RequestQueue(config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.finished_recving: set[str] = set()
+        self.failed_recving: set[str] = set()
+        self.recovery = RecoveryBook()
+        self._load_origin: dict[str, tuple[int, int]] = {}  # req -> (local, external)
+        self._arrivals = 0
+
+    # ------------------------------------------------------------------
+    # add / finish
+    # ------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self._validate_new_request(request)
+        self._arrivals += 1
+        request.arrival_time = float(self._arrivals)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def _validate_new_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.max_tokens < 1:
+            raise ValueError(f"request {request.request_id!r}: max_tokens must be >= 1, "
+                             f"got {request.max_tokens}")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(f"request {request.request_id!r}: prompt of "
+                             f"{request.num_prompt_tokens} tokens leaves no room under "
+                             f"max_model_len={self.config.max_model_len}")
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> None:
+        assert status.is_finished, "finish_requests needs a FINISHED_* status"
+        for req_id in ([request_ids] if isinstance(request_ids, str) else list(request_ids)):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            self._remove_from_queues(request)
+            request.status = status
+            self._free_request(request)
+
+    def _remove_from_queues(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def _free_request(self, request: Request) -> None:
+        assert request.is_finished()
+        self.finished_req_ids.add(request.request_id)
+        self._release_claims(request)
+        self.finished_recving.discard(request.request_id)
+        self.failed_recving.discard(request.request_id)
+        delay, _ = self.connector.request_finished(
+            request, self.kv.get_block_ids(request.request_id))
+        if not delay:
+            self._free_blocks(request)
+
+    def _free_blocks(self, request: Request) -> None:
+        self.kv.free(request)
+        self._load_origin.pop(request.request_id, None)
+        del self.requests[request.request_id]
+
+    def _release_claims(self, request: Request) -> None:
+        """A leaving owner hands its failed blocks to the first waiter."""
+        self.recovery.forget(request.request_id)
+
+    # ------------------------------------------------------------------
+    # schedule
+    # ------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        plan = StepPlan(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        output = self._make_output(plan)
+        output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        self._advance_computed(plan)
+        return output
+
+    # -- running -----------------------------------------------------------
+    def _schedule_running(self, plan: StepPlan) -> None:
+        idx = 0
+        while idx < len(self.running) and plan.budget > 0:
+            request = self.running[idx]
+            idx += 1
+            if not self._is_ready_after_recovery(request):
+                continue
+            num_new = self._num_new_running_tokens(request, plan.budget)
+            if num_new <= 0:
+                continue
+            if not self._allocate_or_preempt(request, num_new, plan):
+                break
+            idx = self.running.index(request) + 1
+            plan.running_reqs.append(request)
+            plan.add(request, num_new, request.num_computed_tokens)
+            self._schedule_spec_tokens(request, num_new, plan)
+
+    def _num_new_running_tokens(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens_with_spec - request.num_computed_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_new:
+            num_new = threshold
+        num_new = min(num_new, budget)
+        # Never run a position at or past max_model_len (spec decode can ask).
+        return min(num_new, self.config.max_model_len - 1 - request.num_computed_tokens)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan) -> bool:
+        while self.kv.allocate_slots(request, num_new) is None:
+            victim = self._pick_victim()
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        return True
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        assert request.status == RequestStatus.RUNNING, "only running requests are preempted"
+        self.running.remove(request)
+        plan.drop(request)
+        self._release_claims(request)
+        self.kv.free(request)
+        self._load_origin.pop(request.request_id, None)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.waiting.prepend(request)
+        plan.preempted.append(request)
+
+    def _schedule_spec_tokens(self, request: Request, num_new: int, plan: StepPlan) -> None:
+        num_spec = num_new + request.num_computed_tokens - request.num_tokens
+        if request.spec_token_ids and num_spec > 0:
+            plan.spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+        request.spec_token_ids = []
+
+    def _is_ready_after_recovery(self, request: Request) -> bool:
+        """A waiter runs again once its shared failed block is recomputed."""
+        waiter = self.recovery.waiters.get(request.request_id)
+        if waiter is None:
+            return True
+        owner = self.requests.get(self.recovery.owners.get(waiter.block_id, ""))
+        if owner is None or owner.is_finished() or owner.status != RequestStatus.RUNNING:
+            self.recovery.waiters.pop(request.request_id)
+            self.recovery.owners[waiter.block_id] = request.request_id
+            return True
+        if owner.num_computed_tokens < waiter.block_end:
+            return False
+        self.recovery.waiters.pop(request.request_id)
+        if self.recovery.owners.get(waiter.block_id) == owner.request_id:
+            del self.recovery.owners[waiter.block_id]
+        request.num_computed_tokens = waiter.resume_at
+        return True
+
+    # -- waiting -----------------------------------------------------------
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        skipped: list[Request] = []
+        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS \
+                    and not self._finish_remote_load(request):
+                skipped.append(self.waiting.pop())
+                continue
+            outcome = self._try_schedule_waiting(request, plan)
+            if outcome == "blocked":
+                break
+            if outcome == "skip":
+                skipped.append(self.waiting.pop())
+            elif outcome == "loading":  # popped, parked until its load finishes
+                skipped.append(request)
+        self.waiting.prepend_all(skipped)
+
+    def _try_schedule_waiting(self, request: Request, plan: StepPlan) -> str:
+        if request.num_computed_tokens == 0:
+            hit = self._find_hits(request)
+            if hit is None:
+                return "skip"  # the connector cannot answer yet
+            local_blocks, num_local, num_external, load_async = hit
+        else:  # an async load already finished: its blocks are held
+            local_blocks, num_local, num_external, load_async = None, 0, 0, False
+        computed = request.num_computed_tokens + num_local + num_external
+        if load_async:
+            num_new = 0
+        else:
+            computed = min(computed, request.num_tokens - 1)  # compute >= 1 token
+            num_new = self._clip_new_tokens(request.num_tokens - computed, plan.budget)
+        new_blocks = self.kv.allocate_slots(
+            request, num_new + computed - request.num_computed_tokens - num_local,
+            num_local, local_blocks, delay_cache_blocks=load_async)
+        if new_blocks is None:
+            return "blocked"
+        if request.num_computed_tokens == 0:
+            self._load_origin[request.request_id] = (num_local, num_external)
+            self.connector.update_state_after_alloc(
+                request, self.kv.get_block_ids(request.request_id), num_external)
+        self.waiting.pop()
+        if load_async:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            # #34616: the target is local + external hits, not a block multiple.
+            request.num_computed_tokens = computed
+            return "loading"
+        self._start_running(request, computed, num_new, plan)
+        return "scheduled"
+
+    def _find_hits(self, request: Request):
+        local_blocks, num_local = self.kv.get_computed_blocks(request)
+        answer = self.connector.get_num_new_matched_tokens(request, num_local)
+        check_matched_tokens(request, num_local, answer)
+        num_external, load_async = answer
+        if num_external is None:
+            return None
+        return local_blocks, num_local, num_external, load_async and num_external > 0
+
+    def _clip_new_tokens(self, num_new: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_new:
+            num_new = threshold
+        return min(num_new, budget)
+
+    def _start_running(self, request: Request, computed: int, num_new: int,
+                       plan: StepPlan) -> None:
+        was_preempted = request.status == RequestStatus.PREEMPTED
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = computed
+        self._record_stats_once(request)
+        self.running.append(request)
+        (plan.resumed_reqs if was_preempted else plan.new_reqs).append(request)
+        plan.add(request, num_new, computed)
+
+    def _record_stats_once(self, request: Request) -> None:
+        """Cache-hit stats describe the first scheduling only (#36859, #37460)."""
+        if request.num_cached_tokens != STATS_UNSET:
+            return
+        local, external = self._load_origin.get(request.request_id, (0, 0))
+        request.num_cached_tokens = request.num_computed_tokens
+        request.num_external_computed_tokens = max(
+            0, min(external, request.num_computed_tokens - local))
+
+    def _finish_remote_load(self, request: Request) -> bool:
+        """WAITING_FOR_REMOTE_KVS -> WAITING once the load is reported done."""
+        req_id = request.request_id
+        if req_id not in self.finished_recving:
+            return False
+        self.finished_recving.discard(req_id)
+        self.failed_recving.discard(req_id)
+        if request.num_computed_tokens == 0:
+            self.kv.free(request)  # nothing valid arrived; a retry may hit locally
+            self._load_origin.pop(req_id, None)
+        else:
+            # Full-prompt hit: the last token is recomputed to sample from it.
+            request.num_computed_tokens = min(request.num_computed_tokens,
+                                              request.num_tokens - 1)
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+        request.status = (RequestStatus.PREEMPTED if request.num_preemptions
+                          else RequestStatus.WAITING)
+        return True
+
+    # -- output ------------------------------------------------------------
+    def _make_output(self, plan: StepPlan) -> SchedulerOutput:
+        scheduled = plan.num_scheduled_tokens
+        output = SchedulerOutput(
+            num_scheduled_tokens=dict(scheduled),
+            num_computed_before=dict(plan.num_computed_before),
+            scheduled_spec_decode_tokens={k: list(v) for k, v in plan.spec_tokens.items()},
+            new_req_ids=[r.request_id for r in plan.new_reqs],
+            resumed_req_ids=[r.request_id for r in plan.resumed_reqs],
+            preempted_req_ids={r.request_id for r in plan.preempted},
+            finished_req_ids=self.finished_req_ids,
+            block_ids={rid: self.kv.get_block_ids(rid) for rid in scheduled})
+        self.finished_req_ids = set()
+        return output
+
+    def _advance_computed(self, plan: StepPlan) -> None:
+        for req_id, num in plan.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num
+
+    # ------------------------------------------------------------------
+    # update_from_output
+    # ------------------------------------------------------------------
+    def update_from_output(self, output: SchedulerOutput,
+                           runner: ModelRunnerOutput) -> dict[str, list[int]]:
+        kv_out = runner.kv_connector_output
+        skipped = self._handle_invalid_blocks(kv_out.invalid_block_ids)
+        new_tokens: dict[str, list[int]] = {}
+        for req_id in output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or req_id in skipped or request.is_finished():
+                continue
+            tokens = list(runner.sampled_token_ids.get(req_id, []))
+            self._apply_spec_rejections(request, output, tokens)
+            new_tokens[req_id] = self._append_tokens(request, tokens)
+        self._update_from_kv_xfer_finished(kv_out.finished_recving, kv_out.finished_sending)
+        return new_tokens
+
+    def _apply_spec_rejections(self, request: Request, output: SchedulerOutput,
+                               tokens: list[int]) -> None:
+        drafts = output.scheduled_spec_decode_tokens.get(request.request_id)
+        if not drafts:
+            return
+        num_accepted = max(0, len(tokens) - 1)
+        request.num_computed_tokens -= len(drafts) - num_accepted
+
+    def _append_tokens(self, request: Request, tokens: list[int]) -> list[int]:
+        appended = []
+        for token in tokens:
+            request.append_output_token_ids(token)
+            appended.append(token)
+            status = self._stop_status(request)
+            if status is not None:
+                self._remove_from_queues(request)
+                request.status = status
+                self._free_request(request)
+                break
+        return appended
+
+    def _stop_status(self, request: Request) -> RequestStatus | None:
+        if request.eos_token_id is not None and request.output_token_ids[-1] == request.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens \
+                or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _update_from_kv_xfer_finished(self, finished_recving, finished_sending) -> None:
+        for req_id in finished_recving or ():
+            if req_id in self.requests and not self.requests[req_id].is_finished():
+                self.finished_recving.add(req_id)
+        for req_id in finished_sending or ():
+            request = self.requests.get(req_id)
+            if request is not None and request.is_finished():
+                self._free_blocks(request)
+
+    # -- failure recovery --------------------------------------------------
+    def _handle_invalid_blocks(self, invalid_block_ids) -> set[str]:
+        """Returns the running requests whose output this step is discarded."""
+        invalid = set(invalid_block_ids or ())
+        if not invalid:
+            return set()
+        loading = [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+        suspect = set(invalid)
+        affected_loads = self._truncate_affected(loading, invalid, suspect)
+        affected_running = self._truncate_affected(self.running, invalid, suspect)
+        self.failed_recving |= affected_loads
+        # Blocks past a failed one were computed on top of it: none may be served.
+        self.kv.uncache_blocks(suspect)
+        if self.config.kv_load_failure_policy == "fail":
+            self.finish_requests(affected_loads | affected_running, RequestStatus.FINISHED_ERROR)
+        return affected_running
+
+    def _truncate_affected(self, requests, invalid: set[int], suspect: set[int]) -> set[str]:
+        affected = set()
+        for request in list(requests):
+            (block_ids, *_) = self.kv.get_block_ids(request.request_id)
+            idx = truncate_request(request, block_ids, self.block_size, invalid, self.recovery)
+            if idx is not None:
+                affected.add(request.request_id)
+                suspect.update(block_ids[idx:])
+        return affected
+
+    # ------------------------------------------------------------------
+    # misc
+    # ------------------------------------------------------------------
+    def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
+        for req_id, tokens in drafts.items():
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.spec_token_ids = list(tokens)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)

@@ -1,0 +1,99 @@
+"""The environment: everything outside the scheduler, chosen by the fuzzer.
+
+Fault model, written down first:
+- the external KV store holds, for each request, a prefix of its prompt
+  (``ext`` tokens) and answers the connector's queries about it; it may answer
+  "not yet" (None) a bounded number of times per request;
+- a load may be sync (runs in the step its request is scheduled) or async
+  (completes in a later step the environment picks); any load may fail on one
+  of its blocks, which is then reported in ``invalid_block_ids``;
+- a finished request may hold its blocks for a KV send, finished in a later step;
+- the model samples deterministic tokens, or EOS when the environment says so;
+  spec decode proposes drafts and the environment picks how many are accepted;
+- clients abort requests at any time; the operator may reset the prefix cache.
+A conforming connector never claims more external tokens than the request has
+uncomputed (``ext <= num_tokens - num_local``). Answers outside that contract
+are an environment contract violation, reported apart from scheduler bugs.
+"""
+from __future__ import annotations
+
+import attrs
+
+from kvspec.spec.oracle import KVContent
+
+EOS_TOKEN_ID = 0
+VOCAB = 7
+
+
+def sampled_token(request_id: str, position: int) -> int:
+    """The model's deterministic token at a position (never EOS)."""
+    return 1 + (sum(map(ord, request_id)) * 31 + position * 17) % VOCAB
+
+
+def draft_token(request_id: str, position: int, k: int) -> int:
+    """A draft guess: right for the first drafts, wrong once ``k`` passes 1."""
+    return sampled_token(request_id, position) if k < 2 else 1 + VOCAB
+
+
+@attrs.frozen
+class RequestSpec:
+    """A request and the environment's plan for it."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    priority: int = 0
+    ext: int = 0            # prompt tokens the external store holds
+    load_async: bool = False
+    none_answers: int = 0   # times the connector answers None first
+    send: bool = False      # delay free for a KV send when finished
+
+
+class EnvironmentContractViolation(Exception):
+    """The environment (not the scheduler) stepped outside its contract."""
+
+
+class EnvConnector:
+    """A programmable KV connector: its answers come from the environment."""
+
+    def __init__(self, content: KVContent, observe_request) -> None:
+        self.content = content
+        self.observe_request = observe_request
+        self.plans: dict[str, RequestSpec] = {}
+        self.none_left: dict[str, int] = {}
+        self._num_local: dict[str, int] = {}
+
+    def plan(self, spec: RequestSpec) -> None:
+        self.plans[spec.request_id] = spec
+        self.none_left[spec.request_id] = spec.none_answers
+
+    # -- the connector API the scheduler calls -----------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        rid = request.request_id
+        plan = self.plans[rid]
+        if self.none_left.get(rid, 0) > 0:
+            self.none_left[rid] -= 1
+            return None, False
+        self._num_local[rid] = num_computed_tokens
+        num_external = max(0, plan.ext - num_computed_tokens)
+        return num_external, plan.load_async and num_external > 0
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        view = self.observe_request(request.request_id)
+        start = self._num_local.get(request.request_id, 0)
+        self.content.add_load(view, block_ids[0], start, num_external_tokens,
+                              self.plans[request.request_id].load_async)
+
+    def build_connector_meta(self, scheduler_output):
+        return None
+
+    def request_finished(self, request, block_ids):
+        rid = request.request_id
+        self.content.cancel_load(rid)  # an in-flight load of a finished request is dropped
+        plan = self.plans.get(rid)
+        if plan is None or not plan.send or not any(block_ids):
+            return False, None
+        self.content.start_send(rid, block_ids[0], request.num_computed_tokens)
+        return True, {"send": rid}

@@ -1,0 +1,219 @@
+"""The runner: applies one action to a target, plays the worker, and checks the
+spec's relation, every invariant and the data oracle after every call.
+
+The Hypothesis state machine and ``kvspec replay`` both drive targets through
+this class, so a trace replays exactly what the fuzzer ran.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import attrs
+
+import kvspec.spec.actions  # noqa: F401  (registers the relations)
+import kvspec.spec.liveness  # noqa: F401
+from kvspec.harness.env import (EOS_TOKEN_ID, EnvConnector, EnvironmentContractViolation,
+                                RequestSpec, draft_token, sampled_token)
+from kvspec.harness.targets import make_target
+from kvspec.impl.connector import ConnectorContractError
+from kvspec.spec.actions import Transition
+from kvspec.spec.invariants import Context, Ghost
+from kvspec.spec.oracle import KVContent
+from kvspec.spec.registry import REGISTRY, Violation
+from kvspec.spec.state import Config, Observation, RequestStatus, StepView, WorkerOutcome
+
+
+class Counterexample(Exception):
+    def __init__(self, violations: list[Violation], runner: "Runner") -> None:
+        super().__init__("; ".join(map(str, violations)))
+        self.violations = violations
+        self.runner = runner
+
+
+@attrs.frozen
+class StepRecord:
+    index: int
+    action: str
+    requests: str
+    violations: tuple[Violation, ...] = ()
+
+
+def describe_request(r) -> str:
+    stats = f" hit={r.num_cached_tokens}/{r.num_external_computed_tokens}" if r.has_stats else ""
+    blocks = ",".join(map(str, r.block_ids[0])) if r.block_ids else ""
+    pre = f" pre={r.num_preemptions}" if r.num_preemptions else ""
+    return (f"{r.request_id}:{r.status.name[:12]} c={r.num_computed_tokens}/{r.num_tokens}"
+            f"{stats}{pre} b=[{blocks}]")
+
+
+def describe_action(action: dict) -> str:
+    args = [f"{k}={v}" for k, v in action.items() if k != "op" and v not in ((), [], 0, False, None)]
+    return f"{action['op']}({', '.join(args)})"
+
+
+class Runner:
+    def __init__(self, target_name: str, config: Config) -> None:
+        self.target_name = target_name
+        self.config = config
+        self.content = KVContent(config.num_blocks, config.block_size)
+        self.env = EnvConnector(self.content, lambda rid: self.target.observe_request(rid))
+        self.target = make_target(target_name, config, self.env)
+        self.ghost = Ghost()
+        self.actions: list[dict] = []
+        self.log: list[StepRecord] = []
+        self.checks: Counter = Counter()
+        self.violation_counts: Counter = Counter()
+        self.obs: Observation = self.target.observe()
+
+    # -- the one entry point --------------------------------------------------
+    def apply(self, action: dict) -> None:
+        self.actions.append(action)
+        try:
+            violations = getattr(self, "_do_" + action["op"])(action)
+        except (ConnectorContractError, EnvironmentContractViolation) as exc:
+            violations = [Violation("environment_contract", str(exc),
+                                    "The environment answered outside the connector contract; "
+                                    "this is not a scheduler bug.")]
+        except Counterexample:
+            raise
+        except Exception as exc:  # the target crashed: a finding, not a harness error
+            violations = [Violation("target_crashed", f"{type(exc).__name__}: {exc}",
+                                    "The target raised while handling a legal call.")]
+        self._record(action, violations)
+        if violations:
+            raise Counterexample(violations, self)
+
+    def _record(self, action: dict, violations) -> None:
+        requests = " ".join(describe_request(r) for r in self.obs.requests.values())
+        self.log.append(StepRecord(len(self.log), describe_action(action), requests,
+                                   tuple(violations)))
+        for v in violations:
+            self.violation_counts[v.invariant] += 1
+
+    # -- checking -------------------------------------------------------------
+    def _check(self, obs: Observation, kinds=("state", "data"), transition=None) -> list[Violation]:
+        ctx = Context(obs, self.ghost, self.content)
+        found = []
+        for inv in REGISTRY.values():
+            if inv.kind == "relation" and transition is not None:
+                messages = inv.check(transition)
+            elif inv.kind in kinds:
+                messages = inv.check(ctx)
+            else:
+                continue
+            self.checks[inv.name] += 1
+            found += [Violation(inv.name, m, inv.doc) for m in messages]
+        return found
+
+    def _settle(self, after: Observation, transition: Transition, lowered_ok=frozenset()):
+        self.content.learn(after)
+        self._update_ghost(after, lowered_ok)
+        self.obs = after
+        return self._check(after, transition=transition)
+
+    def _update_ghost(self, obs: Observation, lowered_ok) -> None:
+        for r in obs.requests.values():
+            now = (r.num_cached_tokens, r.num_external_computed_tokens)
+            first = self.ghost.stats.get(r.request_id)
+            if first is None and r.has_stats:
+                self.ghost.stats[r.request_id] = now
+            elif (first is not None and r.request_id in lowered_ok and r.has_stats
+                  and now[0] <= first[0] and now[1] <= first[1]):
+                self.ghost.stats[r.request_id] = now
+        for rid in [rid for rid in self.ghost.stats if rid not in obs.requests]:
+            del self.ghost.stats[rid]
+
+    # -- actions --------------------------------------------------------------
+    def _do_add(self, a: dict) -> list[Violation]:
+        spec = RequestSpec(a["id"], tuple(a["prompt"]), a["max_tokens"], a.get("priority", 0),
+                           a.get("ext", 0), a.get("async", False), a.get("none", 0),
+                           a.get("send", False))
+        if spec.ext > len(spec.prompt) and not a.get("overclaim_ok"):
+            raise EnvironmentContractViolation(
+                f"the store cannot hold {spec.ext} tokens of a {len(spec.prompt)}-token prompt")
+        self.env.plan(spec)
+        before = self.obs
+        self.target.add_request(spec)
+        return self._settle(self.target.observe(), Transition("add", before, self.target.observe(),
+                                                              request_id=spec.request_id))
+
+    def _do_step(self, a: dict) -> list[Violation]:
+        before = self.obs
+        step = self.target.schedule()
+        mid = self.target.observe()
+        self.content.learn(mid)
+        violations = self._check(mid, kinds=("state",),
+                                 transition=Transition("schedule", before, mid, step))
+        failing = set(a.get("fail", ()))
+        report = self.content.execute(step, mid, set(a.get("finish_loads", ())), failing,
+                                      a.get("fail_offset", 0))
+        outcome = WorkerOutcome(
+            sampled_token_ids=self._sample(step, mid, a),
+            finished_recving=frozenset(report.finished_recving),
+            finished_sending=frozenset(self._finish_sends(a)),
+            invalid_block_ids=frozenset(report.invalid_block_ids))
+        self.target.update_from_output(outcome)
+        self.target.update_draft_token_ids(self._drafts(a.get("drafts", 0)))
+        after = self.target.observe()
+        holders = {r.request_id for r in mid.requests.values()
+                   if report.invalid_block_ids & set(b for t in r.block_ids for b in t)}
+        t = Transition("update", mid, after, step, outcome, report.garbage_readers)
+        return violations + self._settle(after, t, lowered_ok=holders)
+
+    def _sample(self, step: StepView, mid: Observation, a: dict) -> dict:
+        eos = set(a.get("eos", ()))
+        sampled = {}
+        for rid, n in step.num_scheduled_tokens.items():
+            r = mid.requests[rid]
+            if step.num_computed_before[rid] + n < r.num_tokens:
+                continue  # a partial prefill chunk samples nothing
+            drafts = step.scheduled_spec_decode_tokens.get(rid, ())
+            accepted = list(drafts[:min(a.get("accept", 0), len(drafts))])
+            bonus = EOS_TOKEN_ID if rid in eos else sampled_token(rid, r.num_tokens + len(accepted))
+            sampled[rid] = tuple(accepted + [bonus])
+        return sampled
+
+    def _finish_sends(self, a: dict) -> set[str]:
+        done = set(a.get("finish_sends", ())) & set(self.content.sends)
+        for rid in done:
+            self.content.finish_send(rid)
+        return done
+
+    def _drafts(self, num: int) -> dict[str, list[int]]:
+        if not num:
+            return {}
+        drafts = {}
+        for rid in self.target.observe().running:
+            r = self.target.observe_request(rid)
+            if r.num_computed_tokens == r.num_tokens - 1:  # decoding
+                drafts[rid] = [draft_token(rid, r.num_tokens + k, k) for k in range(num)]
+        return drafts
+
+    def _do_abort(self, a: dict) -> list[Violation]:
+        before = self.obs
+        self.target.abort(a["id"])
+        after = self.target.observe()
+        return self._settle(after, Transition("abort", before, after, request_id=a["id"]))
+
+    def _do_reset_prefix_cache(self, a: dict) -> list[Violation]:
+        before = self.obs
+        ok = self.target.reset_prefix_cache()
+        after = self.target.observe()
+        return self._settle(after, Transition("reset_prefix_cache", before, after,
+                                              request_id=str(bool(ok))))
+
+    def _do_drain(self, a: dict) -> list[Violation]:
+        """The healed phase: no faults, every load and send completes."""
+        bound = 20 + sum(len(r.prompt_token_ids) + r.max_tokens for r in self.obs.requests.values())
+        for _ in range(bound):
+            if not self.obs.requests:
+                break
+            healed = {"op": "step", "finish_loads": self.content.pending_async_loads(),
+                      "finish_sends": list(self.content.sends)}
+            violations = self._do_step(healed)
+            if violations:
+                return violations
+        inv = REGISTRY["every_request_finishes"]
+        self.checks[inv.name] += 1
+        messages = list(inv.check(Context(self.obs, self.ghost, self.content)))
+        return [Violation(inv.name, m, inv.doc) for m in messages]

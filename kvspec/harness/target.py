@@ -1,0 +1,113 @@
+"""The one protocol every target implements, and the reference target."""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+from kvspec.harness.env import EOS_TOKEN_ID, RequestSpec
+from kvspec.spec.state import (Config, GroupSpec, Observation, PoolView, RequestStatus,
+                               RequestView, StepView, WorkerOutcome)
+
+
+class Target(Protocol):
+    name: str
+    version: str
+
+    def add_request(self, spec: RequestSpec) -> None: ...
+    def schedule(self) -> StepView: ...
+    def update_from_output(self, outcome: WorkerOutcome) -> None: ...
+    def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    def reset_prefix_cache(self) -> bool: ...
+    def observe(self) -> Observation: ...
+    def observe_request(self, request_id: str) -> RequestView: ...
+
+
+class ImplTarget:
+    """The reference implementation, driven through its public calls."""
+
+    name = "impl"
+    version = "kvspec-reference"
+
+    def __init__(self, config: Config, connector, scheduler_factory: Callable | None = None):
+        from kvspec.impl import Scheduler, SchedulerConfig
+        self.config = config
+        sched_config = SchedulerConfig(
+            block_sizes=tuple(g.block_size for g in config.groups),
+            num_blocks=config.num_blocks,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            policy=config.policy, kv_load_failure_policy=config.kv_load_failure_policy,
+            enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = (scheduler_factory or Scheduler)(sched_config, connector)
+        self._last_output = None
+
+    def add_request(self, spec: RequestSpec) -> None:
+        from kvspec.impl import Request
+        self.scheduler.add_request(Request(
+            spec.request_id, list(spec.prompt), spec.max_tokens, eos_token_id=EOS_TOKEN_ID,
+            priority=spec.priority, hash_block_size=self.config.block_size))
+
+    def schedule(self) -> StepView:
+        out = self.scheduler.schedule()
+        self._last_output = out
+        return StepView(
+            num_scheduled_tokens=dict(out.num_scheduled_tokens),
+            num_computed_before=dict(out.num_computed_before),
+            scheduled_spec_decode_tokens={k: tuple(v) for k, v in
+                                          out.scheduled_spec_decode_tokens.items()},
+            new_req_ids=tuple(out.new_req_ids), resumed_req_ids=tuple(out.resumed_req_ids),
+            preempted_req_ids=frozenset(out.preempted_req_ids))
+
+    def update_from_output(self, outcome: WorkerOutcome) -> None:
+        from kvspec.impl.outputs import KVConnectorOutput, ModelRunnerOutput
+        kv = KVConnectorOutput(set(outcome.finished_recving), set(outcome.finished_sending),
+                               set(outcome.invalid_block_ids))
+        runner = ModelRunnerOutput({k: list(v) for k, v in outcome.sampled_token_ids.items()}, kv)
+        self.scheduler.update_from_output(self._last_output, runner)
+
+    def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
+        self.scheduler.update_draft_token_ids(drafts)
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def observe_request(self, request_id: str) -> RequestView:
+        r = self.scheduler.requests[request_id]
+        return RequestView(
+            request_id=r.request_id, status=r.status,
+            prompt_token_ids=tuple(r.prompt_token_ids),
+            output_token_ids=tuple(r.output_token_ids), max_tokens=r.max_tokens,
+            num_computed_tokens=r.num_computed_tokens, num_cached_tokens=r.num_cached_tokens,
+            num_external_computed_tokens=r.num_external_computed_tokens,
+            num_preemptions=r.num_preemptions,
+            block_ids=tuple(tuple(g) for g in self.scheduler.kv.get_block_ids(request_id)),
+            block_hashes=tuple(r.block_hashes), spec_token_ids=tuple(r.spec_token_ids),
+            num_output_placeholders=r.num_output_placeholders, priority=r.priority)
+
+    def observe(self) -> Observation:
+        s = self.scheduler
+        pool = s.kv.pool
+        requests = {rid: self.observe_request(rid) for rid in s.requests}
+        return Observation(
+            config=self.config, requests=requests,
+            waiting=tuple(r.request_id for r in s.waiting),
+            running=tuple(r.request_id for r in s.running),
+            pool=PoolView(ref_cnt=tuple(b.ref_cnt for b in pool.blocks),
+                          free_queue=tuple(b.block_id for b in pool.free_queue),
+                          cached=tuple((h, b.block_id) for h, b in pool.cached.items())),
+            sending=tuple(rid for rid, r in requests.items() if r.status.is_finished))
+
+
+def make_config(block_size=4, num_blocks=16, max_num_batched_tokens=16, max_num_seqs=4,
+                max_model_len=32, long_prefill_token_threshold=0, policy="fcfs",
+                kv_load_failure_policy="recompute", enable_prefix_caching=True) -> Config:
+    return Config(groups=(GroupSpec(block_size),), num_blocks=num_blocks,
+                  max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                  max_model_len=max_model_len,
+                  long_prefill_token_threshold=long_prefill_token_threshold, policy=policy,
+                  kv_load_failure_policy=kv_load_failure_policy,
+                  enable_prefix_caching=enable_prefix_caching)

@@ -1,0 +1,30 @@
+"""Target names -> constructors. ``impl`` is the default; ``mutant:<name>``
+puts one historical bug back into the reference implementation."""
+from __future__ import annotations
+
+from kvspec.spec.state import Config
+
+
+class UnknownTarget(ValueError):
+    pass
+
+
+def available_targets() -> dict[str, str]:
+    from kvspec.impl.mutants import MUTANTS
+    names = {"impl": "the reference implementation (kvspec-reference)"}
+    for name, mutant in MUTANTS.items():
+        names[f"mutant:{name}"] = mutant.description
+    return names
+
+
+def make_target(name: str, config: Config, connector):
+    from kvspec.harness.target import ImplTarget
+    from kvspec.impl.mutants import MUTANTS
+    if name == "impl":
+        return ImplTarget(config, connector)
+    if name.startswith("mutant:") and name[len("mutant:"):] in MUTANTS:
+        mutant = MUTANTS[name[len("mutant:"):]]
+        target = ImplTarget(config, connector, scheduler_factory=mutant.scheduler_class())
+        target.name = name
+        return target
+    raise UnknownTarget(f"unknown target {name!r}; known: {', '.join(available_targets())}")

@@ -1,0 +1,149 @@
+"""Each action as a relation between the observed state before and after it.
+
+Loose where a correct scheduler may choose (how much of a prefill it takes,
+which equal-priority request goes first, whether to preempt), tight where
+correctness lives (what ``num_computed_tokens`` may become, what tokens get
+appended, what stays unchanged). Relations are registered beside the
+invariants (kind "relation") so one registry lists every claim.
+"""
+from __future__ import annotations
+
+import attrs
+
+from kvspec.spec.registry import invariant
+from kvspec.spec.state import Observation, RequestStatus, StepView, WorkerOutcome
+
+
+@attrs.define
+class Transition:
+    action: str
+    before: Observation
+    after: Observation
+    step: StepView | None = None
+    outcome: WorkerOutcome | None = None
+    #: request id -> first invalid position it read in this step (data oracle)
+    garbage_readers: dict[str, int] = attrs.Factory(dict)
+    request_id: str | None = None
+
+
+def _unchanged_fields(a, b) -> list[str]:
+    fields = ("prompt_token_ids", "output_token_ids", "num_computed_tokens", "status",
+              "num_cached_tokens", "num_external_computed_tokens", "block_ids")
+    return [f for f in fields if getattr(a, f) != getattr(b, f)]
+
+
+@invariant(cites="seed 004 (add_request)", kind="relation")
+def add_request_relation(t: Transition):
+    """add_request. Guard: a new id, a non-empty prompt that leaves room under
+    ``max_model_len``, ``max_tokens >= 1``. Effect: the request is WAITING with
+    nothing computed, no blocks and unset stats. Unchanged: every other request
+    and the block pool."""
+    if t.action != "add":
+        return
+    r = t.after.requests.get(t.request_id)
+    if r is None or r.status != RequestStatus.WAITING or r.request_id not in t.after.waiting:
+        yield f"{t.request_id} is not WAITING in the waiting queue after add_request"
+    elif r.num_computed_tokens or any(r.block_ids) or r.has_stats:
+        yield f"{t.request_id} starts with computed tokens, blocks or stats"
+    if t.after.pool != t.before.pool:
+        yield "add_request changed the block pool"
+    for rid, old in t.before.requests.items():
+        new = t.after.requests.get(rid)
+        if new is None or _unchanged_fields(old, new):
+            yield f"add_request changed request {rid}"
+
+
+@invariant(cites="seed 004 (schedule)", kind="relation")
+def schedule_relation(t: Transition):
+    """schedule. Effect: every scheduled request is RUNNING with at least one
+    token scheduled, starting at its computed prefix and ending within its
+    tokens plus scheduled drafts; the total is within the token budget; a
+    preempted request has nothing computed and one more preemption. Unchanged:
+    tokens of every request, and ``num_computed_tokens`` of requests neither
+    scheduled, preempted, nor moving through an external load."""
+    if t.action != "schedule":
+        return
+    step, cfg = t.step, t.after.config
+    if step.total_num_scheduled_tokens > cfg.max_num_batched_tokens:
+        yield f"{step.total_num_scheduled_tokens} tokens scheduled > budget {cfg.max_num_batched_tokens}"
+    for rid, n in step.num_scheduled_tokens.items():
+        r = t.after.requests.get(rid)
+        start = step.num_computed_before.get(rid, -1)
+        spec = len(step.scheduled_spec_decode_tokens.get(rid, ()))
+        if r is None or r.status != RequestStatus.RUNNING or n < 1:
+            yield f"{rid} scheduled with {n} tokens but is not RUNNING with work to do"
+        elif start + n != r.num_computed_tokens:
+            yield f"{rid}: computed {start} + scheduled {n} != num_computed {r.num_computed_tokens}"
+        elif start < 0 or start + n > r.num_tokens + spec:
+            yield f"{rid}: scheduled positions [{start}, {start + n}) past its {r.num_tokens}+{spec} tokens"
+    for rid in step.preempted_req_ids:
+        r = t.after.requests[rid]
+        before = t.before.requests[rid]
+        if r.num_preemptions != before.num_preemptions + 1 or \
+                (r.status != RequestStatus.WAITING_FOR_REMOTE_KVS and r.num_computed_tokens):
+            yield f"{rid} preempted but computed={r.num_computed_tokens} preemptions={r.num_preemptions}"
+    for rid, old in t.before.requests.items():
+        new = t.after.requests.get(rid)
+        if new is None:
+            yield f"{rid} disappeared during schedule"
+        elif (old.prompt_token_ids, old.output_token_ids) != (new.prompt_token_ids,
+                                                               new.output_token_ids):
+            yield f"{rid}: schedule changed its tokens"
+        elif (rid not in step.num_scheduled_tokens and rid not in step.preempted_req_ids
+              and old.status == new.status == RequestStatus.RUNNING
+              and old.num_computed_tokens < new.num_computed_tokens):
+            yield f"{rid}: num_computed grew without being scheduled"
+
+
+@invariant(cites="seed 004 (update_from_output), seed 003", kind="relation")
+def update_relation(t: Transition):
+    """update_from_output. Effect: a scheduled request appends a prefix of its
+    sampled tokens (ending at the first stop) and loses rejected drafts from
+    ``num_computed_tokens``; a request that read invalid KV in this step appends
+    nothing. Unchanged: ``num_computed_tokens`` never grows here."""
+    if t.action != "update":
+        return
+    for rid, old in t.before.requests.items():
+        new = t.after.requests.get(rid)
+        if new is None:
+            continue
+        added = new.output_token_ids[len(old.output_token_ids):]
+        if new.output_token_ids[:len(old.output_token_ids)] != old.output_token_ids:
+            yield f"{rid}: output tokens were rewritten"
+        elif added and rid in t.garbage_readers:
+            yield (f"{rid} read invalid KV at token {t.garbage_readers[rid]} this step "
+                   f"but its sampled tokens {list(added)} were kept")
+        elif added and tuple(added) != t.outcome.sampled_token_ids.get(rid, ())[:len(added)]:
+            yield f"{rid}: appended {list(added)}, sampled {t.outcome.sampled_token_ids.get(rid)}"
+        if new.num_computed_tokens > old.num_computed_tokens \
+                and old.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            yield f"{rid}: num_computed grew in update_from_output"
+
+
+@invariant(cites="seed 004 (finish_requests)", kind="relation")
+def abort_relation(t: Transition):
+    """abort. Effect: the request is FINISHED_ABORTED (or gone) and in no queue.
+    Unchanged: every other request's tokens and computed count."""
+    if t.action != "abort":
+        return
+    r = t.after.requests.get(t.request_id)
+    if r is not None and not r.status.is_finished:
+        yield f"{t.request_id} still {r.status.name} after abort"
+    for rid, old in t.before.requests.items():
+        new = t.after.requests.get(rid)
+        if rid != t.request_id and new is not None and _unchanged_fields(old, new):
+            yield f"abort of {t.request_id} changed {rid}"
+
+
+@invariant(cites="seed 004 (reset_prefix_cache)", kind="relation")
+def reset_prefix_cache_relation(t: Transition):
+    """reset_prefix_cache. Effect: when it reports success the prefix cache is
+    empty. Unchanged: every request."""
+    if t.action != "reset_prefix_cache":
+        return
+    if t.request_id == "True" and t.after.pool.cached:
+        yield "reset_prefix_cache reported success but the cache is not empty"
+    for rid, old in t.before.requests.items():
+        new = t.after.requests.get(rid)
+        if new is None or _unchanged_fields(old, new):
+            yield f"reset_prefix_cache changed {rid}"

@@ -1,0 +1,282 @@
+"""The invariant catalogue for one full-attention KV cache group.
+
+Each invariant is a predicate on the observed state (plus ghost history where
+a property needs it); its docstring says what it protects and which upstream
+issue shows the cost of breaking it. ``docs/spec.md`` is generated from here.
+
+Scope notes. "While running" means status RUNNING. ``num_computed_tokens`` of a
+request in WAITING_FOR_REMOTE_KVS is the *target* of its in-flight load, not
+valid KV yet, so the "computed means valid" family excludes that status.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import attrs
+
+from kvspec.spec.registry import invariant
+from kvspec.spec.state import Observation, RequestStatus, RequestView
+
+
+@attrs.define
+class Ghost:
+    """History the state alone does not show."""
+
+    #: stats as first recorded, lowered only by failure recovery
+    stats: dict[str, tuple[int, int]] = attrs.Factory(dict)
+    #: requests a load failure was reported for (recovery may lower their stats)
+    recovered: set[str] = attrs.Factory(set)
+
+
+@attrs.define
+class Context:
+    obs: Observation
+    ghost: Ghost
+    oracle: object | None = None  # kvspec.spec.oracle.KVContent when synced
+
+    def live(self) -> Iterator[RequestView]:
+        return (r for r in self.obs.requests.values() if not r.status.is_finished)
+
+
+def _blocks(req: RequestView) -> tuple[int, ...]:
+    return req.block_ids[0] if req.block_ids else ()
+
+
+# -- cache-hit stats ----------------------------------------------------------
+
+@invariant(cites="#36533, #36755, #36859")
+def stats_are_ordered(ctx: Context):
+    """Cache-hit stats are ordered: ``prompt_len >= num_cached >= num_external >= 0``.
+
+    Protects the derived metric ``local_cache_hit = num_cached - num_external``:
+    when it went negative, Prometheus' counter raised and crashed the server
+    (#36533); the cause was ``num_external_computed_tokens`` re-set on a
+    re-scheduling while ``num_cached_tokens`` was kept (#36859)."""
+    for r in ctx.live():
+        if r.has_stats and not (r.num_prompt_tokens >= r.num_cached_tokens
+                                >= r.num_external_computed_tokens >= 0):
+            yield (f"{r.request_id}: prompt_len={r.num_prompt_tokens} num_cached="
+                   f"{r.num_cached_tokens} num_external={r.num_external_computed_tokens}")
+        elif not r.has_stats and r.num_external_computed_tokens < 0:
+            yield f"{r.request_id}: num_external={r.num_external_computed_tokens} < 0"
+
+
+@invariant(cites="#36859, #37460")
+def stats_set_exactly_once(ctx: Context):
+    """Cache-hit stats are set exactly once, at the first scheduling, and never
+    re-set by preemption or a failed allocation; only failure recovery may lower them.
+
+    Protects the meaning of the stats (the hits of the request's first prefill)
+    that the frontend reports once. Re-setting one of the pair on a
+    re-scheduling is what made the pair inconsistent in #36859."""
+    for r in ctx.live():
+        first = ctx.ghost.stats.get(r.request_id)
+        if first is None or not r.has_stats:
+            if first is not None:
+                yield f"{r.request_id}: stats were set to {first}, now unset"
+            continue
+        now = (r.num_cached_tokens, r.num_external_computed_tokens)
+        if now != first:
+            yield f"{r.request_id}: stats set to {first}, changed to {now} outside failure recovery"
+
+
+@invariant(cites="#34616")
+def running_request_has_stats(ctx: Context):
+    """A RUNNING request has its cache-hit stats set.
+
+    Protects the stats of async-loaded requests: before #34616 a request whose
+    KV came by an async load never set ``num_cached_tokens``."""
+    for r in ctx.live():
+        if r.status == RequestStatus.RUNNING and not r.has_stats:
+            yield f"{r.request_id} is RUNNING with num_cached_tokens unset"
+
+
+@invariant(cites="#34616, #36859")
+def cached_le_computed(ctx: Context):
+    """``num_cached_tokens <= num_computed_tokens`` for a RUNNING request that
+    has never been preempted.
+
+    Scope: after a preemption ``num_computed_tokens`` restarts from the hits of
+    the re-scheduling, which may be fewer than the first time, while the stats
+    keep the first scheduling's value. Failure recovery lowers both together.
+    Protects the stats' meaning: tokens reported as cache hits were computed."""
+    for r in ctx.live():
+        if (r.status == RequestStatus.RUNNING and r.num_preemptions == 0 and r.has_stats
+                and r.num_cached_tokens > r.num_computed_tokens):
+            yield (f"{r.request_id}: num_cached={r.num_cached_tokens} > "
+                   f"num_computed={r.num_computed_tokens}")
+
+
+# -- token accounting ---------------------------------------------------------
+
+@invariant(cites="#34616")
+def computed_within_tokens(ctx: Context):
+    """``0 <= num_computed_tokens <= num_tokens`` outside a step, and a waiting
+    request whose KV has arrived leaves at least one token to compute.
+
+    Protects the model runner: it cannot run a request with nothing scheduled,
+    so a full-prompt hit must recompute the last token (the rule #34616 kept)."""
+    for r in ctx.live():
+        if not 0 <= r.num_computed_tokens <= r.num_tokens:
+            yield f"{r.request_id}: num_computed={r.num_computed_tokens} of {r.num_tokens} tokens"
+        elif (r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+              and r.num_computed_tokens >= r.num_tokens):
+            yield f"{r.request_id}: waiting with all {r.num_tokens} tokens computed"
+
+
+@invariant(cites="#27644")
+def placeholders_nonnegative(ctx: Context):
+    """``num_output_placeholders >= 0``.
+
+    Protects async scheduling: a connector sees ``num_computed_tokens -
+    num_output_placeholders`` as the real boundary (#27644)."""
+    for r in ctx.live():
+        if r.num_output_placeholders < 0:
+            yield f"{r.request_id}: num_output_placeholders={r.num_output_placeholders}"
+
+
+@invariant(cites="seed 004 (_preempt_request)")
+def idle_waiting_holds_no_blocks(ctx: Context):
+    """A WAITING or PREEMPTED request with no computed tokens holds no blocks.
+
+    Protects the pool: preemption exists to free memory; a preempted request
+    that kept its blocks leaks them and starves the running ones."""
+    for r in ctx.live():
+        if (r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+                and r.num_computed_tokens == 0 and any(r.block_ids)):
+            yield f"{r.request_id} is {r.status.name} with 0 computed tokens but holds blocks {_blocks(r)}"
+
+
+@invariant(cites="seed 004 (allocate_slots)")
+def blocks_cover_computed(ctx: Context):
+    """Every computed token (and every token an async load targets) has a slot:
+    ``len(block_table) * block_size >= num_computed_tokens`` in every group."""
+    for r in ctx.live():
+        for g, table in enumerate(r.block_ids or ((),)):
+            size = ctx.obs.config.groups[g].block_size
+            if len(table) * size < r.num_computed_tokens:
+                yield (f"{r.request_id}: group {g} has {len(table)} blocks of {size} for "
+                       f"{r.num_computed_tokens} computed tokens")
+
+
+# -- queues and limits --------------------------------------------------------
+
+@invariant(cites="seed 004 (schedule, finish_requests)")
+def queues_match_status(ctx: Context):
+    """Each live request is in exactly one queue, the one its status names:
+    RUNNING in ``running``, WAITING / WAITING_FOR_REMOTE_KVS / PREEMPTED in
+    ``waiting``; finished requests in neither."""
+    running, waiting = ctx.obs.running, ctx.obs.waiting
+    for name, queue in (("running", running), ("waiting", waiting)):
+        if len(set(queue)) != len(queue):
+            yield f"{name} queue has duplicates: {queue}"
+    for r in ctx.obs.requests.values():
+        where = (r.request_id in running, r.request_id in waiting)
+        want = ((r.status == RequestStatus.RUNNING), r.status.is_waiting)
+        if where != want:
+            yield f"{r.request_id} is {r.status.name} but in running={where[0]} waiting={where[1]}"
+    for rid in running + waiting:
+        if rid not in ctx.obs.requests:
+            yield f"queue holds unknown request {rid}"
+
+
+@invariant(cites="seed 004 (schedule asserts)")
+def within_limits(ctx: Context):
+    """At most ``max_num_seqs`` requests run, and no request grows past ``max_model_len``."""
+    cfg = ctx.obs.config
+    if len(ctx.obs.running) > cfg.max_num_seqs:
+        yield f"{len(ctx.obs.running)} running > max_num_seqs={cfg.max_num_seqs}"
+    for r in ctx.live():
+        if r.num_tokens > cfg.max_model_len:
+            yield f"{r.request_id}: {r.num_tokens} tokens > max_model_len={cfg.max_model_len}"
+
+
+# -- block accounting ---------------------------------------------------------
+
+def _holders(ctx: Context) -> list[int]:
+    count = [0] * ctx.obs.pool.num_blocks
+    for r in ctx.obs.requests.values():
+        for table in r.block_ids:
+            for b in table:
+                count[b] += 1
+    return count
+
+
+@invariant(cites="seed 004 (block_pool)")
+def ref_count_is_holders(ctx: Context):
+    """A block's reference count equals the number of block tables holding it
+    (finished requests that wait for a KV send included).
+
+    Protects against double frees and leaks: a block freed while still held is
+    handed to another request and overwritten under the first."""
+    for b, (ref, held) in enumerate(zip(ctx.obs.pool.ref_cnt, _holders(ctx))):
+        if ref != held:
+            yield f"block {b}: ref_cnt={ref} but {held} holder(s)"
+
+
+@invariant(cites="seed 004 (block_pool)")
+def free_queue_is_free_blocks(ctx: Context):
+    """The free queue holds exactly the blocks with reference count 0, once each;
+    no block is both free and held."""
+    pool = ctx.obs.pool
+    free = pool.free_queue
+    if len(set(free)) != len(free):
+        yield f"free queue has duplicates: {free}"
+    zero = {b for b, ref in enumerate(pool.ref_cnt) if ref == 0}
+    if set(free) != zero:
+        yield f"free queue {sorted(set(free))} != blocks with ref 0 {sorted(zero)}"
+
+
+@invariant(cites="seed 004 (_free_blocks, finished_sending)")
+def no_leak_when_idle(ctx: Context):
+    """With no live request and no KV send pending, every block is free.
+
+    Protects the pool across the lifetime of the server: a leaked block is
+    capacity lost until restart."""
+    if not ctx.obs.requests and any(ctx.obs.pool.ref_cnt):
+        held = [b for b, ref in enumerate(ctx.obs.pool.ref_cnt) if ref]
+        yield f"no requests left but blocks {held} are held"
+
+
+@invariant(cites="seed 004 (cache_full_blocks)")
+def prefix_cache_is_consistent(ctx: Context):
+    """Each prefix-cache entry names a distinct block."""
+    seen = {}
+    for block_hash, block in ctx.obs.pool.cached:
+        if block in seen:
+            yield f"block {block} cached under two hashes"
+        seen[block] = block_hash
+
+
+# -- the data oracle ----------------------------------------------------------
+
+@invariant(cites="review of #34616", kind="data")
+def no_caching_of_invalid_blocks(ctx: Context):
+    """Every block in the prefix cache holds exactly the content its hash names.
+
+    Protects every later request: a block whose load failed, or whose load has
+    not finished, that enters the prefix cache is served as a hit to the next
+    request with that prefix: silent corruption (the review of #34616)."""
+    yield from ctx.oracle.check_cache(ctx.obs)
+
+
+@invariant(cites="#34616, seed 003", kind="data")
+def computed_means_valid(ctx: Context):
+    """Every token counted in ``num_computed_tokens`` of a request that is not
+    WAITING_FOR_REMOTE_KVS has valid KV: computed, a prefix-cache hit, or loaded
+    successfully.
+
+    Protects what the model reads: before #34616, an async load counted whole
+    blocks, past the last external token, and the model attended to KV nobody wrote."""
+    for r in ctx.live():
+        if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            yield from ctx.oracle.check_request(ctx.obs, r)
+
+
+@invariant(cites="seed 004 (request_finished, delayed free)", kind="data")
+def send_source_intact(ctx: Context):
+    """A block held for a KV send keeps its content until ``finished_sending``.
+
+    Protects the receiving instance (P/D disaggregation, offloading): freeing a
+    block under an in-flight send ships whatever overwrote it."""
+    yield from ctx.oracle.check_sends()

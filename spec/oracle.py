@@ -1,0 +1,199 @@
+"""The data oracle: a model of the worker that tracks what every physical
+block holds, so that counters agreeing cannot hide wrong KV.
+
+Content of a slot is the *prefix key* of the position it holds: a hash of all
+tokens up to and including that position (the KV of a position depends on the
+whole prefix). ``GARBAGE`` is anything else: never written, a failed load, or
+computed from garbage.
+
+Timing follows vLLM's worker:
+- in one step every scheduled token's KV is written before any attention of
+  that step reads, so a block recomputed by one request is valid for another
+  request reading it in the same step; a request that reads garbage writes garbage;
+- a sync load runs in the step its request is scheduled; an async load writes
+  only when the environment reports it in ``finished_recving``;
+- a block held for a send must keep its content until ``finished_sending``.
+"""
+from __future__ import annotations
+
+from typing import Hashable, Iterator
+
+import attrs
+
+from kvspec.spec.state import Observation, RequestView, StepView
+
+GARBAGE = None
+
+
+def extend_prefix_keys(keys: list[int], tokens, start: int) -> None:
+    prev = keys[start - 1] if start else 0
+    for token in tokens[start:]:
+        prev = hash((prev, token))
+        keys.append(prev)
+
+
+class KeyBook:
+    """Prefix keys of each request's tokens, extended as tokens are appended."""
+
+    def __init__(self) -> None:
+        self._book: dict[str, tuple[list[int], list[int]]] = {}
+
+    def keys(self, request_id: str, tokens: tuple[int, ...]) -> list[int]:
+        toks, keys = self._book.get(request_id, ([], []))
+        n = len(toks)
+        if tuple(toks) != tokens[:n]:
+            toks, keys, n = [], [], 0
+        toks = list(tokens)
+        extend_prefix_keys(keys, toks, n)
+        self._book[request_id] = (toks, keys)
+        return keys
+
+    def forget(self, request_id: str) -> None:
+        self._book.pop(request_id, None)
+
+
+@attrs.define
+class LoadJob:
+    request_id: str
+    block_ids: tuple[int, ...]
+    start: int
+    num_tokens: int
+    is_async: bool
+    keys: list[int]
+
+
+@attrs.define
+class ExecReport:
+    finished_recving: set[str] = attrs.Factory(set)
+    invalid_block_ids: set[int] = attrs.Factory(set)
+    #: request id -> first position it read that was not valid
+    garbage_readers: dict[str, int] = attrs.Factory(dict)
+
+
+class KVContent:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.slots: list[list] = [[GARBAGE] * block_size for _ in range(num_blocks)]
+        self.expected_by_hash: dict[Hashable, tuple] = {}
+        self.loads: dict[str, LoadJob] = {}
+        self.sends: dict[str, dict[tuple[int, int], int]] = {}
+        self.book = KeyBook()
+
+    # -- addressing ---------------------------------------------------------
+    def _slot(self, blocks, pos: int) -> tuple[int, int]:
+        return blocks[pos // self.block_size], pos % self.block_size
+
+    def _write(self, blocks, pos: int, value) -> None:
+        b, s = self._slot(blocks, pos)
+        self.slots[b][s] = value
+
+    def _read(self, blocks, pos: int):
+        b, s = self._slot(blocks, pos)
+        return self.slots[b][s]
+
+    def first_invalid(self, blocks, keys, upto: int) -> int | None:
+        for pos in range(upto):
+            if pos // self.block_size >= len(blocks) or self._read(blocks, pos) != keys[pos]:
+                return pos
+        return None
+
+    # -- the connector's jobs (registered by the environment) ----------------
+    def add_load(self, request: RequestView, block_ids, start: int, num_tokens: int,
+                 is_async: bool) -> None:
+        keys = self.book.keys(request.request_id, request.all_token_ids)
+        self.loads[request.request_id] = LoadJob(
+            request.request_id, tuple(block_ids), start, num_tokens, is_async, keys)
+
+    def cancel_load(self, request_id: str) -> None:
+        self.loads.pop(request_id, None)
+
+    def pending_async_loads(self) -> list[str]:
+        return [rid for rid, job in self.loads.items() if job.is_async]
+
+    def start_send(self, request_id: str, block_ids, num_tokens: int) -> None:
+        self.sends[request_id] = {
+            self._slot(block_ids, p): self._read(block_ids, p) for p in range(num_tokens)}
+
+    def finish_send(self, request_id: str) -> None:
+        self.sends.pop(request_id, None)
+
+    # -- one step of the worker ---------------------------------------------
+    def execute(self, step: StepView, obs: Observation, finish_async: set[str],
+                fail: set[str], fail_offset: int) -> ExecReport:
+        report = ExecReport()
+        for rid in [r for r in finish_async if r in self.loads and self.loads[r].is_async]:
+            self._run_load(self.loads.pop(rid), rid in fail, fail_offset, report)
+            report.finished_recving.add(rid)
+        for rid in step.num_scheduled_tokens:
+            job = self.loads.get(rid)
+            if job is not None and not job.is_async:
+                self._run_load(self.loads.pop(rid), rid in fail, fail_offset, report)
+        self._compute(step, obs, report)
+        return report
+
+    def _run_load(self, job: LoadJob, failing: bool, fail_offset: int,
+                  report: ExecReport) -> None:
+        first_block = job.start // self.block_size
+        last_block = (job.start + job.num_tokens - 1) // self.block_size
+        bad = first_block + fail_offset % (last_block - first_block + 1) if failing else None
+        for pos in range(job.start, job.start + job.num_tokens):
+            ok = pos // self.block_size != bad
+            self._write(job.block_ids, pos, job.keys[pos] if ok else GARBAGE)
+        if bad is not None:
+            report.invalid_block_ids.add(job.block_ids[bad])
+
+    def _compute(self, step: StepView, obs: Observation, report: ExecReport) -> None:
+        writes = {}
+        for rid, n in step.num_scheduled_tokens.items():
+            req = obs.requests[rid]
+            spec = step.scheduled_spec_decode_tokens.get(rid, ())
+            keys = list(self.book.keys(rid, req.all_token_ids))
+            extend_prefix_keys(keys, req.all_token_ids + tuple(spec), len(keys))
+            start = step.num_computed_before[rid]
+            writes[rid] = (req.block_ids[0], keys, start, n)
+            for pos in range(start, start + n):
+                self._write(req.block_ids[0], pos, keys[pos])
+        changed = True
+        while changed:  # garbage read -> garbage written, to a fixed point
+            changed = False
+            for rid, (blocks, keys, start, n) in writes.items():
+                bad = self.first_invalid(blocks, keys, start)
+                if bad is None or rid in report.garbage_readers:
+                    continue
+                report.garbage_readers[rid] = bad
+                for pos in range(start, start + n):
+                    self._write(blocks, pos, GARBAGE)
+                changed = True
+
+    # -- checks ---------------------------------------------------------------
+    def learn(self, obs: Observation) -> None:
+        """Record what each block hash names, from the requests' hash chains."""
+        size = self.block_size
+        for r in obs.requests.values():
+            if not r.block_hashes:
+                continue
+            keys = self.book.keys(r.request_id, r.all_token_ids)
+            for i, h in enumerate(r.block_hashes):
+                if h not in self.expected_by_hash and (i + 1) * size <= len(keys):
+                    self.expected_by_hash[h] = tuple(keys[i * size:(i + 1) * size])
+
+    def check_cache(self, obs: Observation) -> Iterator[str]:
+        for block_hash, block in obs.pool.cached:
+            expected = self.expected_by_hash.get(block_hash)
+            if expected is not None and tuple(self.slots[block]) != expected:
+                yield f"block {block} is in the prefix cache but does not hold the content its hash names"
+
+    def check_request(self, obs: Observation, r: RequestView) -> Iterator[str]:
+        keys = self.book.keys(r.request_id, r.all_token_ids)
+        bad = self.first_invalid(r.block_ids[0] if r.block_ids else (), keys,
+                                 r.num_computed_tokens)
+        if bad is not None:
+            yield (f"{r.request_id}: token {bad} is counted as computed "
+                   f"(num_computed={r.num_computed_tokens}) but its KV is not valid")
+
+    def check_sends(self) -> Iterator[str]:
+        for rid, snapshot in self.sends.items():
+            for (b, s), value in snapshot.items():
+                if self.slots[b][s] != value:
+                    yield f"{rid}: block {b} was overwritten while its KV was being sent"
+                    break
