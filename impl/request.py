@@ -64,7 +64,7 @@ class Request:
         size = self.hash_block_size
         while (len(self.block_hashes) + 1) * size <= len(self.all_token_ids):
             start = len(self.block_hashes) * size
-            parent = self.block_hashes[-1] if self.block_hashes else None
+            parent = self.block_hashes[-1] if self.block_hashes else 0
             block = tuple(self.all_token_ids[start:start + size])
             self.block_hashes.append(hash_block(parent, block))
 

@@ -60,6 +60,7 @@ class Scheduler:
         self.failed_recving: set[str] = set()
         self.recovery = RecoveryBook()
         self._load_origin: dict[str, tuple[int, int]] = {}  # req -> (local, external)
+        self._loaded: set[str] = set()  # async load finished; do not ask the connector again
         self._arrivals = 0
 
     # ------------------------------------------------------------------
@@ -115,6 +116,7 @@ class Scheduler:
     def _free_blocks(self, request: Request) -> None:
         self.kv.free(request)
         self._load_origin.pop(request.request_id, None)
+        self._loaded.discard(request.request_id)
         del self.requests[request.request_id]
 
     def _release_claims(self, request: Request) -> None:
@@ -179,6 +181,10 @@ class Scheduler:
         self.running.remove(request)
         plan.drop(request)
         self._release_claims(request)
+        # Blocks cached past the computed prefix (by this step's allocation, or a
+        # sync load that will now never run) hold no KV yet: do not serve them.
+        (block_ids, *_) = self.kv.get_block_ids(request.request_id)
+        self.kv.uncache_blocks(block_ids[request.num_computed_tokens // self.block_size:])
         self.kv.free(request)
         self._load_origin.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
@@ -215,23 +221,39 @@ class Scheduler:
     # -- waiting -----------------------------------------------------------
     def _schedule_waiting(self, plan: StepPlan) -> None:
         skipped: list[Request] = []
+        blocked = False
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.peek()
+            request = self.waiting.pop()
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS \
                     and not self._finish_remote_load(request):
-                skipped.append(self.waiting.pop())
+                skipped.append(request)
+                continue
+            # Past a blocked head only requests that already hold their KV may
+            # go: they need little and free what they hold when they finish.
+            if blocked and request.request_id not in self._loaded:
+                skipped.append(request)
                 continue
             outcome = self._try_schedule_waiting(request, plan)
-            if outcome == "blocked":
-                break
-            if outcome == "skip":
-                skipped.append(self.waiting.pop())
-            elif outcome == "loading":  # popped, parked until its load finishes
+            blocked = blocked or outcome == "blocked"
+            if outcome != "scheduled":
                 skipped.append(request)
         self.waiting.prepend_all(skipped)
+        if blocked and not self.running:
+            self._release_loaded_waiting()
+
+    def _release_loaded_waiting(self) -> None:
+        """Nothing runs and the head cannot fit: loaded-but-waiting requests
+        give their blocks back and will recompute without asking the connector
+        again (asking could park them on a new load and loop), so the pool,
+        sized for one request of max_model_len, always lets the head through."""
+        for request in self.waiting:
+            if request.request_id in self._loaded:
+                self.kv.free(request)
+                self._load_origin[request.request_id] = (0, 0)
+                request.num_computed_tokens = 0
 
     def _try_schedule_waiting(self, request: Request, plan: StepPlan) -> str:
-        if request.num_computed_tokens == 0:
+        if request.request_id not in self._loaded:
             hit = self._find_hits(request)
             if hit is None:
                 return "skip"  # the connector cannot answer yet
@@ -249,11 +271,10 @@ class Scheduler:
             num_local, local_blocks, delay_cache_blocks=load_async)
         if new_blocks is None:
             return "blocked"
-        if request.num_computed_tokens == 0:
+        if request.request_id not in self._loaded:
             self._load_origin[request.request_id] = (num_local, num_external)
             self.connector.update_state_after_alloc(
                 request, self.kv.get_block_ids(request.request_id), num_external)
-        self.waiting.pop()
         if load_async:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             # #34616: the target is local + external hits, not a block multiple.
@@ -280,6 +301,7 @@ class Scheduler:
     def _start_running(self, request: Request, computed: int, num_new: int,
                        plan: StepPlan) -> None:
         was_preempted = request.status == RequestStatus.PREEMPTED
+        self._loaded.discard(request.request_id)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = computed
         self._record_stats_once(request)
@@ -306,11 +328,16 @@ class Scheduler:
         if request.num_computed_tokens == 0:
             self.kv.free(request)  # nothing valid arrived; a retry may hit locally
             self._load_origin.pop(req_id, None)
-        else:
-            # Full-prompt hit: the last token is recomputed to sample from it.
-            request.num_computed_tokens = min(request.num_computed_tokens,
-                                              request.num_tokens - 1)
-            self.kv.cache_blocks(request, request.num_computed_tokens)
+            return self._back_to_waiting(request)
+        self._loaded.add(req_id)
+        # Full-prompt hit: the last token is recomputed to sample from it.
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        self.kv.cache_blocks(request, request.num_computed_tokens)
+        if request.num_computed_tokens == 0:  # a one-token prompt: nothing to keep
+            self.kv.free(request)
+        return self._back_to_waiting(request)
+
+    def _back_to_waiting(self, request: Request) -> bool:
         request.status = (RequestStatus.PREEMPTED if request.num_preemptions
                           else RequestStatus.WAITING)
         return True

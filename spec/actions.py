@@ -33,7 +33,7 @@ def _unchanged_fields(a, b) -> list[str]:
 
 
 @invariant(cites="seed 004 (add_request)", kind="relation")
-def add_request_relation(t: Transition):
+def add_relation(t: Transition):
     """add_request. Guard: a new id, a non-empty prompt that leaves room under
     ``max_model_len``, ``max_tokens >= 1``. Effect: the request is WAITING with
     nothing computed, no blocks and unset stats. Unchanged: every other request
@@ -96,12 +96,12 @@ def schedule_relation(t: Transition):
 
 
 @invariant(cites="seed 004 (update_from_output), seed 003", kind="relation")
-def update_relation(t: Transition):
+def update_from_output_relation(t: Transition):
     """update_from_output. Effect: a scheduled request appends a prefix of its
     sampled tokens (ending at the first stop) and loses rejected drafts from
     ``num_computed_tokens``; a request that read invalid KV in this step appends
     nothing. Unchanged: ``num_computed_tokens`` never grows here."""
-    if t.action != "update":
+    if t.action != "update_from_output":
         return
     for rid, old in t.before.requests.items():
         new = t.after.requests.get(rid)

@@ -33,6 +33,9 @@ class Context:
     obs: Observation
     ghost: Ghost
     oracle: object | None = None  # kvspec.spec.oracle.KVContent when synced
+    #: False between schedule() and update_from_output(): computed counts then
+    #: include the tokens (and drafts) of the step in flight
+    synced: bool = True
 
     def live(self) -> Iterator[RequestView]:
         return (r for r in self.obs.requests.values() if not r.status.is_finished)
@@ -111,13 +114,15 @@ def cached_le_computed(ctx: Context):
 
 @invariant(cites="#34616")
 def computed_within_tokens(ctx: Context):
-    """``0 <= num_computed_tokens <= num_tokens`` outside a step, and a waiting
-    request whose KV has arrived leaves at least one token to compute.
+    """``0 <= num_computed_tokens <= num_tokens`` between steps (within a step
+    the scheduled drafts count too), and a waiting request whose KV has arrived
+    leaves at least one token to compute.
 
     Protects the model runner: it cannot run a request with nothing scheduled,
     so a full-prompt hit must recompute the last token (the rule #34616 kept)."""
     for r in ctx.live():
-        if not 0 <= r.num_computed_tokens <= r.num_tokens:
+        upper = r.num_tokens if ctx.synced else r.num_tokens + ctx.obs.config.max_model_len
+        if not 0 <= r.num_computed_tokens <= upper:
             yield f"{r.request_id}: num_computed={r.num_computed_tokens} of {r.num_tokens} tokens"
         elif (r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
               and r.num_computed_tokens >= r.num_tokens):

@@ -19,6 +19,10 @@ class Invariant:
     #: what establishes it: "hypothesis", and "z3" once a proof covers it
     established_by: tuple[str, ...]
 
+    def applies_to(self, action: str) -> bool:
+        """Relations are named ``<action>_relation``."""
+        return self.name == f"{action}_relation"
+
     @property
     def doc(self) -> str:
         return inspect.cleandoc(self.check.__doc__ or "")

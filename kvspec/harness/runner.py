@@ -92,10 +92,12 @@ class Runner:
 
     # -- checking -------------------------------------------------------------
     def _check(self, obs: Observation, kinds=("state", "data"), transition=None) -> list[Violation]:
-        ctx = Context(obs, self.ghost, self.content)
+        ctx = Context(obs, self.ghost, self.content, synced="data" in kinds)
         found = []
         for inv in REGISTRY.values():
-            if inv.kind == "relation" and transition is not None:
+            if inv.kind == "relation":
+                if transition is None or not inv.applies_to(transition.action):
+                    continue
                 messages = inv.check(transition)
             elif inv.kind in kinds:
                 messages = inv.check(ctx)
@@ -157,7 +159,7 @@ class Runner:
         after = self.target.observe()
         holders = {r.request_id for r in mid.requests.values()
                    if report.invalid_block_ids & set(b for t in r.block_ids for b in t)}
-        t = Transition("update", mid, after, step, outcome, report.garbage_readers)
+        t = Transition("update_from_output", mid, after, step, outcome, report.garbage_readers)
         return violations + self._settle(after, t, lowered_ok=holders)
 
     def _sample(self, step: StepView, mid: Observation, a: dict) -> dict:
@@ -213,6 +215,7 @@ class Runner:
             violations = self._do_step(healed)
             if violations:
                 return violations
+            self._record({"op": "drain.step"}, ())
         inv = REGISTRY["every_request_finishes"]
         self.checks[inv.name] += 1
         messages = list(inv.check(Context(self.obs, self.ghost, self.content)))

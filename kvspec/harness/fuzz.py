@@ -1,0 +1,83 @@
+"""Time-boxed fuzzing: Hypothesis batches under derived seeds until the budget
+is spent or a counterexample is found. Every failure is written to a trace file
+the moment it is seen (the last write is Hypothesis' shrunk example)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import attrs
+from hypothesis import HealthCheck, Phase, Verbosity, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvspec.harness.machine import machine_for
+from kvspec.harness.runner import Counterexample
+from kvspec.harness.trace import save_trace
+
+
+@attrs.define
+class FuzzResult:
+    target: str
+    seed: int
+    elapsed: float
+    runs: int
+    actions: int
+    checks: dict[str, int]
+    counterexample: Counterexample | None = None
+    trace_path: Path | None = None
+    first_seen: float | None = None
+
+
+def derive_seed(seed: int, batch: int) -> int:
+    return (seed * 1_000_003 + batch * 7919) % (2 ** 32)
+
+
+def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | None = None,
+         batch_examples: int = 25, step_count: int = 30,
+         progress: Callable[[FuzzResult], None] | None = None) -> FuzzResult:
+    start = time.monotonic()
+    trace_path = out_dir / f"{target.replace(':', '_')}-seed{seed}.json"
+    result = FuzzResult(target, seed, 0.0, 0, 0, {})
+    state = {"last": None}
+
+    def save_first(exc: Counterexample) -> None:
+        if result.first_seen is None:
+            result.first_seen = time.monotonic() - start
+        r = exc.runner
+        save_trace(trace_path, target=target, config=r.config, actions=list(r.actions),
+                   violations=exc.violations, steps=r.log, seed=seed)
+        state["last"] = exc
+
+    machine = machine_for(target, on_counterexample=save_first)
+    database = DirectoryBasedExampleDatabase(str(db_dir)) if db_dir else None
+    batch = 0
+    while time.monotonic() - start < budget:
+        machine._hypothesis_internal_use_seed = derive_seed(seed, batch)
+        batch += 1
+        try:
+            run_state_machine_as_test(machine, settings=settings(
+                max_examples=batch_examples, stateful_step_count=step_count, deadline=None,
+                database=database, suppress_health_check=list(HealthCheck),
+                verbosity=Verbosity.quiet, print_blob=False,
+                phases=(Phase.reuse, Phase.generate, Phase.shrink)))
+        except Exception:  # the machine raised: the saved trace holds the shrunk example
+            result.counterexample = state["last"]
+            result.trace_path = trace_path if state["last"] is not None else None
+            if state["last"] is None:
+                raise
+            break
+        finally:
+            _collect(result, machine, start)
+            if progress:
+                progress(result)
+    return result
+
+
+def _collect(result: FuzzResult, machine, start: float) -> None:
+    stats = machine.stats
+    result.elapsed = time.monotonic() - start
+    result.runs = stats["runs"]
+    result.actions = stats["actions"]
+    result.checks = {k[len("check:"):]: v for k, v in stats.items() if k.startswith("check:")}

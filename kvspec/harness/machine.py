@@ -1,0 +1,115 @@
+"""The Hypothesis state machine: the environment picks every action, the
+runner drives the target and checks the spec after every call.
+
+One run is a safety phase (arrivals, faults, aborts, resets) followed, in
+teardown, by a healed phase (``drain``) in which every request must finish.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from kvspec.harness.runner import Counterexample, Runner
+from kvspec.harness.target import make_config
+
+#: shared prefixes so that prefix caching and shared blocks matter
+PREFIXES = ((1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5), (2, 4, 6, 1, 3, 5, 7, 2, 4, 6, 1, 3),
+            (7, 7, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5))
+MAX_REQUESTS = 8
+
+ids = st.sets(st.integers(0, MAX_REQUESTS - 1), max_size=3)
+
+
+def make_prompt(index: int, prefix: int, prefix_len: int, suffix_len: int) -> list[int]:
+    return list(PREFIXES[prefix][:prefix_len]) + [10 + index * 7 + k for k in range(suffix_len)]
+
+
+class KVSpecMachine(RuleBasedStateMachine):
+    target_name = "impl"
+    #: called with the failing runner before anything else happens (save first)
+    on_counterexample: Callable[[Counterexample], None] | None = None
+    stats: Counter = Counter()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runner: Runner | None = None
+        self.next_index = 0
+        self.failed = False
+        type(self).stats["runs"] += 1
+
+    def _apply(self, action: dict) -> None:
+        try:
+            self.runner.apply(action)
+        except Counterexample as exc:
+            self.failed = True
+            if self.on_counterexample is not None:
+                type(self).on_counterexample(exc)
+            raise
+        finally:
+            type(self).stats["actions"] += 1
+
+    def _ids(self, indices) -> list[str]:
+        return [f"r{i}" for i in sorted(indices) if i < self.next_index]
+
+    @initialize(block_size=st.sampled_from([2, 3, 4]), spare_blocks=st.integers(1, 12),
+                budget=st.integers(4, 24), max_num_seqs=st.integers(1, 4),
+                max_model_len=st.integers(12, 24), threshold=st.sampled_from([0, 0, 3, 5]),
+                policy=st.sampled_from(["fcfs", "priority"]),
+                failure_policy=st.sampled_from(["recompute", "recompute", "fail"]))
+    def configure(self, block_size, spare_blocks, budget, max_num_seqs, max_model_len,
+                  threshold, policy, failure_policy):
+        # The pool always fits one request of max_model_len, as vLLM checks at start-up.
+        num_blocks = -(-max_model_len // block_size) + spare_blocks
+        config = make_config(block_size=block_size, num_blocks=num_blocks,
+                             max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                             max_model_len=max_model_len, long_prefill_token_threshold=threshold,
+                             policy=policy, kv_load_failure_policy=failure_policy)
+        self.runner = Runner(self.target_name, config)
+
+    @precondition(lambda self: self.next_index < MAX_REQUESTS)
+    @rule(prefix=st.integers(0, 2), prefix_len=st.integers(0, 12), suffix_len=st.integers(1, 6),
+          max_tokens=st.integers(1, 6), priority=st.integers(0, 2), ext=st.integers(0, 18),
+          load_async=st.booleans(), none=st.integers(0, 2), send=st.booleans())
+    def add_request(self, prefix, prefix_len, suffix_len, max_tokens, priority, ext,
+                    load_async, none, send):
+        prompt = make_prompt(self.next_index, prefix, prefix_len, suffix_len)
+        prompt = prompt[:self.runner.config.max_model_len - 1]
+        action = {"op": "add", "id": f"r{self.next_index}", "prompt": prompt,
+                  "max_tokens": max_tokens, "priority": priority, "ext": min(ext, len(prompt)),
+                  "async": load_async, "none": none, "send": send}
+        self.next_index += 1
+        self._apply(action)
+
+    @rule(finish_loads=ids, fail=ids, fail_offset=st.integers(0, 3), eos=ids,
+          finish_sends=ids, accept=st.integers(0, 3), drafts=st.integers(0, 2))
+    def step(self, finish_loads, fail, fail_offset, eos, finish_sends, accept, drafts):
+        self._apply({"op": "step", "finish_loads": self._ids(finish_loads),
+                     "fail": self._ids(fail), "fail_offset": fail_offset, "eos": self._ids(eos),
+                     "finish_sends": self._ids(finish_sends), "accept": accept,
+                     "drafts": drafts})
+
+    @precondition(lambda self: self.next_index > 0)
+    @rule(index=st.integers(0, MAX_REQUESTS - 1))
+    def abort(self, index):
+        if index < self.next_index:
+            self._apply({"op": "abort", "id": f"r{index}"})
+
+    @rule()
+    def reset_prefix_cache(self):
+        self._apply({"op": "reset_prefix_cache"})
+
+    def teardown(self):
+        if self.runner is not None and not self.failed:
+            self._apply({"op": "drain"})
+        if self.runner is not None:
+            type(self).stats.update({f"check:{k}": v for k, v in self.runner.checks.items()})
+
+
+def machine_for(target: str, on_counterexample=None) -> type[KVSpecMachine]:
+    """A fresh machine class bound to one target (class attributes are per class)."""
+    return type(f"KVSpecMachine_{target.replace(':', '_')}", (KVSpecMachine,),
+                {"target_name": target, "on_counterexample": staticmethod(on_counterexample)
+                 if on_counterexample else None, "stats": Counter()})

@@ -1,0 +1,41 @@
+"""docs/spec.md is generated from the registry and must not go stale."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import kvspec.spec.actions  # noqa: F401  (registers the relations)
+import kvspec.spec.invariants  # noqa: F401  (registers the invariants)
+import kvspec.spec.liveness  # noqa: F401  (registers liveness)
+from kvspec.docgen import BEGIN_MARKER, END_MARKER, render_spec_md
+from kvspec.spec.registry import REGISTRY
+
+SPEC_MD = Path(__file__).resolve().parents[1] / "docs" / "spec.md"
+
+
+def _committed() -> str:
+    assert SPEC_MD.exists(), "docs/spec.md is missing: run `python -m kvspec.docgen`"
+    return SPEC_MD.read_text(encoding="utf-8")
+
+
+def test_spec_md_is_up_to_date():
+    assert render_spec_md() == _committed(), "docs/spec.md is stale: run `python -m kvspec.docgen`"
+
+
+def test_render_is_deterministic():
+    assert render_spec_md() == render_spec_md()
+
+
+def test_every_registry_entry_is_documented():
+    text = _committed()
+    generated = text[text.index(BEGIN_MARKER):text.index(END_MARKER)]
+    missing = [name for name in REGISTRY if f"### {name}\n" not in generated]
+    assert not missing, f"docs/spec.md lacks {missing}: run `python -m kvspec.docgen`"
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_invariant_has_doc_and_cites(name):
+    inv = REGISTRY[name]
+    assert inv.doc.strip(), f"{name} has no docstring"
+    assert inv.cites.strip(), f"{name} has no cites"
