@@ -1,0 +1,3 @@
+from kvspec.cli import main
+
+main()

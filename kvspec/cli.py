@@ -1,0 +1,140 @@
+"""The command line: ``kvspec check``, ``fuzz``, ``replay``, ``targets``.
+
+Errors in what the user gave (a bad budget, an unknown target, a malformed
+trace) are one line on stderr and exit code 2; a violated invariant is exit 1.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+                  help="kvspec: an executable spec of vLLM's KV-cache request lifecycle.")
+console = Console()
+DEFAULT_OUT = Path(".kvspec/failures")
+DEFAULT_DB = Path(".kvspec/examples")
+
+
+class UsageError(Exception):
+    pass
+
+
+def parse_budget(text: str) -> float:
+    """'60s', '10m', '1h' or a plain number of seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text or "")
+    if not m or float(m.group(1)) <= 0:
+        raise UsageError(f"invalid budget {text!r}: use a positive duration like 60s, 10m or 1h")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+def fail(message: str) -> None:
+    print(f"kvspec: error: {message}", file=sys.stderr)
+    raise typer.Exit(2)
+
+
+def check_target(name: str) -> None:
+    from kvspec.harness.targets import available_targets
+    if name not in available_targets():
+        fail(f"unknown target {name!r}; run `kvspec targets` to list them")
+
+
+def run_fuzz(target: str, budget: str, seed: int, out: Path, db: Path | None):
+    from kvspec.harness.fuzz import fuzz
+    seconds = parse_budget(budget)
+    check_target(target)
+    console.print(f"kvspec: target {target}, seed {seed}, budget {seconds:g}s")
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task("fuzzing", total=seconds)
+
+        def tick(result):
+            progress.update(task, completed=min(result.elapsed, seconds),
+                            description=f"fuzzing: {result.runs} runs, {result.actions} actions")
+        return fuzz(target, seconds, seed, out, db, progress=tick)
+
+
+def report(result) -> int:
+    from kvspec.report import print_counterexample, summary_table
+    violations = {}
+    if result.counterexample is not None:
+        for v in result.counterexample.violations:
+            violations[v.invariant] = violations.get(v.invariant, 0) + 1
+    console.print(summary_table(result.checks, violations))
+    console.print(f"{result.runs} runs, {result.actions} actions in {result.elapsed:.1f}s")
+    if result.counterexample is None:
+        console.print("[green]all invariants hold[/]")
+        return 0
+    ce = result.counterexample
+    print_counterexample(console, ce.runner.log, ce.violations, result.trace_path)
+    return 1
+
+
+@app.command()
+def check(target: str = typer.Option("impl", help="target to check"),
+          budget: str = typer.Option("30s", help="time budget, e.g. 30s, 10m"),
+          seed: int = typer.Option(0, help="seed; everything derives from it"),
+          out: Path = typer.Option(DEFAULT_OUT, help="where failing traces are saved")):
+    """Check every invariant on a target within a budget; exit 1 on a violation."""
+    try:
+        result = run_fuzz(target, budget, seed, out, DEFAULT_DB)
+    except UsageError as exc:
+        fail(str(exc))
+    raise typer.Exit(report(result))
+
+
+@app.command("fuzz")
+def fuzz_cmd(target: str = typer.Option("impl", help="target to fuzz"),
+             budget: str = typer.Option("60s", help="time budget, e.g. 60s, 10m"),
+             seed: int = typer.Option(0, help="seed; everything derives from it"),
+             out: Path = typer.Option(DEFAULT_OUT, help="where failing traces are saved"),
+             db: Path = typer.Option(DEFAULT_DB, help="Hypothesis example database")):
+    """Fuzz a target; every failure is saved as a trace and shown as a step table."""
+    try:
+        result = run_fuzz(target, budget, seed, out, db)
+    except UsageError as exc:
+        fail(str(exc))
+    raise typer.Exit(report(result))
+
+
+@app.command()
+def replay(trace: Path = typer.Argument(..., help="a trace file written by kvspec"),
+           target: str = typer.Option(None, help="target (default: the trace's own)")):
+    """Replay a saved trace deterministically; exit 1 if it still fails."""
+    from kvspec.harness.replay import replay_trace
+    from kvspec.harness.trace import TraceError
+    from kvspec.report import print_counterexample
+    try:
+        name = target
+        if name is not None:
+            check_target(name)
+        outcome = replay_trace(trace, name)
+    except TraceError as exc:
+        fail(str(exc))
+    console.print(f"replayed {len(outcome.actions_run)} actions on {outcome.target}")
+    if outcome.violations:
+        print_counterexample(console, outcome.steps, outcome.violations)
+        same = "same verdict as recorded" if outcome.same_as_recorded else "verdict differs from the recording"
+        console.print(f"[red]still fails[/] ({same})")
+        raise typer.Exit(1)
+    console.print("[green]passes: no invariant violated[/]")
+
+
+@app.command()
+def targets():
+    """List the available targets."""
+    from kvspec.harness.targets import available_targets
+    for name, description in available_targets().items():
+        console.print(f"{name:40s} {description}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Deterministic replay of a saved trace against any target."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+
+from kvspec.harness.runner import Counterexample, Runner
+from kvspec.harness.targets import UnknownTarget
+from kvspec.harness.trace import TraceError, load_trace
+
+
+@attrs.define
+class ReplayOutcome:
+    target: str
+    actions_run: list
+    violations: list
+    steps: list
+    same_as_recorded: bool
+
+
+def replay_trace(path: Path, target: str | None = None) -> ReplayOutcome:
+    data = load_trace(path)
+    name = target or data.get("target", "impl")
+    try:
+        runner = Runner(name, data["config"])
+    except UnknownTarget as exc:
+        raise TraceError(str(exc)) from None
+    violations = []
+    for action in data["actions"]:
+        try:
+            runner.apply(action)
+        except Counterexample as exc:
+            violations = exc.violations
+            break
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TraceError(f"{path}: malformed action {action!r}: {exc}") from None
+    recorded = [(v["invariant"], v["message"]) for v in data.get("verdict", [])]
+    got = [(v.invariant, v.message) for v in violations]
+    return ReplayOutcome(name, runner.actions, violations, runner.log, recorded == got)

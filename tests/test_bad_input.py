@@ -1,0 +1,76 @@
+"""Bad input: clear errors, state unchanged, contract violations told apart."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvspec.harness.runner import Counterexample, Runner
+from kvspec.harness.target import make_config
+from kvspec.impl import Request, Scheduler, SchedulerConfig
+
+
+def make_scheduler():
+    s = Scheduler(SchedulerConfig(block_sizes=(4,), num_blocks=8, max_model_len=16))
+    s.add_request(Request("a", [1, 2, 3], 2))
+    return s
+
+
+def snapshot(s):
+    return (list(s.requests), [r.request_id for r in s.waiting],
+            [b.ref_cnt for b in s.kv.pool.blocks])
+
+
+@pytest.mark.parametrize("request_, match", [
+    (Request("b", [], 2), "empty prompt"),
+    (Request("b", [1], 0), "max_tokens"),
+    (Request("b", list(range(16)), 2), "max_model_len"),
+    (Request("a", [1, 2], 2), "duplicate"),
+])
+def test_add_request_rejects_and_leaves_state_unchanged(request_, match):
+    s = make_scheduler()
+    before = snapshot(s)
+    with pytest.raises(ValueError, match=match):
+        s.add_request(request_)
+    assert snapshot(s) == before
+
+
+def test_connector_overclaim_is_an_environment_violation():
+    r = Runner("impl", make_config(block_size=2, num_blocks=8, max_model_len=16))
+    r.apply({"op": "add", "id": "r0", "prompt": [1, 2, 3], "max_tokens": 1, "ext": 5,
+             "overclaim_ok": True})
+    with pytest.raises(Counterexample) as info:
+        r.apply({"op": "step"})
+    assert [v.invariant for v in info.value.violations] == ["environment_contract"]
+    assert "only 3 uncomputed tokens" in info.value.violations[0].message
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "kvspec", *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("check", "--budget", "banana"), "invalid budget"),
+    (("check", "--budget", "-5s"), "invalid budget"),
+    (("fuzz", "--target", "nope", "--budget", "1s"), "unknown target"),
+])
+def test_cli_bad_arguments_are_one_line(args, needle):
+    proc = run_cli(*args)
+    assert proc.returncode == 2
+    assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("content", ['{"format": "kvspec-trace/1"', '[]', '{"format": "x"}',
+                                     '{"format": "kvspec-trace/1", "actions": [{"op": "boom"}]}'])
+def test_malformed_traces_are_one_line(tmp_path, content):
+    path = tmp_path / "t.json"
+    path.write_text(content)
+    proc = run_cli("replay", str(path))
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_missing_trace_is_one_line(tmp_path):
+    proc = run_cli("replay", str(tmp_path / "missing.json"))
+    assert proc.returncode == 2 and "no such trace file" in proc.stderr
