@@ -73,7 +73,7 @@ class PreemptKeepsBlocks(Scheduler):
 MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("async_block_rounding",
            "async load sets num_computed_tokens = len(blocks) * block_size (pre-#34616)",
-           "#34616 (seed 000)", "computed_means_valid", AsyncBlockRounding),
+           "#34616 (seed 000)", "no_caching_of_invalid_blocks", AsyncBlockRounding),
     Mutant("stats_reset_on_reschedule",
            "num_external_computed_tokens re-set on every re-scheduling",
            "#36859, #36533, #36755 (seed 001)", "stats_set_exactly_once", StatsResetOnReschedule),

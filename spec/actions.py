@@ -100,12 +100,17 @@ def update_from_output_relation(t: Transition):
     """update_from_output. Effect: a scheduled request appends a prefix of its
     sampled tokens (ending at the first stop) and loses rejected drafts from
     ``num_computed_tokens``; a request that read invalid KV in this step appends
-    nothing. Unchanged: ``num_computed_tokens`` never grows here."""
+    nothing and is not finished on that output (unless the "fail" policy ends it). Unchanged: ``num_computed_tokens`` never grows here."""
     if t.action != "update_from_output":
         return
+    failed_by_policy = (t.outcome.invalid_block_ids
+                        and t.after.config.kv_load_failure_policy == "fail")
     for rid, old in t.before.requests.items():
         new = t.after.requests.get(rid)
         if new is None:
+            if rid in t.garbage_readers and not failed_by_policy:
+                yield (f"{rid} read invalid KV at token {t.garbage_readers[rid]} this step "
+                       f"and was finished on that output")
             continue
         added = new.output_token_ids[len(old.output_token_ids):]
         if new.output_token_ids[:len(old.output_token_ids)] != old.output_token_ids:

@@ -1,0 +1,42 @@
+"""The state machine against the reference implementation, and the four
+breakings of the reference the spec must catch quickly with a short trace."""
+import json
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from kvspec.harness.fuzz import fuzz
+from kvspec.harness.machine import KVSpecMachine
+from kvspec.harness.replay import replay_trace
+from kvspec.impl.mutants import MUTANTS
+
+
+class ImplMachine(KVSpecMachine):
+    target_name = "impl"
+
+
+TestImplMachine = ImplMachine.TestCase
+TestImplMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None,
+                                    suppress_health_check=list(HealthCheck))
+
+ACCEPTANCE_MUTANTS = ["async_block_rounding", "stats_reset_on_reschedule",
+                      "cache_failed_block", "preempt_keeps_blocks"]
+
+
+@pytest.mark.parametrize("name", ACCEPTANCE_MUTANTS)
+def test_mutant_is_caught_with_a_short_replayable_trace(name, tmp_path):
+    target = f"mutant:{name}"
+    result = fuzz(target, budget=60, seed=0, out_dir=tmp_path)
+    assert result.counterexample is not None, f"{target} survived a 60 s fuzz"
+    ce = result.counterexample
+    caught_by = {v.invariant for v in ce.violations}
+    assert MUTANTS[name].expected_invariant in caught_by, caught_by
+    assert len(ce.runner.log) <= 15, [s.action for s in ce.runner.log]
+
+    first = replay_trace(result.trace_path)
+    second = replay_trace(result.trace_path)
+    assert first.violations and first.same_as_recorded
+    assert [s.requests for s in first.steps] == [s.requests for s in second.steps]
+    recorded = json.loads(result.trace_path.read_text())["steps"]
+    assert [s["requests"] for s in recorded] == [s.requests for s in first.steps]
+    assert not replay_trace(result.trace_path, "impl").violations
