@@ -84,3 +84,120 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            "a preempted request keeps its blocks",
            "seed 004 (_preempt_request)", "idle_waiting_holds_no_blocks", PreemptKeepsBlocks),
 ]}
+
+
+class AsyncNeverSetsStats(Scheduler):
+    """Pre-#34616: requests whose KV came by an async load never set num_cached_tokens."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._async_loaded: set[str] = set()
+
+    def _finish_remote_load(self, request):
+        self._async_loaded.add(request.request_id)
+        return super()._finish_remote_load(request)
+
+    def _record_stats_once(self, request):
+        if request.request_id not in self._async_loaded:
+            super()._record_stats_once(request)
+
+
+class AsyncCachesBeforeLoad(Scheduler):
+    """Review of #34616: async-load blocks cached at allocation, before the KV
+    arrived, so a load that later fails leaves them cached."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        allocate = self.kv.allocate_slots
+
+        def allocate_and_cache(request, num_new_tokens, num_new_computed_tokens=0,
+                               new_computed_blocks=None, delay_cache_blocks=False):
+            return allocate(request, num_new_tokens, num_new_computed_tokens,
+                            new_computed_blocks, delay_cache_blocks=False)
+        self.kv.allocate_slots = allocate_and_cache
+
+
+class SyncRecoveryUsesCachedTokens(Scheduler):
+    """Seed 003: sync-load recovery scans only up to num_cached_tokens, which is
+    the first scheduling's value and stale after a preemption."""
+
+    def _recovery_scan_limit(self, request):
+        if request.status == RequestStatus.RUNNING and request.num_cached_tokens >= 0:
+            return request.num_cached_tokens
+        return super()._recovery_scan_limit(request)
+
+
+class SharedBlockRecomputedByNone(Scheduler):
+    """A request whose failed block another request claimed keeps it as computed
+    and goes on without waiting for the recompute."""
+
+    def _recover(self, request, block_id, idx):
+        owner = self.recovery.owners.get(block_id)
+        if owner is not None and owner != request.request_id:
+            return
+        super()._recover(request, block_id, idx)
+
+
+class SharedBlockRecomputedByAll(Scheduler):
+    """Every request holding a failed shared block recomputes it."""
+
+    def _recover(self, request, block_id, idx):
+        self._truncate(request, idx * self.block_size)
+
+
+class TruncatePastFirstInvalid(Scheduler):
+    """Recovery keeps the first invalid block as computed (cuts after it)."""
+
+    def _truncate(self, request, num_valid):
+        super()._truncate(request, min(request.num_computed_tokens,
+                                       num_valid + self.block_size))
+
+
+class FreeDuringSend(Scheduler):
+    """Delayed free ignored: a finished request's blocks are freed while its KV
+    is still being sent."""
+
+    def _free_request(self, request):
+        super()._free_request(request)
+        if request.request_id in self.requests:
+            self._free_blocks(request)
+
+
+MUTANTS.update({m.name: m for m in [
+    Mutant("async_never_sets_stats",
+           "async-loaded requests never set num_cached_tokens",
+           "#34616 (seed 000)", "running_request_has_stats", AsyncNeverSetsStats),
+    Mutant("async_caches_before_load",
+           "async-load blocks cached at allocation, before the KV arrived",
+           "review of #34616 (seed 000)", "no_caching_of_invalid_blocks", AsyncCachesBeforeLoad),
+    Mutant("sync_recovery_uses_cached_tokens",
+           "sync-load recovery scans up to num_cached_tokens (stale after preemption)",
+           "#35223 review (seed 003)", "computed_means_valid", SyncRecoveryUsesCachedTokens),
+    Mutant("shared_block_recomputed_by_none",
+           "a failed block shared by several requests is recomputed by none of the others",
+           "seed 004 (_update_requests_with_invalid_blocks)", "computed_means_valid",
+           SharedBlockRecomputedByNone),
+    Mutant("shared_block_recomputed_by_all",
+           "a failed block shared by several requests is recomputed by all of them",
+           "seed 004 (_update_requests_with_invalid_blocks)", "failed_block_recomputed_once",
+           SharedBlockRecomputedByAll),
+    Mutant("truncate_past_first_invalid",
+           "failure recovery leaves num_computed_tokens past the first invalid block",
+           "seed 004 (_update_requests_with_invalid_blocks)", "computed_means_valid",
+           TruncatePastFirstInvalid),
+    Mutant("free_during_send",
+           "a request's blocks are freed while its KV is still being sent",
+           "seed 004 (_free_request, delayed free)", "send_source_intact", FreeDuringSend),
+]})
+
+#: mutants that need spec features not built yet (several KV cache groups,
+#: async scheduling): listed so the zoo table shows them as pending.
+PENDING_MUTANTS = {
+    "hybrid_per_group_accounting": ("per-group affected-token accounting inside the group loop",
+                                    "#35223 first version (seed 003)"),
+    "hybrid_single_group_unpack": ("recovery unpacks a single group on a hybrid model: crash",
+                                   "#45474"),
+    "placeholder_snapshot_before_increment": (
+        "connector sees the placeholder count taken before it is incremented",
+        "#27644 review (seed 002)"),
+}

@@ -49,26 +49,3 @@ def lower_stats(request: Request, valid_tokens: int) -> None:
     local = request.num_cached_tokens - request.num_external_computed_tokens
     request.num_cached_tokens = valid_tokens
     request.num_external_computed_tokens = max(0, valid_tokens - local)
-
-
-def truncate_request(request: Request, block_ids: list[int], block_size: int,
-                     invalid: set[int], book: RecoveryBook) -> int | None:
-    """Cut ``num_computed_tokens`` at the first invalid block and return that
-    block's index (None if unaffected). Registers the request as owner or
-    waiter of the block. Anything past the block was computed on top of it in
-    the failing step, so a waiter resumes at the block's end, no further."""
-    idx = first_invalid_index(block_ids, request.num_computed_tokens, block_size, invalid)
-    if idx is None:
-        return None
-    block_id = block_ids[idx]
-    valid = idx * block_size
-    block_end = (idx + 1) * block_size
-    owner = book.owners.get(block_id)
-    if owner is not None and owner != request.request_id:
-        book.waiters[request.request_id] = Waiter(
-            block_id, block_end, min(block_end, request.num_computed_tokens))
-    else:
-        book.owners[block_id] = request.request_id
-    request.num_computed_tokens = valid
-    lower_stats(request, valid)
-    return idx

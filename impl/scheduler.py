@@ -13,7 +13,7 @@ from kvspec.impl.config import SchedulerConfig
 from kvspec.impl.connector import KVConnector, NoConnector, check_matched_tokens
 from kvspec.impl.kv_cache_manager import KVCacheManager
 from kvspec.impl.outputs import ModelRunnerOutput, SchedulerOutput
-from kvspec.impl.recovery import RecoveryBook, truncate_request
+from kvspec.impl.recovery import RecoveryBook, Waiter, first_invalid_index, lower_stats
 from kvspec.impl.request import Request
 from kvspec.impl.request_queue import RequestQueue
 from kvspec.spec.state import STATS_UNSET, RequestStatus
@@ -438,11 +438,35 @@ class Scheduler:
         affected = set()
         for request in list(requests):
             (block_ids, *_) = self.kv.get_block_ids(request.request_id)
-            idx = truncate_request(request, block_ids, self.block_size, invalid, self.recovery)
-            if idx is not None:
-                affected.add(request.request_id)
-                suspect.update(block_ids[idx:])
+            idx = first_invalid_index(block_ids, self._recovery_scan_limit(request),
+                                      self.block_size, invalid)
+            if idx is None:
+                continue
+            affected.add(request.request_id)
+            # Blocks past a failed one were computed on top of it in the failing step.
+            suspect.update(block_ids[idx:])
+            self._recover(request, block_ids[idx], idx)
         return affected
+
+    def _recovery_scan_limit(self, request: Request) -> int:
+        """Tokens whose blocks may hold failed external KV: all computed ones."""
+        return request.num_computed_tokens
+
+    def _recover(self, request: Request, block_id: int, idx: int) -> None:
+        """The first request to meet a failed block owns its recompute; later
+        ones wait for it and then resume at the block's end, no further."""
+        block_end = (idx + 1) * self.block_size
+        owner = self.recovery.owners.get(block_id)
+        if owner is not None and owner != request.request_id:
+            self.recovery.waiters[request.request_id] = Waiter(
+                block_id, block_end, min(block_end, request.num_computed_tokens))
+        else:
+            self.recovery.owners[block_id] = request.request_id
+        self._truncate(request, idx * self.block_size)
+
+    def _truncate(self, request: Request, num_valid: int) -> None:
+        request.num_computed_tokens = num_valid
+        lower_stats(request, num_valid)
 
     # ------------------------------------------------------------------
     # misc

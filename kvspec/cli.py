@@ -16,6 +16,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   help="kvspec: an executable spec of vLLM's KV-cache request lifecycle.")
 console = Console()
+if not console.is_terminal:
+    console = Console(width=200)  # logs and CI: do not squeeze tables to 80 columns
 DEFAULT_OUT = Path(".kvspec/failures")
 DEFAULT_DB = Path(".kvspec/examples")
 
@@ -122,6 +124,40 @@ def replay(trace: Path = typer.Argument(..., help="a trace file written by kvspe
         console.print(f"[red]still fails[/] ({same})")
         raise typer.Exit(1)
     console.print("[green]passes: no invariant violated[/]")
+
+
+@app.command()
+def zoo(budget: str = typer.Option("60s", help="budget per mutant (and again for the oracle alone)"),
+        seed: int = typer.Option(0, help="seed; everything derives from it"),
+        mutant: list[str] = typer.Option(None, help="only these mutants (repeatable)"),
+        oracle_alone: bool = typer.Option(True, help="also run with the data oracle alone"),
+        save_regressions: Path = typer.Option(None, help="copy each shrunk trace here"),
+        out: Path = typer.Option(Path(".kvspec/zoo"), help="where traces are saved"),
+        as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """Run every mutant; table of who caught it, how fast, how short. Exit 1 if one survives."""
+    import json as _json
+
+    import attrs as _attrs
+
+    from kvspec.harness.zoo import run_zoo
+    from kvspec.impl.mutants import MUTANTS, PENDING_MUTANTS
+    from kvspec.report import zoo_table
+    try:
+        seconds = parse_budget(budget)
+    except UsageError as exc:
+        fail(str(exc))
+    unknown = [m for m in mutant or () if m not in MUTANTS and m not in PENDING_MUTANTS]
+    if unknown:
+        fail(f"unknown mutant {unknown[0]!r}; run `kvspec targets` to list them")
+    quiet = Console(stderr=True)
+    rows = run_zoo(seconds, seed, out, names=mutant or None, oracle_alone=oracle_alone,
+                   regressions=save_regressions,
+                   progress=lambda row: quiet.print(f"{row.name}: {row.status}"))
+    if as_json:
+        print(_json.dumps([_attrs.asdict(r) for r in rows], indent=1))
+    else:
+        console.print(zoo_table(rows))
+    raise typer.Exit(1 if any(r.status == "survived" for r in rows) else 0)
 
 
 @app.command()

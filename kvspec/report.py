@@ -39,3 +39,23 @@ def summary_table(checks: dict[str, int], violations: dict[str, int]) -> Table:
         table.add_row(name, inv.kind, str(checks.get(name, 0)),
                       f"[red]{bad}[/]" if bad else "0")
     return table
+
+
+def _fmt_detection(d) -> tuple[str, str, str]:
+    if d is None:
+        return "-", "-", "-"
+    if not d.caught:
+        return "[red]survived[/]", "-", "-"
+    return ", ".join(d.invariants), f"{d.seconds:.2f}s", str(d.steps)
+
+
+def zoo_table(rows) -> Table:
+    table = Table(title="bug zoo")
+    for column in ("mutant", "upstream", "status", "caught by", "time to detect", "steps",
+                   "oracle alone: caught by", "time", "steps"):
+        table.add_column(column)
+    for r in rows:
+        status = {"caught": "[green]caught[/]", "survived": "[red]survived[/]"}.get(r.status, r.status)
+        table.add_row(r.name, r.upstream, status, *_fmt_detection(r.full),
+                      *_fmt_detection(r.oracle_alone))
+    return table

@@ -285,3 +285,15 @@ def send_source_intact(ctx: Context):
     Protects the receiving instance (P/D disaggregation, offloading): freeing a
     block under an in-flight send ships whatever overwrote it."""
     yield from ctx.oracle.check_sends()
+
+
+@invariant(cites="seed 004 (_update_requests_with_invalid_blocks)", kind="data")
+def failed_block_recomputed_once(ctx: Context):
+    """In one step no slot is computed by two requests: a failed block shared by
+    several requests is recomputed by exactly one of them.
+
+    Blocks are shared only once full and cached, and a request computes only
+    past its own computed prefix, so two writers of one slot means recovery sent
+    every sharer to recompute the same block: wasted compute, and a race on the
+    block between them."""
+    yield from ctx.oracle.check_single_writer()

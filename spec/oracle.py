@@ -78,6 +78,8 @@ class KVContent:
         self.loads: dict[str, LoadJob] = {}
         self.sends: dict[str, dict[tuple[int, int], int]] = {}
         self.book = KeyBook()
+        #: slots two requests wrote in the last step: (block, slot, first, second)
+        self.double_writes: list[tuple[int, int, str, str]] = []
 
     # -- addressing ---------------------------------------------------------
     def _slot(self, blocks, pos: int) -> tuple[int, int]:
@@ -144,6 +146,8 @@ class KVContent:
 
     def _compute(self, step: StepView, obs: Observation, report: ExecReport) -> None:
         writes = {}
+        writer: dict[tuple[int, int], str] = {}
+        self.double_writes = []
         for rid, n in step.num_scheduled_tokens.items():
             req = obs.requests[rid]
             spec = step.scheduled_spec_decode_tokens.get(rid, ())
@@ -153,6 +157,9 @@ class KVContent:
             writes[rid] = (req.block_ids[0], keys, start, n)
             for pos in range(start, start + n):
                 self._write(req.block_ids[0], pos, keys[pos])
+                slot = self._slot(req.block_ids[0], pos)
+                if writer.setdefault(slot, rid) != rid:
+                    self.double_writes.append((*slot, writer[slot], rid))
         changed = True
         while changed:  # garbage read -> garbage written, to a fixed point
             changed = False
@@ -190,6 +197,11 @@ class KVContent:
         if bad is not None:
             yield (f"{r.request_id}: token {bad} is counted as computed "
                    f"(num_computed={r.num_computed_tokens}) but its KV is not valid")
+
+    def check_single_writer(self) -> Iterator[str]:
+        for block, slot, first, second in self.double_writes[:1]:
+            yield (f"block {block} slot {slot} was computed by both {first} and {second} "
+                   f"in the same step")
 
     def check_sends(self) -> Iterator[str]:
         for rid, snapshot in self.sends.items():

@@ -3,7 +3,9 @@
 Fault model, written down first:
 - the external KV store holds, for each request, a prefix of its prompt
   (``ext`` tokens) and answers the connector's queries about it; it may answer
-  "not yet" (None) a bounded number of times per request;
+  "not yet" (None) a bounded number of times per request; an offloading store
+  also keeps the prefix a running request has computed, so a reload after a
+  preemption can cover more than the first scheduling did;
 - a load may be sync (runs in the step its request is scheduled) or async
   (completes in a later step the environment picks); any load may fail on one
   of its blocks, which is then reported in ``invalid_block_ids``;
@@ -47,6 +49,7 @@ class RequestSpec:
     load_async: bool = False
     none_answers: int = 0   # times the connector answers None first
     send: bool = False      # delay free for a KV send when finished
+    offload: bool = False   # the store also keeps what the request computes (offloading)
 
 
 class EnvironmentContractViolation(Exception):
@@ -62,6 +65,14 @@ class EnvConnector:
         self.plans: dict[str, RequestSpec] = {}
         self.none_left: dict[str, int] = {}
         self._num_local: dict[str, int] = {}
+        self.offloaded: dict[str, int] = {}
+
+    def note_computed(self, request_id: str, num_computed: int, num_tokens: int) -> None:
+        """An offloading store saves a running request's computed prefix."""
+        plan = self.plans.get(request_id)
+        if plan is not None and plan.offload:
+            self.offloaded[request_id] = max(self.offloaded.get(request_id, 0),
+                                             min(num_computed, num_tokens))
 
     def plan(self, spec: RequestSpec) -> None:
         self.plans[spec.request_id] = spec
@@ -75,7 +86,8 @@ class EnvConnector:
             self.none_left[rid] -= 1
             return None, False
         self._num_local[rid] = num_computed_tokens
-        num_external = max(0, plan.ext - num_computed_tokens)
+        stored = max(plan.ext, self.offloaded.get(rid, 0))
+        num_external = max(0, stored - num_computed_tokens)
         return num_external, plan.load_async and num_external > 0
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens: int) -> None:

@@ -51,8 +51,13 @@ def describe_action(action: dict) -> str:
     return f"{action['op']}({', '.join(args)})"
 
 
+ALL_KINDS = ("state", "data", "relation", "liveness")
+
+
 class Runner:
-    def __init__(self, target_name: str, config: Config) -> None:
+    def __init__(self, target_name: str, config: Config, kinds=ALL_KINDS) -> None:
+        #: which kinds of claims are checked ("data" alone: the data oracle only)
+        self.kinds = tuple(kinds)
         self.target_name = target_name
         self.config = config
         self.content = KVContent(config.num_blocks, config.block_size)
@@ -95,6 +100,8 @@ class Runner:
         ctx = Context(obs, self.ghost, self.content, synced="data" in kinds)
         found = []
         for inv in REGISTRY.values():
+            if inv.kind not in self.kinds:
+                continue
             if inv.kind == "relation":
                 if transition is None or not inv.applies_to(transition.action):
                     continue
@@ -129,7 +136,7 @@ class Runner:
     def _do_add(self, a: dict) -> list[Violation]:
         spec = RequestSpec(a["id"], tuple(a["prompt"]), a["max_tokens"], a.get("priority", 0),
                            a.get("ext", 0), a.get("async", False), a.get("none", 0),
-                           a.get("send", False))
+                           a.get("send", False), a.get("offload", False))
         if spec.ext > len(spec.prompt) and not a.get("overclaim_ok"):
             raise EnvironmentContractViolation(
                 f"the store cannot hold {spec.ext} tokens of a {len(spec.prompt)}-token prompt")
@@ -147,6 +154,8 @@ class Runner:
         violations = self._check(mid, kinds=("state",),
                                  transition=Transition("schedule", before, mid, step))
         failing = set(a.get("fail", ()))
+        if a.get("fail_all"):
+            failing |= set(self.content.loads)
         report = self.content.execute(step, mid, set(a.get("finish_loads", ())), failing,
                                       a.get("fail_offset", 0))
         outcome = WorkerOutcome(
@@ -160,6 +169,10 @@ class Runner:
         holders = {r.request_id for r in mid.requests.values()
                    if report.invalid_block_ids & set(b for t in r.block_ids for b in t)}
         t = Transition("update_from_output", mid, after, step, outcome, report.garbage_readers)
+        for rid in after.running:
+            r = after.requests[rid]
+            if rid not in report.garbage_readers:
+                self.env.note_computed(rid, r.num_computed_tokens, r.num_tokens)
         return violations + self._settle(after, t, lowered_ok=holders)
 
     def _sample(self, step: StepView, mid: Observation, a: dict) -> dict:
@@ -217,6 +230,8 @@ class Runner:
                 return violations
             self._record({"op": "drain.step"}, ())
         inv = REGISTRY["every_request_finishes"]
+        if inv.kind not in self.kinds:
+            return []
         self.checks[inv.name] += 1
         messages = list(inv.check(Context(self.obs, self.ghost, self.content)))
         return [Violation(inv.name, m, inv.doc) for m in messages]

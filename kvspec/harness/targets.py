@@ -14,6 +14,7 @@ def available_targets() -> dict[str, str]:
     names = {"impl": "the reference implementation (kvspec-reference)"}
     for name, mutant in MUTANTS.items():
         names[f"mutant:{name}"] = mutant.description
+    names["vllm"] = "the installed vLLM's v1 Scheduler, in-process on the CPU (needs vllm)"
     return names
 
 
@@ -27,4 +28,7 @@ def make_target(name: str, config: Config, connector):
         target = ImplTarget(config, connector, scheduler_factory=mutant.scheduler_class())
         target.name = name
         return target
+    if name == "vllm":
+        from kvspec.harness.vllm_target import VllmTarget  # imports vLLM: only when asked
+        return VllmTarget(config, connector)
     raise UnknownTarget(f"unknown target {name!r}; known: {', '.join(available_targets())}")
