@@ -161,6 +161,55 @@ def zoo(budget: str = typer.Option("60s", help="budget per mutant (and again for
 
 
 @app.command()
+def prove(as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+          only: list[str] = typer.Option(None, help="only these obligations (repeatable)"),
+          timeout: int = typer.Option(10, help="seconds per obligation before 'unknown'"),
+          traces: Path = typer.Option(Path(".kvspec/z3"), help="where refutation traces go")):
+    """Run every Z3 obligation; exit 1 on a failed or unknown one."""
+    import json as _json
+    import time as _time
+
+    from rich.table import Table
+
+    from kvspec.harness.replay import replay_trace
+    from kvspec.harness.z3_traces import write_trace
+    from kvspec.spec.prove import OBLIGATIONS, check_all
+    unknown = [n for n in only or () if n not in OBLIGATIONS]
+    if unknown:
+        fail(f"unknown obligation {unknown[0]!r}")
+    start = _time.perf_counter()
+    results = check_all(only or None, timeout_ms=timeout * 1000)
+    rows = []
+    for r in results:
+        row = {"name": r.name, "kind": r.kind, "status": r.status, "expected": r.expected,
+               "ok": r.ok, "seconds": round(r.seconds, 4), "counterexample": r.counterexample}
+        written = write_trace(r.name, r.counterexample, traces) if r.counterexample else None
+        if written and r.kind == "refutation":
+            target, path = written
+            row["trace"] = str(path)
+            row["replays_on_mutant"] = bool(replay_trace(path).violations)
+            row["passes_on_impl"] = not replay_trace(path, "impl").violations
+            row["ok"] = r.ok and row["replays_on_mutant"] and row["passes_on_impl"]
+        rows.append(row)
+    total = _time.perf_counter() - start
+    if as_json:
+        print(_json.dumps({"seconds": round(total, 3), "obligations": rows}, indent=1))
+    else:
+        table = Table(title=f"Z3 obligations ({len(rows)} in {total:.2f}s)")
+        for column in ("obligation", "kind", "result", "time", "counterexample"):
+            table.add_column(column)
+        for row in rows:
+            mark = "[green]ok[/]" if row["ok"] else "[red]FAILED[/]"
+            cex = "" if row["counterexample"] is None else str(row["counterexample"])
+            if "trace" in row:
+                cex += f" -> {row['trace']} (mutant fails: {row['replays_on_mutant']}, impl passes: {row['passes_on_impl']})"
+            table.add_row(row["name"], row["kind"], f"{mark} {row['status']}",
+                          f"{row['seconds']:.3f}s", cex)
+        console.print(table)
+    raise typer.Exit(0 if all(row["ok"] for row in rows) else 1)
+
+
+@app.command()
 def targets():
     """List the available targets."""
     from kvspec.harness.targets import available_targets

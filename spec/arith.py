@@ -5,7 +5,7 @@ and the relations of ``actions`` are stated with them.
 """
 from __future__ import annotations
 
-from kvspec.spec.logic import If, Max, Min
+from kvspec.spec.logic import If, Max, Min, cdiv  # noqa: F401  (re-exported for proofs)
 
 
 def compute_num_computed_after_hit(num_local, num_external, num_tokens):
@@ -37,3 +37,29 @@ def compute_external_stat(num_cached, num_local):
 def compute_computed_after_rejection(num_computed, num_drafts, num_accepted):
     """Spec decode: rejected drafts are no longer computed."""
     return num_computed - (num_drafts - num_accepted)
+
+
+def compute_lowered_stats(num_cached, num_external, num_valid):
+    """Stats after failure recovery keeps ``num_valid`` tokens: both lowered
+    together, local hits first to survive (they did not come from the failed load)."""
+    num_local = num_cached - num_external
+    lowered = Min(num_cached, num_valid)
+    return lowered, Max(0, lowered - num_local)
+
+
+def compute_first_stats(num_local, num_external, num_tokens):
+    """Stats at the first scheduling: what counts as computed, and how much of it
+    came from the external store (the full-hit rule takes the last token back)."""
+    num_cached = compute_num_computed_after_hit(num_local, num_external, num_tokens)
+    return num_cached, Max(0, Min(num_external, num_cached - num_local))
+
+
+def compute_owner_flags(affected):
+    """Shared failed block: the first affected request in scan order owns the
+    recompute; returns one flag per request."""
+    from kvspec.spec.logic import And, Not, Or
+    flags, seen = [], False
+    for a in affected:
+        flags.append(And(a, Not(seen)))
+        seen = Or(seen, a)
+    return flags

@@ -14,6 +14,9 @@ from typing import Iterator
 
 import attrs
 
+from kvspec.spec.predicates import (is_blocks_cover_computed, is_cached_le_computed,
+                                    is_computed_within_tokens, is_stats_ordered,
+                                    is_unscheduled_without_output, is_waiting_with_work)
 from kvspec.spec.registry import invariant
 from kvspec.spec.state import Observation, RequestStatus, RequestView
 
@@ -47,7 +50,7 @@ def _blocks(req: RequestView) -> tuple[int, ...]:
 
 # -- cache-hit stats ----------------------------------------------------------
 
-@invariant(cites="#36533, #36755, #36859")
+@invariant(cites="#36533, #36755, #36859", established_by=("hypothesis", "z3"))
 def stats_are_ordered(ctx: Context):
     """Cache-hit stats are ordered: ``prompt_len >= num_cached >= num_external >= 0``.
 
@@ -56,8 +59,8 @@ def stats_are_ordered(ctx: Context):
     (#36533); the cause was ``num_external_computed_tokens`` re-set on a
     re-scheduling while ``num_cached_tokens`` was kept (#36859)."""
     for r in ctx.live():
-        if r.has_stats and not (r.num_prompt_tokens >= r.num_cached_tokens
-                                >= r.num_external_computed_tokens >= 0):
+        if r.has_stats and not is_stats_ordered(r.num_prompt_tokens, r.num_cached_tokens,
+                                                r.num_external_computed_tokens):
             yield (f"{r.request_id}: prompt_len={r.num_prompt_tokens} num_cached="
                    f"{r.num_cached_tokens} num_external={r.num_external_computed_tokens}")
         elif not r.has_stats and r.num_external_computed_tokens < 0:
@@ -83,7 +86,7 @@ def stats_set_exactly_once(ctx: Context):
             yield f"{r.request_id}: stats set to {first}, changed to {now} outside failure recovery"
 
 
-@invariant(cites="#34616")
+@invariant(cites="#34616", established_by=("hypothesis", "z3"))
 def running_request_has_stats(ctx: Context):
     """A RUNNING request has its cache-hit stats set.
 
@@ -94,7 +97,19 @@ def running_request_has_stats(ctx: Context):
             yield f"{r.request_id} is RUNNING with num_cached_tokens unset"
 
 
-@invariant(cites="#34616, #36859")
+@invariant(cites="#36859 (stats set at the first scheduling)", established_by=("hypothesis", "z3"))
+def unscheduled_request_has_no_output(ctx: Context):
+    """A request whose stats are unset (never scheduled) has no output tokens.
+
+    The strengthening the Z3 induction needed: without it, "first scheduling"
+    could see a request with outputs, and the stats' bound by the prompt length
+    is not inductive. It protects the meaning of "first scheduling"."""
+    for r in ctx.live():
+        if not is_unscheduled_without_output(r.has_stats, r.num_tokens, r.num_prompt_tokens):
+            yield f"{r.request_id} has {len(r.output_token_ids)} output tokens but no stats"
+
+
+@invariant(cites="#34616, #36859", established_by=("hypothesis", "z3"))
 def cached_le_computed(ctx: Context):
     """``num_cached_tokens <= num_computed_tokens`` for a RUNNING request that
     has never been preempted.
@@ -104,15 +119,16 @@ def cached_le_computed(ctx: Context):
     keep the first scheduling's value. Failure recovery lowers both together.
     Protects the stats' meaning: tokens reported as cache hits were computed."""
     for r in ctx.live():
-        if (r.status == RequestStatus.RUNNING and r.num_preemptions == 0 and r.has_stats
-                and r.num_cached_tokens > r.num_computed_tokens):
+        if r.has_stats and not is_cached_le_computed(
+                r.status == RequestStatus.RUNNING, r.num_preemptions, r.num_cached_tokens,
+                r.num_computed_tokens):
             yield (f"{r.request_id}: num_cached={r.num_cached_tokens} > "
                    f"num_computed={r.num_computed_tokens}")
 
 
 # -- token accounting ---------------------------------------------------------
 
-@invariant(cites="#34616")
+@invariant(cites="#34616", established_by=("hypothesis", "z3"))
 def computed_within_tokens(ctx: Context):
     """``0 <= num_computed_tokens <= num_tokens`` between steps (within a step
     the scheduled drafts count too), and a waiting request whose KV has arrived
@@ -122,10 +138,11 @@ def computed_within_tokens(ctx: Context):
     so a full-prompt hit must recompute the last token (the rule #34616 kept)."""
     for r in ctx.live():
         upper = r.num_tokens if ctx.synced else r.num_tokens + ctx.obs.config.max_model_len
-        if not 0 <= r.num_computed_tokens <= upper:
+        if not is_computed_within_tokens(r.num_computed_tokens, upper):
             yield f"{r.request_id}: num_computed={r.num_computed_tokens} of {r.num_tokens} tokens"
-        elif (r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-              and r.num_computed_tokens >= r.num_tokens):
+        elif not is_waiting_with_work(
+                r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED),
+                r.num_computed_tokens, r.num_tokens):
             yield f"{r.request_id}: waiting with all {r.num_tokens} tokens computed"
 
 
@@ -152,14 +169,14 @@ def idle_waiting_holds_no_blocks(ctx: Context):
             yield f"{r.request_id} is {r.status.name} with 0 computed tokens but holds blocks {_blocks(r)}"
 
 
-@invariant(cites="seed 004 (allocate_slots)")
+@invariant(cites="seed 004 (allocate_slots)", established_by=("hypothesis", "z3"))
 def blocks_cover_computed(ctx: Context):
     """Every computed token (and every token an async load targets) has a slot:
     ``len(block_table) * block_size >= num_computed_tokens`` in every group."""
     for r in ctx.live():
         for g, table in enumerate(r.block_ids or ((),)):
             size = ctx.obs.config.groups[g].block_size
-            if len(table) * size < r.num_computed_tokens:
+            if not is_blocks_cover_computed(len(table), size, r.num_computed_tokens):
                 yield (f"{r.request_id}: group {g} has {len(table)} blocks of {size} for "
                        f"{r.num_computed_tokens} computed tokens")
 

@@ -1,6 +1,8 @@
 """Hand-written scenarios through the checking runner: each must pass on the
 reference implementation, and each pins one behaviour of the KV path."""
-from kvspec.harness.runner import Runner
+import pytest
+
+from kvspec.harness.runner import Counterexample, Runner
 from kvspec.harness.target import make_config
 
 
@@ -11,14 +13,34 @@ def run(actions, **config):
     return runner
 
 
-def test_seed_worked_example_async_three_external_tokens():
-    # block size 3, prompt a b c d e, three external tokens: computed must be 3, not 6-1.
-    r = run([{"op": "add", "id": "r0", "prompt": [1, 2, 3, 4, 5], "max_tokens": 2, "ext": 3,
-              "async": True},
-             {"op": "step"}, {"op": "step", "finish_loads": ["r0"]}, {"op": "step"}],
-            block_size=3, num_blocks=8)
-    req = r.obs.requests["r0"]
-    assert req.num_cached_tokens == 3 and req.num_external_computed_tokens == 3
+def seed_example(target, prompt_len, ext, overclaim=False):
+    runner = Runner(target, make_config(block_size=3, num_blocks=8))
+    actions = [{"op": "add", "id": "r0", "prompt": list(range(1, prompt_len + 1)),
+                "max_tokens": 2, "ext": ext, "async": True, "overclaim_ok": overclaim},
+               {"op": "step"}, {"op": "step", "finish_loads": ["r0"]}, {"op": "drain"}]
+    try:
+        for action in actions:
+            runner.apply(action)
+    except Counterexample as exc:
+        return [v.invariant for v in exc.violations]
+    return []
+
+
+@pytest.mark.parametrize("target", ["impl", "mutant:async_block_rounding"])
+def test_seed_worked_example_case_1_three_external_tokens(target):
+    # block size 3, prompt a b c d e, external a b c: both rules give 3.
+    assert seed_example(target, 5, 3) == []
+
+
+def test_seed_worked_example_case_2_is_a_contract_violation():
+    # external a b c d e f: more than the prompt holds; the environment's fault.
+    assert seed_example("impl", 5, 6, overclaim=True) == ["environment_contract"]
+
+
+def test_seed_bug_external_hits_end_mid_block():
+    # external a b c d of a b c d e f g: the old rule counts 6, only 4 arrived.
+    assert seed_example("impl", 7, 4) == []
+    assert seed_example("mutant:async_block_rounding", 7, 4)
 
 
 def test_full_prompt_external_hit_recomputes_last_token():

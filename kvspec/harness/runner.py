@@ -84,6 +84,7 @@ class Runner:
         except Exception as exc:  # the target crashed: a finding, not a harness error
             violations = [Violation("target_crashed", f"{type(exc).__name__}: {exc}",
                                     "The target raised while handling a legal call.")]
+        violations = list({(v.invariant, v.message): v for v in violations}.values())
         self._record(action, violations)
         if violations:
             raise Counterexample(violations, self)
