@@ -209,6 +209,33 @@ def prove(as_json: bool = typer.Option(False, "--json", help="machine-readable o
     raise typer.Exit(0 if all(row["ok"] for row in rows) else 1)
 
 
+@app.command("bmc")
+def bmc_cmd(target: str = typer.Option("impl", help="target to check"),
+            depth: int = typer.Option(6, help="number of actions explored (k)"),
+            max_states: int = typer.Option(200_000, help="stop after this many distinct states"),
+            out: Path = typer.Option(Path(".kvspec/bmc"), help="where a counterexample is saved")):
+    """Bounded model checking: every action sequence up to --depth on a small configuration."""
+    from kvspec.harness.bmc import ALPHABET, bmc
+    from kvspec.harness.trace import save_trace
+    from kvspec.report import print_counterexample
+    check_target(target)
+    if depth < 1:
+        fail(f"invalid depth {depth}: use 1 or more")
+    result = bmc(target, depth=depth, max_states=max_states)
+    console.print(f"bmc: {target}, depth {depth}, alphabet of {len(ALPHABET)} actions, "
+                  f"{result.states} distinct states in {result.seconds:.1f}s")
+    ce = result.counterexample
+    if ce is None:
+        scope = "every sequence" if result.exhausted else "the sequences within the state budget"
+        console.print(f"[green]no violation[/] in {scope} of up to {depth} actions")
+        raise typer.Exit(0)
+    path = save_trace(out / f"{target.replace(':', '_')}.json", target=target,
+                      config=ce.runner.config, actions=ce.runner.actions,
+                      violations=ce.violations, steps=ce.runner.log)
+    print_counterexample(console, ce.runner.log, ce.violations, path)
+    raise typer.Exit(1)
+
+
 @app.command()
 def targets():
     """List the available targets."""

@@ -39,3 +39,9 @@ def test_invariant_has_doc_and_cites(name):
     inv = REGISTRY[name]
     assert inv.doc.strip(), f"{name} has no docstring"
     assert inv.cites.strip(), f"{name} has no cites"
+
+
+def test_proofs_md_is_up_to_date():
+    from kvspec.docgen import PROOFS_PATH, render_proofs_md
+    assert PROOFS_PATH.read_text(encoding="utf-8") == render_proofs_md(), (
+        "docs/proofs.md is stale: run `python -m kvspec.docgen`")

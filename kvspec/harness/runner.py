@@ -61,7 +61,7 @@ class Runner:
         self.target_name = target_name
         self.config = config
         self.content = KVContent(config.num_blocks, config.block_size)
-        self.env = EnvConnector(self.content, lambda rid: self.target.observe_request(rid))
+        self.env = EnvConnector(self.content, self._observe_request)
         self.target = make_target(target_name, config, self.env)
         self.ghost = Ghost()
         self.actions: list[dict] = []
@@ -69,6 +69,9 @@ class Runner:
         self.checks: Counter = Counter()
         self.violation_counts: Counter = Counter()
         self.obs: Observation = self.target.observe()
+
+    def _observe_request(self, request_id: str):
+        return self.target.observe_request(request_id)
 
     # -- the one entry point --------------------------------------------------
     def apply(self, action: dict) -> None:
