@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import attrs
 
-from kvspec.impl.recovery import RecoveryBook
+from kvspec.impl.kv_cache_manager import KVCacheManager
 from kvspec.impl.scheduler import Scheduler
 from kvspec.spec.state import STATS_UNSET, RequestStatus
 
@@ -102,19 +102,23 @@ class AsyncNeverSetsStats(Scheduler):
             super()._record_stats_once(request)
 
 
+class EagerCachingKVCacheManager(KVCacheManager):
+    """Caches a request's blocks at allocation even when asked to delay."""
+
+    def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
+                       new_computed_blocks=None, delay_cache_blocks=False):
+        return super().allocate_slots(request, num_new_tokens, num_new_computed_tokens,
+                                      new_computed_blocks, delay_cache_blocks=False)
+
+
 class AsyncCachesBeforeLoad(Scheduler):
     """Review of #34616: async-load blocks cached at allocation, before the KV
     arrived, so a load that later fails leaves them cached."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        allocate = self.kv.allocate_slots
-
-        def allocate_and_cache(request, num_new_tokens, num_new_computed_tokens=0,
-                               new_computed_blocks=None, delay_cache_blocks=False):
-            return allocate(request, num_new_tokens, num_new_computed_tokens,
-                            new_computed_blocks, delay_cache_blocks=False)
-        self.kv.allocate_slots = allocate_and_cache
+    def __init__(self, config, connector=None):
+        super().__init__(config, connector)
+        self.kv = EagerCachingKVCacheManager(config.block_sizes, config.num_blocks,
+                                             config.enable_prefix_caching)
 
 
 class SyncRecoveryUsesCachedTokens(Scheduler):

@@ -211,7 +211,7 @@ def prove(as_json: bool = typer.Option(False, "--json", help="machine-readable o
 
 @app.command("bmc")
 def bmc_cmd(target: str = typer.Option("impl", help="target to check"),
-            depth: int = typer.Option(6, help="number of actions explored (k)"),
+            depth: int = typer.Option(7, help="number of actions explored (k)"),
             max_states: int = typer.Option(200_000, help="stop after this many distinct states"),
             out: Path = typer.Option(Path(".kvspec/bmc"), help="where a counterexample is saved")):
     """Bounded model checking: every action sequence up to --depth on a small configuration."""

@@ -195,7 +195,7 @@ has been preempted at least once and has stats; counts are non-negative).
 - **Not modelled by the effects:** a preempted request re-issuing an async load
   (handled by the concrete checks), several KV cache groups, async scheduling with
   output placeholders (the placeholder predicate exists; its actions are not built).
-- **Bounded model checking** (`kvspec bmc`) is explicit-state: breadth-first over
+- **Bounded model checking** (`kvspec bmc`, default depth 7: the shortest depth at which every in-scope mutant of the zoo is found) is explicit-state: breadth-first over
   every sequence of up to k actions from an 8-action alphabet (two requests
   sharing a prefix, one async and one sync load, an offloading one; steps that
   finish loads and sends, with and without failures; an abort) on one small

@@ -64,7 +64,7 @@ def _usable(action: dict, runner: Runner, added: set[str]) -> bool:
     return bool(added)
 
 
-def bmc(target: str, depth: int = 6, max_states: int = 200_000, config=None,
+def bmc(target: str, depth: int = 7, max_states: int = 200_000, config=None,
         drain: bool = True) -> BmcResult:
     start = time.perf_counter()
     root = Runner(target, config or bmc_config())

