@@ -135,17 +135,16 @@ class SharedBlockRecomputedByNone(Scheduler):
     """A request whose failed block another request claimed keeps it as computed
     and goes on without waiting for the recompute."""
 
-    def _recover(self, request, block_id, idx):
-        owner = self.recovery.owners.get(block_id)
-        if owner is not None and owner != request.request_id:
+    def _recover(self, request, block_id, idx, owners):
+        if owners.setdefault(block_id, request.request_id) != request.request_id:
             return
-        super()._recover(request, block_id, idx)
+        super()._recover(request, block_id, idx, owners)
 
 
 class SharedBlockRecomputedByAll(Scheduler):
     """Every request holding a failed shared block recomputes it."""
 
-    def _recover(self, request, block_id, idx):
+    def _recover(self, request, block_id, idx, owners):
         self._truncate(request, idx * self.block_size)
 
 

@@ -1,11 +1,12 @@
 """KV-load failure recovery: which requests a failed block affects, where
 their computed prefix ends, and who recomputes a block that several share.
 
-A failed block is recomputed by exactly one request, its *owner* (the first
-affected request in scan order). Every other request that holds it waits,
-unscheduled, until the owner's computed prefix covers the block again; then it
-resumes past the block without recomputing it. If the owner leaves first, the
-first waiter becomes the owner.
+A failed block is recomputed by exactly one request: the first affected one in
+scan order. Every other request holding it becomes a *waiter*: it is not
+scheduled while a running holder is still recomputing its next block, and it
+resumes over every leading block some running holder has recomputed since.
+Blocks past the failed one were computed on top of it in the failing step, so
+they count as not yet valid until a holder recomputes them too.
 """
 from __future__ import annotations
 
@@ -16,20 +17,16 @@ from kvspec.impl.request import Request
 
 @attrs.define
 class Waiter:
-    block_id: int
-    block_end: int      # token position where the shared block ends
-    resume_at: int      # num_computed_tokens to resume with once the block is valid
+    block_id: int   # the failed block it waits on
+    limit: int      # num_computed_tokens before recovery: never resume past it
 
 
 @attrs.define
 class RecoveryBook:
-    owners: dict[int, str] = attrs.Factory(dict)      # block id -> owner request id
     waiters: dict[str, Waiter] = attrs.Factory(dict)  # request id -> what it waits on
 
     def forget(self, request_id: str) -> None:
         self.waiters.pop(request_id, None)
-        for block_id in [b for b, r in self.owners.items() if r == request_id]:
-            del self.owners[block_id]
 
 
 def first_invalid_index(block_ids: list[int], num_tokens: int, block_size: int,

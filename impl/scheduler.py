@@ -120,7 +120,7 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def _release_claims(self, request: Request) -> None:
-        """A leaving owner hands its failed blocks to the first waiter."""
+        """A leaving request stops waiting; its waiters see one holder fewer."""
         self.recovery.forget(request.request_id)
 
     # ------------------------------------------------------------------
@@ -201,22 +201,38 @@ class Scheduler:
         request.spec_token_ids = []
 
     def _is_ready_after_recovery(self, request: Request) -> bool:
-        """A waiter runs again once its shared failed block is recomputed."""
+        """A waiter runs again once no running holder is still recomputing its
+        next block; it resumes over every leading block a holder recomputed."""
         waiter = self.recovery.waiters.get(request.request_id)
         if waiter is None:
             return True
-        owner = self.requests.get(self.recovery.owners.get(waiter.block_id, ""))
-        if owner is None or owner.is_finished() or owner.status != RequestStatus.RUNNING:
-            self.recovery.waiters.pop(request.request_id)
-            self.recovery.owners[waiter.block_id] = request.request_id
-            return True
-        if owner.num_computed_tokens < waiter.block_end:
+        (table, *_) = self.kv.get_block_ids(request.request_id)
+        idx = request.num_computed_tokens // self.block_size
+        limit_blocks = min(len(table), -(-waiter.limit // self.block_size))
+        while idx < limit_blocks and self._holder_computed(table[idx], idx, request):
+            idx += 1
+        if idx < limit_blocks and self._holder_computing(table[idx], idx, request):
             return False
-        self.recovery.waiters.pop(request.request_id)
-        if self.recovery.owners.get(waiter.block_id) == owner.request_id:
-            del self.recovery.owners[waiter.block_id]
-        request.num_computed_tokens = waiter.resume_at
+        del self.recovery.waiters[request.request_id]
+        request.num_computed_tokens = max(request.num_computed_tokens,
+                                          min(waiter.limit, idx * self.block_size))
         return True
+
+    def _running_holders(self, block_id: int, idx: int, me: Request):
+        for other in self.running:
+            if other is me or other.request_id in self.recovery.waiters:
+                continue
+            (table, *_) = self.kv.get_block_ids(other.request_id)
+            if idx < len(table) and table[idx] == block_id:
+                yield other
+
+    def _holder_computed(self, block_id: int, idx: int, me: Request) -> bool:
+        end = (idx + 1) * self.block_size
+        return any(o.num_computed_tokens >= end for o in self._running_holders(block_id, idx, me))
+
+    def _holder_computing(self, block_id: int, idx: int, me: Request) -> bool:
+        end = (idx + 1) * self.block_size
+        return any(o.num_computed_tokens < end for o in self._running_holders(block_id, idx, me))
 
     # -- waiting -----------------------------------------------------------
     def _schedule_waiting(self, plan: StepPlan) -> None:
@@ -259,6 +275,8 @@ class Scheduler:
                 return "skip"  # the connector cannot answer yet
             local_blocks, num_local, num_external, load_async = hit
         else:  # an async load already finished: its blocks are held
+            if not self._is_ready_after_recovery(request):
+                return "skip"
             local_blocks, num_local, num_external, load_async = None, 0, 0, False
         computed = request.num_computed_tokens + num_local + num_external
         if load_async:
@@ -424,9 +442,9 @@ class Scheduler:
         if not invalid:
             return set()
         loading = [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
-        suspect = set(invalid)
-        affected_loads = self._truncate_affected(loading, invalid, suspect)
-        affected_running = self._truncate_affected(self.running, invalid, suspect)
+        suspect, owners = set(invalid), {}
+        affected_loads = self._truncate_affected(loading, invalid, suspect, owners)
+        affected_running = self._truncate_affected(self.running, invalid, suspect, owners)
         self.failed_recving |= affected_loads
         # Blocks past a failed one were computed on top of it: none may be served.
         self.kv.uncache_blocks(suspect)
@@ -434,7 +452,8 @@ class Scheduler:
             self.finish_requests(affected_loads | affected_running, RequestStatus.FINISHED_ERROR)
         return affected_running
 
-    def _truncate_affected(self, requests, invalid: set[int], suspect: set[int]) -> set[str]:
+    def _truncate_affected(self, requests, invalid: set[int], suspect: set[int],
+                           owners: dict) -> set[str]:
         affected = set()
         for request in list(requests):
             (block_ids, *_) = self.kv.get_block_ids(request.request_id)
@@ -445,23 +464,19 @@ class Scheduler:
             affected.add(request.request_id)
             # Blocks past a failed one were computed on top of it in the failing step.
             suspect.update(block_ids[idx:])
-            self._recover(request, block_ids[idx], idx)
+            self._recover(request, block_ids[idx], idx, owners)
         return affected
 
     def _recovery_scan_limit(self, request: Request) -> int:
         """Tokens whose blocks may hold failed external KV: all computed ones."""
         return request.num_computed_tokens
 
-    def _recover(self, request: Request, block_id: int, idx: int) -> None:
-        """The first request to meet a failed block owns its recompute; later
-        ones wait for it and then resume at the block's end, no further."""
-        block_end = (idx + 1) * self.block_size
-        owner = self.recovery.owners.get(block_id)
-        if owner is not None and owner != request.request_id:
-            self.recovery.waiters[request.request_id] = Waiter(
-                block_id, block_end, min(block_end, request.num_computed_tokens))
-        else:
-            self.recovery.owners[block_id] = request.request_id
+    def _recover(self, request: Request, block_id: int, idx: int, owners: dict) -> None:
+        """The first request to meet a failed block recomputes it; later ones wait."""
+        owner = owners.setdefault(block_id, request.request_id)
+        if owner != request.request_id:
+            self.recovery.waiters[request.request_id] = Waiter(block_id,
+                                                               request.num_computed_tokens)
         self._truncate(request, idx * self.block_size)
 
     def _truncate(self, request: Request, num_valid: int) -> None:

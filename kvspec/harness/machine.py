@@ -87,6 +87,22 @@ class KVSpecMachine(RuleBasedStateMachine):
         self.next_index += 1
         self._apply(action)
 
+    @precondition(lambda self: self.next_index < MAX_REQUESTS - 1)
+    @rule(prefix=st.integers(0, 2), prefix_len=st.integers(4, 12), count=st.integers(2, 3),
+          ext=st.integers(2, 12), load_async=st.booleans())
+    def add_burst(self, prefix, prefix_len, count, ext, load_async):
+        """Requests sharing a system prompt arrive together; the first finds its
+        prefix in the external store, the others hit what it brings in."""
+        for k in range(min(count, MAX_REQUESTS - self.next_index)):
+            prompt = make_prompt(self.next_index, prefix, prefix_len, 1 + k)
+            prompt = prompt[:self.runner.config.max_model_len - 1]
+            first = k == 0
+            action = {"op": "add", "id": f"r{self.next_index}", "prompt": prompt, "max_tokens": 2,
+                      "ext": min(ext, len(prompt)) if first else 0,
+                      "async": load_async and first}
+            self.next_index += 1
+            self._apply(action)
+
     @rule(finish_loads=ids, fail=ids, fail_all=st.sampled_from([False, False, False, True]),
           fail_offset=st.integers(0, 3), eos=ids, finish_sends=ids, accept=st.integers(0, 3),
           drafts=st.integers(0, 2))
