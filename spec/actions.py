@@ -57,7 +57,9 @@ def add_relation(t: Transition):
 def schedule_relation(t: Transition):
     """schedule. Effect: every scheduled request is RUNNING with at least one
     token scheduled, starting at its computed prefix and ending within its
-    tokens plus scheduled drafts; the total is within the token budget; a
+    tokens plus scheduled drafts, below ``max_model_len - 1`` and within
+    ``long_prefill_token_threshold``; its scheduled drafts are exactly the
+    positions past its known tokens; the total is within the token budget; a
     preempted request has nothing computed and one more preemption. Unchanged:
     tokens of every request, and ``num_computed_tokens`` of requests neither
     scheduled, preempted, nor moving through an external load."""
@@ -76,6 +78,12 @@ def schedule_relation(t: Transition):
             yield f"{rid}: computed {start} + scheduled {n} != num_computed {r.num_computed_tokens}"
         elif start < 0 or start + n > r.num_tokens + spec:
             yield f"{rid}: scheduled positions [{start}, {start + n}) past its {r.num_tokens}+{spec} tokens"
+        elif start + n > cfg.max_model_len - 1:
+            yield f"{rid}: scheduled positions up to {start + n} past max_model_len - 1 = {cfg.max_model_len - 1}"
+        elif spec != max(0, start + n - r.num_tokens):
+            yield f"{rid}: {spec} drafts scheduled for {max(0, start + n - r.num_tokens)} positions past its tokens"
+        elif 0 < cfg.long_prefill_token_threshold < n:
+            yield f"{rid}: {n} tokens scheduled > long_prefill_token_threshold={cfg.long_prefill_token_threshold}"
     for rid in step.preempted_req_ids:
         r = t.after.requests[rid]
         before = t.before.requests[rid]
@@ -99,8 +107,10 @@ def schedule_relation(t: Transition):
 def update_from_output_relation(t: Transition):
     """update_from_output. Effect: a scheduled request appends a prefix of its
     sampled tokens (ending at the first stop) and loses rejected drafts from
-    ``num_computed_tokens``; a request that read invalid KV in this step appends
-    nothing and is not finished on that output (unless the "fail" policy ends it). Unchanged: ``num_computed_tokens`` never grows here."""
+    ``num_computed_tokens``; it stops (FINISHED_STOPPED) right after EOS and
+    (FINISHED_LENGTH_CAPPED) at ``max_tokens`` outputs; a request that read
+    invalid KV in this step appends nothing and is not finished on that output
+    (unless the "fail" policy ends it). Unchanged: ``num_computed_tokens`` never grows here."""
     if t.action != "update_from_output":
         return
     failed_by_policy = (t.outcome.invalid_block_ids
@@ -123,6 +133,21 @@ def update_from_output_relation(t: Transition):
         if new.num_computed_tokens > old.num_computed_tokens \
                 and old.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             yield f"{rid}: num_computed grew in update_from_output"
+        if added:
+            yield from _check_stop(new, added)
+
+
+def _check_stop(r, added):
+    """The stop rules: EOS ends the output and the request; so do max_tokens."""
+    eos = r.eos_token_id
+    if eos is not None and eos in added[:-1]:
+        yield f"{r.request_id}: tokens appended after EOS: {list(added)}"
+    elif eos is not None and added[-1] == eos and r.status != RequestStatus.FINISHED_STOPPED:
+        yield f"{r.request_id} sampled EOS but is {r.status.name}"
+    elif len(r.output_token_ids) > r.max_tokens:
+        yield f"{r.request_id}: {len(r.output_token_ids)} outputs > max_tokens={r.max_tokens}"
+    elif len(r.output_token_ids) == r.max_tokens and not r.status.is_finished:
+        yield f"{r.request_id} reached max_tokens={r.max_tokens} but is {r.status.name}"
 
 
 @invariant(cites="seed 004 (finish_requests)", kind="relation")

@@ -70,7 +70,8 @@ def stats_are_ordered(ctx: Context):
 @invariant(cites="#36859, #37460")
 def stats_set_exactly_once(ctx: Context):
     """Cache-hit stats are set exactly once, at the first scheduling, and never
-    re-set by preemption or a failed allocation; only failure recovery may lower them.
+    re-set by preemption or a failed allocation; only failure recovery may lower
+    them, and only as ``compute_lowered_stats`` says (local hits survive first).
 
     Protects the meaning of the stats (the hits of the request's first prefill)
     that the frontend reports once. Re-setting one of the pair on a
@@ -167,6 +168,18 @@ def idle_waiting_holds_no_blocks(ctx: Context):
         if (r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
                 and r.num_computed_tokens == 0 and any(r.block_ids)):
             yield f"{r.request_id} is {r.status.name} with 0 computed tokens but holds blocks {_blocks(r)}"
+
+
+@invariant(cites="seed 004 (_preempt_request)")
+def preempted_means_preempted(ctx: Context):
+    """A PREEMPTED request has been preempted at least once.
+
+    Protects the scheduler's own bookkeeping (new vs resumed requests in the
+    scheduler output) and the stats' scope; it is one of the shape facts the Z3
+    induction needs (``well_formed`` in spec/effects.py)."""
+    for r in ctx.live():
+        if r.status == RequestStatus.PREEMPTED and r.num_preemptions < 1:
+            yield f"{r.request_id} is PREEMPTED with num_preemptions={r.num_preemptions}"
 
 
 @invariant(cites="seed 004 (allocate_slots)", established_by=("hypothesis", "z3"))

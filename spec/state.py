@@ -86,6 +86,7 @@ class RequestView:
     spec_token_ids: tuple[int, ...] = ()
     num_output_placeholders: int = 0
     priority: int = 0
+    eos_token_id: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -81,3 +81,15 @@ def test_shared_failed_block_recomputed_by_one_request():
     owner, waiter = r.obs.requests["r0"], r.obs.requests["r1"]
     assert owner.num_computed_tokens == waiter.num_computed_tokens == 2
     r.apply({"op": "drain"})
+
+
+def test_two_loaded_requests_holding_the_pool_do_not_deadlock():
+    # Each async load holds 3 of 7 blocks and needs 5 to finish: without giving
+    # loaded-but-waiting blocks back, neither could ever run.
+    r = run([{"op": "add", "id": "r0", "prompt": [2, 4, 6, 10, 11, 12, 13, 14, 15],
+              "max_tokens": 1, "ext": 5, "async": True},
+             {"op": "add", "id": "r1", "prompt": [1, 2, 3, 17, 18, 19, 20, 21, 22],
+              "max_tokens": 1, "ext": 5, "async": True},
+             {"op": "step"}, {"op": "step", "finish_loads": ["r0", "r1"]}, {"op": "drain"}],
+            block_size=2, num_blocks=7, max_model_len=12, max_num_batched_tokens=8)
+    assert not r.obs.requests

@@ -17,6 +17,7 @@ from kvspec.harness.env import (EOS_TOKEN_ID, EnvConnector, EnvironmentContractV
 from kvspec.harness.targets import make_target
 from kvspec.impl.connector import ConnectorContractError
 from kvspec.spec.actions import Transition
+from kvspec.spec.arith import compute_lowered_stats
 from kvspec.spec.invariants import Context, Ghost
 from kvspec.spec.oracle import KVContent
 from kvspec.spec.registry import REGISTRY, Violation
@@ -131,8 +132,9 @@ class Runner:
             if first is None and r.has_stats:
                 self.ghost.stats[r.request_id] = now
             elif (first is not None and r.request_id in lowered_ok and r.has_stats
-                  and now[0] <= first[0] and now[1] <= first[1]):
-                self.ghost.stats[r.request_id] = now
+                  and now != first and now[0] <= first[0]
+                  and now == compute_lowered_stats(first[0], first[1], now[0])):
+                self.ghost.stats[r.request_id] = now  # lowered the one way recovery may
         for rid in [rid for rid in self.ghost.stats if rid not in obs.requests]:
             del self.ghost.stats[rid]
 

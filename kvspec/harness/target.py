@@ -86,7 +86,8 @@ class ImplTarget:
             num_preemptions=r.num_preemptions,
             block_ids=tuple(tuple(g) for g in self.scheduler.kv.get_block_ids(request_id)),
             block_hashes=tuple(r.block_hashes), spec_token_ids=tuple(r.spec_token_ids),
-            num_output_placeholders=r.num_output_placeholders, priority=r.priority)
+            num_output_placeholders=r.num_output_placeholders, priority=r.priority,
+            eos_token_id=r.eos_token_id)
 
     def observe(self) -> Observation:
         s = self.scheduler

@@ -54,7 +54,10 @@ import dataclasses
 import inspect
 import logging
 import os
+import traceback
 from pathlib import Path
+
+import attrs
 
 from kvspec.harness.env import EOS_TOKEN_ID, RequestSpec
 from kvspec.spec.state import (STATS_UNSET, Config, Observation, PoolView, RequestStatus,
@@ -82,6 +85,8 @@ _STATUS_ALIASES = {
     "WAITING_FOR_STREAMING_REQ": RequestStatus.WAITING,
 }
 
+_VIEW_FIELDS = set(attrs.fields_dict(RequestView))
+
 _vllm = None  # the imported modules, once
 
 
@@ -92,7 +97,6 @@ class _Modules:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
         try:
             import torch
             import vllm
@@ -206,7 +210,11 @@ class VllmTarget:
         if any(g.block_size != block_size for g in config.groups):
             raise ValueError("the vllm target needs one block size for every group")
         num_blocks = config.num_blocks + NULL_BLOCKS
-        vllm_config = self._vllm_config(config, num_blocks)
+        try:
+            vllm_config = self._vllm_config(config, num_blocks)
+        except ValueError as exc:  # pydantic's ValidationError is one
+            detail = " ".join(str(exc).split())
+            raise ValueError(f"vLLM {m.version} rejects this configuration: {detail}") from None
         kv_cache_config = m.KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],
             kv_cache_groups=[m.KVCacheGroupSpec([f"layer{i}"], m.FullAttentionSpec(
@@ -306,10 +314,14 @@ class VllmTarget:
                 kwargs[name] = None
         request = m.Request(**{k: v for k, v in kwargs.items() if k in accepted})
         self._stats[spec.request_id] = getattr(request, "prefill_stats", None)
-        self.scheduler.add_request(request)
+        with _LocateAsserts():
+            self.scheduler.add_request(request)
 
     def schedule(self) -> StepView:
-        out = self.scheduler.schedule()
+        preemptions = {rid: getattr(r, "num_preemptions", 0)
+                       for rid, r in self.scheduler.requests.items()}
+        with _LocateAsserts():
+            out = self.scheduler.schedule()
         self._last_output = out
         before: dict[str, int] = {}
         new_ids = []
@@ -322,9 +334,9 @@ class VllmTarget:
             before[rid] = cached.num_computed_tokens[i]
         resumed_ids = [rid for rid in cached.req_ids if rid in resumed]
         preempted = getattr(out, "preempted_req_ids", None)
-        if preempted is None:
+        if preempted is None:  # releases without it: who was preempted during this call
             preempted = {rid for rid, r in self.scheduler.requests.items()
-                         if r.status == m_status(self.m, "PREEMPTED")}
+                         if getattr(r, "num_preemptions", 0) > preemptions.get(rid, 0)}
         return StepView(
             num_scheduled_tokens=dict(out.num_scheduled_tokens),
             num_computed_before=before,
@@ -350,7 +362,8 @@ class VllmTarget:
                       logprobs=None, prompt_logprobs_dict={}, pooler_output=[],
                       kv_connector_output=kv)
         runner = m.ModelRunnerOutput(**{k: v for k, v in kwargs.items() if k in m.output_fields})
-        self.scheduler.update_from_output(out, runner)
+        with _LocateAsserts():
+            self.scheduler.update_from_output(out, runner)
 
     def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
         if not drafts:
@@ -365,7 +378,8 @@ class VllmTarget:
         if (r is not None and r.status == m_status(self.m, "WAITING_FOR_REMOTE_KVS")
                 and request_id not in getattr(s, "finished_recving_kv_req_ids", ())):
             self._cancelled_loads.add(request_id)
-        s.finish_requests(request_id, m_status(self.m, "FINISHED_ABORTED"))
+        with _LocateAsserts():
+            s.finish_requests(request_id, m_status(self.m, "FINISHED_ABORTED"))
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.scheduler.reset_prefix_cache())
@@ -398,6 +412,11 @@ class VllmTarget:
         status = self._status(r)
         cached, external = self._stats_of(r, status)
         tables = s.kv_cache_manager.get_block_ids(request_id)
+        extra = {}
+        if "eos_token_id" in _VIEW_FIELDS:  # newer kvspec states carry the stop token
+            params = getattr(r, "sampling_params", None)
+            extra["eos_token_id"] = getattr(r, "eos_token_id", None) if params is None else \
+                getattr(params, "eos_token_id", getattr(r, "eos_token_id", None))
         return RequestView(
             request_id=request_id, status=status,
             prompt_token_ids=tuple(r.prompt_token_ids),
@@ -408,7 +427,7 @@ class VllmTarget:
             block_ids=tuple(self._to_spec_ids(t) for t in tables),
             block_hashes=tuple(r.block_hashes), spec_token_ids=tuple(r.spec_token_ids),
             num_output_placeholders=getattr(r, "num_output_placeholders", 0),
-            priority=r.priority)
+            priority=r.priority, **extra)
 
     def _pool_view(self) -> PoolView:
         pool = self.scheduler.kv_cache_manager.block_pool
@@ -438,6 +457,31 @@ class VllmTarget:
             config=self.config, requests=requests, waiting=tuple(waiting),
             running=tuple(r.request_id for r in s.running), pool=self._pool_view(),
             sending=tuple(rid for rid, r in requests.items() if r.status.is_finished))
+
+
+def _located(exc: AssertionError) -> AssertionError:
+    """vLLM's bare asserts carry no message: name the file, line and source."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    inside = [f for f in frames if "/vllm/" in f.filename.replace("\\", "/")]
+    inner = inside[-1] if inside else (frames[-1] if frames else None)
+    if inner is None:
+        return exc
+    path = inner.filename.replace("\\", "/")
+    short = path[path.rindex("/vllm/") + 1:] if "/vllm/" in path else path
+    detail = f" ({exc})" if str(exc) else ""
+    return AssertionError(f"{short}:{inner.lineno}: {inner.line}{detail}")
+
+
+class _LocateAsserts:
+    """Re-raise an AssertionError from inside vLLM with where it fired."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if kind is not None and issubclass(kind, AssertionError):
+            raise _located(exc) from exc
+        return False
 
 
 def m_status(m: _Modules, name: str):
