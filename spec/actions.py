@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import attrs
 
+from kvspec.spec.arith import compute_computed_after_rejection
 from kvspec.spec.registry import invariant
 from kvspec.spec.state import Observation, RequestStatus, StepView, WorkerOutcome
 
@@ -53,12 +54,24 @@ def add_relation(t: Transition):
             yield f"add_request changed request {rid}"
 
 
+def _prefill_cap(before: Observation) -> int:
+    """0 (no cap) unless several requests compete for the budget."""
+    cfg = before.config
+    eligible = len(before.running) + len(before.waiting)
+    if cfg.long_prefill_token_threshold <= 0 or eligible <= 1:
+        return 0
+    return max(cfg.long_prefill_token_threshold, cfg.max_num_batched_tokens // eligible)
+
+
 @invariant(cites="seed 004 (schedule)", kind="relation")
 def schedule_relation(t: Transition):
     """schedule. Effect: every scheduled request is RUNNING with at least one
     token scheduled, starting at its computed prefix and ending within its
-    tokens plus scheduled drafts, below ``max_model_len - 1`` and within
-    ``long_prefill_token_threshold``; its scheduled drafts are exactly the
+    tokens plus scheduled drafts, below ``max_model_len - 1`` and, when more
+    than one request was eligible, within ``long_prefill_token_threshold`` (or a
+    fair share of the budget, if larger: the threshold exists to stop a long
+    prefill starving others, so with nobody to starve vLLM lifts it); its
+    scheduled drafts are exactly the
     positions past its known tokens; the total is within the token budget; a
     preempted request has nothing computed and one more preemption. Unchanged:
     tokens of every request, and ``num_computed_tokens`` of requests neither
@@ -82,8 +95,8 @@ def schedule_relation(t: Transition):
             yield f"{rid}: scheduled positions up to {start + n} past max_model_len - 1 = {cfg.max_model_len - 1}"
         elif spec != max(0, start + n - r.num_tokens):
             yield f"{rid}: {spec} drafts scheduled for {max(0, start + n - r.num_tokens)} positions past its tokens"
-        elif 0 < cfg.long_prefill_token_threshold < n:
-            yield f"{rid}: {n} tokens scheduled > long_prefill_token_threshold={cfg.long_prefill_token_threshold}"
+        elif 0 < _prefill_cap(t.before) < n:
+            yield f"{rid}: {n} tokens scheduled > long-prefill cap {_prefill_cap(t.before)}"
     for rid in step.preempted_req_ids:
         r = t.after.requests[rid]
         before = t.before.requests[rid]
@@ -106,8 +119,8 @@ def schedule_relation(t: Transition):
 @invariant(cites="seed 004 (update_from_output), seed 003", kind="relation")
 def update_from_output_relation(t: Transition):
     """update_from_output. Effect: a scheduled request appends a prefix of its
-    sampled tokens (ending at the first stop) and loses rejected drafts from
-    ``num_computed_tokens``; it stops (FINISHED_STOPPED) right after EOS and
+    sampled tokens (ending at the first stop) and loses exactly its rejected
+    drafts from ``num_computed_tokens`` (``compute_computed_after_rejection``); it stops (FINISHED_STOPPED) right after EOS and
     (FINISHED_LENGTH_CAPPED) at ``max_tokens`` outputs; a request that read
     invalid KV in this step appends nothing and is not finished on that output
     (unless the "fail" policy ends it). Unchanged: ``num_computed_tokens`` never grows here."""
@@ -135,6 +148,13 @@ def update_from_output_relation(t: Transition):
             yield f"{rid}: num_computed grew in update_from_output"
         if added:
             yield from _check_stop(new, added)
+        drafts = t.step.scheduled_spec_decode_tokens.get(rid, ()) if t.step else ()
+        if added and drafts and rid not in t.garbage_readers and not new.status.is_finished:
+            want = compute_computed_after_rejection(old.num_computed_tokens, len(drafts),
+                                                    len(added) - 1)
+            if new.num_computed_tokens != want:
+                yield (f"{rid}: {len(drafts)} drafts, {len(added) - 1} accepted: num_computed "
+                       f"should roll back to {want}, is {new.num_computed_tokens}")
 
 
 def _check_stop(r, added):

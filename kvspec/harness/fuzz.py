@@ -13,6 +13,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvspec.harness.machine import machine_for
+from kvspec.harness.profiles import FULL
 from kvspec.harness.runner import ALL_KINDS, Counterexample
 from kvspec.harness.trace import save_trace
 
@@ -37,7 +38,7 @@ def derive_seed(seed: int, batch: int) -> int:
 def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | None = None,
          batch_examples: int = 25, step_count: int = 30,
          progress: Callable[[FuzzResult], None] | None = None,
-         kinds=ALL_KINDS, trace_name: str | None = None) -> FuzzResult:
+         kinds=ALL_KINDS, trace_name: str | None = None, profile=FULL) -> FuzzResult:
     start = time.monotonic()
     trace_path = out_dir / (trace_name or f"{target.replace(':', '_')}-seed{seed}.json")
     result = FuzzResult(target, seed, 0.0, 0, 0, {})
@@ -51,7 +52,7 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
                    violations=exc.violations, steps=r.log, seed=seed)
         state["last"] = exc
 
-    machine = machine_for(target, on_counterexample=save_first, kinds=kinds)
+    machine = machine_for(target, on_counterexample=save_first, kinds=kinds, profile=profile)
     database = DirectoryBasedExampleDatabase(str(db_dir)) if db_dir else None
     batch = 0
     while time.monotonic() - start < budget:

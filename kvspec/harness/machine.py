@@ -12,6 +12,7 @@ from typing import Callable
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+from kvspec.harness.profiles import FULL, EnvProfile
 from kvspec.harness.runner import ALL_KINDS, Counterexample, Runner
 from kvspec.harness.target import make_config
 
@@ -32,6 +33,7 @@ def make_prompt(index: int, prefix: int, prefix_len: int, suffix_len: int) -> li
 class KVSpecMachine(RuleBasedStateMachine):
     target_name = "impl"
     kinds = ALL_KINDS
+    profile: EnvProfile = FULL
     #: called with the failing runner before anything else happens (save first)
     on_counterexample: Callable[[Counterexample], None] | None = None
     stats: Counter = Counter()
@@ -54,6 +56,10 @@ class KVSpecMachine(RuleBasedStateMachine):
         finally:
             type(self).stats["actions"] += 1
 
+    def _ext(self, ext: int, prompt: list[int]) -> int:
+        room = len(prompt) - (1 if self.profile.leave_one_token else 0)
+        return max(0, min(ext, room))
+
     def _ids(self, indices) -> list[str]:
         return [f"r{i}" for i in sorted(indices) if i < self.next_index]
 
@@ -64,6 +70,10 @@ class KVSpecMachine(RuleBasedStateMachine):
                 failure_policy=st.sampled_from(["recompute", "recompute", "fail"]))
     def configure(self, block_size, spare_blocks, budget, max_num_seqs, max_model_len,
                   threshold, policy, failure_policy):
+        if policy not in self.profile.policies:
+            policy = self.profile.policies[0]
+        if failure_policy not in self.profile.failure_policies:
+            failure_policy = self.profile.failure_policies[0]
         # The pool always fits one request of max_model_len, as vLLM checks at start-up.
         num_blocks = -(-max_model_len // block_size) + spare_blocks
         config = make_config(block_size=block_size, num_blocks=num_blocks,
@@ -82,8 +92,10 @@ class KVSpecMachine(RuleBasedStateMachine):
         prompt = make_prompt(self.next_index, prefix, prefix_len, suffix_len)
         prompt = prompt[:self.runner.config.max_model_len - 1]
         action = {"op": "add", "id": f"r{self.next_index}", "prompt": prompt,
-                  "max_tokens": max_tokens, "priority": priority, "ext": min(ext, len(prompt)),
-                  "async": load_async, "none": none, "send": send, "offload": offload}
+                  "max_tokens": max_tokens, "priority": priority, "ext": self._ext(ext, prompt),
+                  "async": load_async, "none": none,
+                  "send": send and (self.profile.async_load_with_send or not load_async),
+                  "offload": offload}
         self.next_index += 1
         self._apply(action)
 
@@ -98,7 +110,7 @@ class KVSpecMachine(RuleBasedStateMachine):
             prompt = prompt[:self.runner.config.max_model_len - 1]
             first = k == 0
             action = {"op": "add", "id": f"r{self.next_index}", "prompt": prompt, "max_tokens": 2,
-                      "ext": min(ext, len(prompt)) if first else 0,
+                      "ext": self._ext(ext, prompt) if first else 0,
                       "async": load_async and first}
             self.next_index += 1
             self._apply(action)
@@ -107,6 +119,8 @@ class KVSpecMachine(RuleBasedStateMachine):
           fail_offset=st.integers(0, 3), eos=ids, finish_sends=ids, accept=st.integers(0, 3),
           drafts=st.integers(0, 2))
     def step(self, finish_loads, fail, fail_all, fail_offset, eos, finish_sends, accept, drafts):
+        if not self.profile.load_failures:
+            fail, fail_all = set(), False
         self._apply({"op": "step", "finish_loads": self._ids(finish_loads),
                      "fail": self._ids(fail), "fail_all": fail_all,
                      "fail_offset": fail_offset, "eos": self._ids(eos),
@@ -130,8 +144,10 @@ class KVSpecMachine(RuleBasedStateMachine):
             type(self).stats.update({f"check:{k}": v for k, v in self.runner.checks.items()})
 
 
-def machine_for(target: str, on_counterexample=None, kinds=ALL_KINDS) -> type[KVSpecMachine]:
+def machine_for(target: str, on_counterexample=None, kinds=ALL_KINDS,
+                profile: EnvProfile = FULL) -> type[KVSpecMachine]:
     """A fresh machine class bound to one target (class attributes are per class)."""
     return type(f"KVSpecMachine_{target.replace(':', '_')}", (KVSpecMachine,),
                 {"target_name": target, "on_counterexample": staticmethod(on_counterexample)
-                 if on_counterexample else None, "stats": Counter(), "kinds": tuple(kinds)})
+                 if on_counterexample else None, "stats": Counter(), "kinds": tuple(kinds),
+                 "profile": profile})

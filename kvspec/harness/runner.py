@@ -189,7 +189,11 @@ class Runner:
             if step.num_computed_before[rid] + n < r.num_tokens:
                 continue  # a partial prefill chunk samples nothing
             drafts = step.scheduled_spec_decode_tokens.get(rid, ())
-            accepted = list(drafts[:min(a.get("accept", 0), len(drafts))])
+            accepted = []
+            for token in drafts[:a.get("accept", 0)]:
+                if token < 0:  # a padding slot (vLLM pads drafts with -1): never accepted
+                    break
+                accepted.append(token)
             bonus = EOS_TOKEN_ID if rid in eos else sampled_token(rid, r.num_tokens + len(accepted))
             sampled[rid] = tuple(accepted + [bonus])
         return sampled

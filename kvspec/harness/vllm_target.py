@@ -200,7 +200,7 @@ class VllmTarget:
         m = modules()  # imports vLLM, or raises RuntimeError("vLLM is not installed: ...")
         from kvspec.harness import vllm_connector
         self.m = m
-        self.version = f"vllm {m.version}"
+        self.version = m.version  # the installed vLLM release, e.g. "0.32.0"
         self.config = config
         self.env = connector
         for g in config.groups:

@@ -1,0 +1,29 @@
+"""Environment profiles: restrictions on what the environment may do, each
+justified by the accepted finding it steps around.
+
+On the reference implementation the environment is unrestricted (``FULL``).
+On a release with known findings, CI fuzzes with a profile that avoids exactly
+the triggers of those findings, so they cannot hide a new one; the findings
+themselves are replayed from their traces (tests/test_vllm.py).
+"""
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class EnvProfile:
+    name: str
+    #: the connector never claims a request's last uncomputed token
+    leave_one_token: bool = False
+    policies: tuple[str, ...] = ("fcfs", "priority")
+    failure_policies: tuple[str, ...] = ("recompute", "fail")
+    #: the environment may fail loads
+    load_failures: bool = True
+    #: a request may both load asynchronously and send its KV when finished
+    async_load_with_send: bool = True
+    #: why each restriction is there (accepted finding ids)
+    because: tuple[str, ...] = ()
+
+
+FULL = EnvProfile("full")
