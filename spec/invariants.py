@@ -84,7 +84,8 @@ def stats_set_exactly_once(ctx: Context):
             continue
         now = (r.num_cached_tokens, r.num_external_computed_tokens)
         if now != first:
-            yield f"{r.request_id}: stats set to {first}, changed to {now} outside failure recovery"
+            yield (f"{r.request_id}: stats set to {first}, changed to {now}; only failure "
+                   f"recovery may change them, lowering both as compute_lowered_stats says")
 
 
 @invariant(cites="#34616", established_by=("hypothesis", "z3"))

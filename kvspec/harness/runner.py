@@ -157,6 +157,7 @@ class Runner:
         step = self.target.schedule()
         mid = self.target.observe()
         self.content.learn(mid)
+        self._update_ghost(mid, lowered_ok=frozenset())  # stats set by this schedule()
         violations = self._check(mid, kinds=("state",),
                                  transition=Transition("schedule", before, mid, step))
         failing = set(a.get("fail", ()))
