@@ -128,6 +128,7 @@ class Scheduler:
     # ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         plan = StepPlan(budget=self.config.max_num_batched_tokens)
+        self._collect_finished_loads()
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -166,6 +167,8 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan) -> bool:
         while self.kv.allocate_slots(request, num_new) is None:
             victim = self._pick_victim()
+            if victim is request and self._release_loaded_waiting():
+                continue  # loaded-but-waiting KV gave way before the request preempts itself
             self._preempt(victim, plan)
             if victim is request:
                 return False
@@ -257,16 +260,27 @@ class Scheduler:
         if blocked and not self.running:
             self._release_loaded_waiting()
 
-    def _release_loaded_waiting(self) -> None:
-        """Nothing runs and the head cannot fit: loaded-but-waiting requests
-        give their blocks back and will recompute without asking the connector
-        again (asking could park them on a new load and loop), so the pool,
-        sized for one request of max_model_len, always lets the head through."""
+    def _release_loaded_waiting(self) -> bool:
+        """Memory is needed and nothing else can give: loaded-but-waiting
+        requests give their blocks back and will recompute without asking the
+        connector again (asking could park them on a new load and loop), so the
+        pool, sized for one request of max_model_len, always lets one through.
+        Returns whether any block was released."""
+        released = False
         for request in self.waiting:
-            if request.request_id in self._loaded:
+            if request.request_id in self._loaded and any(self.kv.get_block_ids(request.request_id)):
                 self.kv.free(request)
                 self._load_origin[request.request_id] = (0, 0)
                 request.num_computed_tokens = 0
+                released = True
+        return released
+
+    def _collect_finished_loads(self) -> None:
+        """Loads reported finished leave WAITING_FOR_REMOTE_KVS at once, so their
+        blocks count as releasable even when the waiting queue is not reached."""
+        for request in list(self.waiting):
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self._finish_remote_load(request)
 
     def _try_schedule_waiting(self, request: Request, plan: StepPlan) -> str:
         if request.request_id not in self._loaded:
