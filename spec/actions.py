@@ -63,6 +63,20 @@ def _prefill_cap(before: Observation) -> int:
     return max(cfg.long_prefill_token_threshold, cfg.max_num_batched_tokens // eligible)
 
 
+def _check_admissions(t: Transition, step: StepView):
+    """Requests that start running this step are reported to the worker as new
+    or resumed; a resumed one has been preempted before."""
+    admitted = set(step.new_req_ids) | set(step.resumed_req_ids)
+    for rid in step.num_scheduled_tokens:
+        if t.before.requests.get(rid) is None or t.before.requests[rid].status != RequestStatus.RUNNING:
+            if rid not in admitted:
+                yield f"{rid} started running but is reported neither new nor resumed"
+    for rid in step.resumed_req_ids:
+        r = t.after.requests.get(rid)
+        if r is not None and r.num_preemptions < 1:
+            yield f"{rid} reported resumed but was never preempted"
+
+
 def _check_victims(before: Observation, preempted):
     """Preemption takes the victim the policy names: FCFS the tail of the running
     queue, PRIORITY never a request with a better (lower) priority value than one
@@ -91,7 +105,9 @@ def schedule_relation(t: Transition):
     prefill starving others, so with nobody to starve vLLM lifts it); its
     scheduled drafts are exactly the
     positions past its known tokens; the total is within the token budget; a
-    preempted request has nothing computed and one more preemption. Unchanged:
+    request that starts running is reported new or resumed (resumed only after a
+    preemption); a preempted request has nothing computed and one more
+    preemption, and is the victim its policy names. Unchanged:
     tokens of every request, and ``num_computed_tokens`` of requests neither
     scheduled, preempted, nor moving through an external load."""
     if t.action != "schedule":
@@ -116,6 +132,7 @@ def schedule_relation(t: Transition):
         elif 0 < _prefill_cap(t.before) < n:
             yield f"{rid}: {n} tokens scheduled > long-prefill cap {_prefill_cap(t.before)}"
     yield from _check_victims(t.before, step.preempted_req_ids)
+    yield from _check_admissions(t, step)
     for rid in step.preempted_req_ids:
         r = t.after.requests[rid]
         before = t.before.requests[rid]

@@ -93,3 +93,48 @@ def test_two_loaded_requests_holding_the_pool_do_not_deadlock():
              {"op": "step"}, {"op": "step", "finish_loads": ["r0", "r1"]}, {"op": "drain"}],
             block_size=2, num_blocks=7, max_model_len=12, max_num_batched_tokens=8)
     assert not r.obs.requests
+
+
+def test_loaded_request_waiting_behind_a_runner_keeps_its_last_token():
+    # The async full-prompt load finishes while the only seat is taken: the
+    # waiting request must still leave its last token to compute.
+    r = run([{"op": "add", "id": "r0", "prompt": [1, 2, 3, 4], "max_tokens": 1, "ext": 4,
+              "async": True},
+             {"op": "add", "id": "r1", "prompt": [20, 21, 22, 23, 24, 25], "max_tokens": 4},
+             {"op": "step"}, {"op": "step", "finish_loads": ["r0"]}, {"op": "step"}],
+            block_size=2, num_blocks=12, max_num_seqs=1)
+    r0 = r.obs.requests["r0"]
+    assert r0.num_computed_tokens == 3 and r0.block_ids[0]
+
+
+def test_two_token_prompt_fully_loaded_keeps_its_blocks_while_waiting():
+    r = run([{"op": "add", "id": "r0", "prompt": [1, 2], "max_tokens": 1, "ext": 2,
+              "async": True},
+             {"op": "add", "id": "r1", "prompt": [20, 21, 22, 23, 24, 25], "max_tokens": 4},
+             {"op": "step"}, {"op": "step", "finish_loads": ["r0"]}, {"op": "step"}],
+            block_size=2, num_blocks=12, max_num_seqs=1)
+    r0 = r.obs.requests["r0"]
+    assert r0.num_computed_tokens == 1 and r0.block_ids[0]
+
+
+def test_three_requests_share_a_failed_block_and_all_finish():
+    prompt = [1, 2, 3, 4, 5, 6]
+    r = run([{"op": "add", "id": "r0", "prompt": prompt + [7], "max_tokens": 3, "ext": 6},
+             {"op": "add", "id": "r1", "prompt": prompt + [8], "max_tokens": 3},
+             {"op": "add", "id": "r2", "prompt": prompt + [9], "max_tokens": 3},
+             {"op": "step", "fail": ["r0"], "fail_offset": 0}, {"op": "drain"}],
+            block_size=2, num_blocks=16, max_num_batched_tokens=32)
+    assert not r.obs.requests
+
+
+def test_waiters_take_over_when_the_owner_of_a_failed_block_leaves():
+    # r0 owns the recompute of the failed shared block; it is aborted before
+    # recomputing, so one of the waiters must take over, not wait for the other.
+    prompt = [1, 2, 3, 4, 5, 6]
+    r = run([{"op": "add", "id": "r0", "prompt": prompt + [7], "max_tokens": 3, "ext": 6},
+             {"op": "add", "id": "r1", "prompt": prompt + [8], "max_tokens": 3},
+             {"op": "add", "id": "r2", "prompt": prompt + [9], "max_tokens": 3},
+             {"op": "step", "fail": ["r0"], "fail_offset": 0},
+             {"op": "abort", "id": "r0"}, {"op": "drain"}],
+            block_size=2, num_blocks=16, max_num_batched_tokens=32)
+    assert not r.obs.requests
