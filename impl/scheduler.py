@@ -508,6 +508,3 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)

@@ -138,3 +138,18 @@ def test_waiters_take_over_when_the_owner_of_a_failed_block_leaves():
              {"op": "abort", "id": "r0"}, {"op": "drain"}],
             block_size=2, num_blocks=16, max_num_batched_tokens=32)
     assert not r.obs.requests
+
+
+def test_waiter_does_not_resume_over_blocks_not_yet_recomputed():
+    # Only the first block comes from the store and its load fails, so the next
+    # blocks were computed on top of garbage. The owner recomputes one block per
+    # step (chunked); the waiter may only move past blocks already rewritten.
+    prompt = [1, 2, 3, 4, 5, 6]
+    r = run([{"op": "add", "id": "r0", "prompt": prompt + [7], "max_tokens": 3, "ext": 2},
+             {"op": "add", "id": "r1", "prompt": prompt + [8], "max_tokens": 3},
+             {"op": "add", "id": "r2", "prompt": [30, 31], "max_tokens": 6},
+             {"op": "step", "fail": ["r0"], "fail_offset": 0},
+             {"op": "step"}, {"op": "step"}, {"op": "step"}, {"op": "drain"}],
+            block_size=2, num_blocks=16, max_num_batched_tokens=32,
+            long_prefill_token_threshold=2)
+    assert not r.obs.requests
