@@ -170,7 +170,8 @@ checks that they agree.
   hits ending mid-block before the prompt end.
 - **induction**: for each action of `spec/effects.py` and each per-request
   invariant, *all invariants before* and *the action's guard* imply *the invariant
-  after*, over a symbolic request with unbounded counters.
+  after*, over a symbolic request with unbounded counters; and the same for the block
+  pool's actions (`spec/pool_effects.py`) and its two accounting invariants.
 
 ## Strengthening found by the proofs
 
@@ -184,10 +185,13 @@ has been preempted at least once and has stats; counts are non-negative).
 
 ## Honest limits
 
-- **One request at a time.** The induction is over one request's counters. Facts
-  that relate requests (block sharing, reference counts, the prefix cache, queue
-  membership) are not proved by Z3; they are checked by Hypothesis on every step
-  and, exhaustively for short runs, by the bounded model checker below.
+- **Per request, and a pool of bounded shape.** The counter induction is over one
+  request's counters (unbounded). The pool induction (`spec/pool_effects.py`) proves
+  `ref_count_is_holders` and `free_queue_is_free_blocks` over a symbolic pool of 3
+  requests and 8 blocks under allocate, cache-hit touch, free and evict. Facts that tie
+  the two together or span the queues (queue membership, prefix-cache content, which
+  request recomputes a shared failed block) are not proved by Z3; they are checked by
+  Hypothesis on every step and, exhaustively for short runs, by the bounded model checker.
 - **Abstract actions.** `spec/effects.py` states each action at the level of
   counters (hits, chunk sizes, drafts, the first invalid block are free
   parameters within their guards). That the reference implementation and vLLM

@@ -15,7 +15,8 @@ from typing import Iterator
 import attrs
 
 from kvspec.spec.predicates import (is_blocks_cover_computed, is_cached_le_computed,
-                                    is_computed_within_tokens, is_stats_ordered,
+                                    is_computed_within_tokens, is_free_iff_unreferenced,
+                                    is_ref_count_of_holders, is_stats_ordered,
                                     is_unscheduled_without_output, is_waiting_with_work)
 from kvspec.spec.registry import invariant
 from kvspec.spec.state import Observation, RequestStatus, RequestView
@@ -238,19 +239,20 @@ def _holders(ctx: Context) -> list[int]:
     return count
 
 
-@invariant(cites="seed 004 (block_pool)")
+@invariant(cites="seed 004 (block_pool)", established_by=("hypothesis", "z3"))
 def ref_count_is_holders(ctx: Context):
     """A block's reference count equals the number of block tables holding it
     (finished requests that wait for a KV send included).
 
     Protects against double frees and leaks: a block freed while still held is
     handed to another request and overwritten under the first."""
+    tables = [set(t) for r in ctx.obs.requests.values() for t in r.block_ids]
     for b, (ref, held) in enumerate(zip(ctx.obs.pool.ref_cnt, _holders(ctx))):
-        if ref != held:
+        if not is_ref_count_of_holders(ref, [b in t for t in tables]) or ref != held:
             yield f"block {b}: ref_cnt={ref} but {held} holder(s)"
 
 
-@invariant(cites="seed 004 (block_pool)")
+@invariant(cites="seed 004 (block_pool)", established_by=("hypothesis", "z3"))
 def free_queue_is_free_blocks(ctx: Context):
     """The free queue holds exactly the blocks with reference count 0, once each;
     no block is both free and held."""
@@ -258,8 +260,9 @@ def free_queue_is_free_blocks(ctx: Context):
     free = pool.free_queue
     if len(set(free)) != len(free):
         yield f"free queue has duplicates: {free}"
+    free_set = set(free)
     zero = {b for b, ref in enumerate(pool.ref_cnt) if ref == 0}
-    if set(free) != zero:
+    if not all(is_free_iff_unreferenced(b in free_set, ref) for b, ref in enumerate(pool.ref_cnt)):
         yield f"free queue {sorted(set(free))} != blocks with ref 0 {sorted(zero)}"
 
 

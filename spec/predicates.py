@@ -37,3 +37,14 @@ def is_unscheduled_without_output(has_stats, num_tokens, prompt_len):
 
 def is_running_with_stats(is_running, has_stats):
     return Implies(is_running, has_stats)
+
+
+def is_ref_count_of_holders(ref_cnt, holds):
+    """A block's reference count is the number of block tables holding it."""
+    from kvspec.spec.logic import If
+    return ref_cnt == sum(If(h, 1, 0) for h in holds)
+
+
+def is_free_iff_unreferenced(is_free, ref_cnt):
+    from kvspec.spec.logic import And, Implies
+    return And(Implies(is_free, ref_cnt == 0), Implies(ref_cnt == 0, is_free))

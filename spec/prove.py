@@ -221,6 +221,48 @@ def _register_induction():
 _register_induction()
 
 
+def _pool_induction(action: str, invariant: str):
+    from kvspec.spec.pool_effects import NUM_BLOCKS, NUM_REQUESTS, POOL_ACTIONS, Pool, pool_invariants
+
+    def build():
+        holds = tuple(tuple(z3.Bool(f"holds_{r}_{b}") for b in range(NUM_BLOCKS))
+                      for r in range(NUM_REQUESTS))
+        ref = tuple(z3.Int(f"ref_{b}") for b in range(NUM_BLOCKS))
+        free = tuple(z3.Bool(f"free_{b}") for b in range(NUM_BLOCKS))
+        pool = Pool(holds, ref, free)
+        fn, params = POOL_ACTIONS[action]
+        ranges = {"r": range(NUM_REQUESTS), "b": range(NUM_BLOCKS)}
+        before = And(*pool_invariants(pool).values())
+        claims = []
+        for choice in _choices(params, ranges):
+            guard, after = fn(pool, *choice)
+            claims.append(Implies(And(before, guard), pool_invariants(after)[invariant]))
+        variables = {str(v): v for v in (*[h for row in holds for h in row], *ref, *free)}
+        return And(*claims), variables
+    return build
+
+
+def _choices(params, ranges):
+    if not params:
+        return [()]
+    return [(first, *rest) for first in ranges[params[0]] for rest in _choices(params[1:], ranges)]
+
+
+def _register_pool_induction():
+    from kvspec.spec.pool_effects import NUM_BLOCKS, NUM_REQUESTS, POOL_ACTIONS
+    for action in POOL_ACTIONS:
+        for invariant in ("ref_count_is_holders", "free_queue_is_free_blocks"):
+            name = f"pool_inductive_{invariant}_under_{action}"
+            OBLIGATIONS[name] = Obligation(
+                name, "induction", _pool_induction(action, invariant),
+                f"{invariant} holds after the pool action {action} (every request, every "
+                f"block) over a symbolic pool of {NUM_REQUESTS} requests and {NUM_BLOCKS} "
+                f"blocks with unbounded counts, when both pool invariants held before.")
+
+
+_register_pool_induction()
+
+
 # -- running ------------------------------------------------------------------
 
 def check(ob: Obligation, timeout_ms: int = 10_000) -> Result:

@@ -57,3 +57,23 @@ def test_logic_helpers_agree_on_concrete_and_symbolic_values():
 def test_z3_backed_invariants_are_marked_in_the_registry():
     assert "z3" in REGISTRY["stats_are_ordered"].established_by
     assert "z3" in REGISTRY["unscheduled_request_has_no_output"].established_by
+
+
+def test_pool_induction_refutes_a_free_that_forgets_the_reference():
+    """The pool obligations are not vacuous: a free that keeps the count breaks them."""
+    from kvspec.spec import pool_effects
+    from kvspec.spec.prove import _pool_induction
+
+    def broken_free(p, r):
+        holds = pool_effects._set(p.holds, r, tuple(False for _ in p.holds[r]))
+        return True, pool_effects.Pool(holds, p.ref, p.free)
+
+    original = pool_effects.POOL_ACTIONS["free"]
+    pool_effects.POOL_ACTIONS["free"] = (broken_free, ("r",))
+    try:
+        claim, _ = _pool_induction("free", "ref_count_is_holders")()
+        solver = z3.Solver()
+        solver.add(z3.Not(claim))
+        assert solver.check() == z3.sat
+    finally:
+        pool_effects.POOL_ACTIONS["free"] = original
