@@ -7,8 +7,14 @@ is imported lazily so concrete checking never pays for it.
 from __future__ import annotations
 
 
+_CONCRETE = frozenset({int, bool, float, str, type(None)})
+
+
 def _is_symbolic(*values) -> bool:
-    return any(type(v).__module__.startswith("z3") for v in values)
+    for v in values:  # the common case, plain Python values, costs one set lookup each
+        if type(v) not in _CONCRETE and type(v).__module__.startswith("z3"):
+            return True
+    return False
 
 
 def If(cond, then, other):
