@@ -25,6 +25,7 @@ def snapshot(s):
     (Request("b", [], 2), "empty prompt"),
     (Request("b", [1], 0), "max_tokens"),
     (Request("b", list(range(16)), 2), "max_model_len"),
+    (Request("b", list(range(40)), 2), "max_model_len"),
     (Request("a", [1, 2], 2), "duplicate"),
 ])
 def test_add_request_rejects_and_leaves_state_unchanged(request_, match):
@@ -74,3 +75,11 @@ def test_malformed_traces_are_one_line(tmp_path, content):
 def test_missing_trace_is_one_line(tmp_path):
     proc = run_cli("replay", str(tmp_path / "missing.json"))
     assert proc.returncode == 2 and "no such trace file" in proc.stderr
+
+
+def test_finish_requests_skips_unknown_ids_and_finishes_the_rest():
+    s = make_scheduler()
+    s.add_request(Request("b", [4, 5], 2))
+    from kvspec.spec.state import RequestStatus
+    s.finish_requests(["nope", "a", "b"], RequestStatus.FINISHED_ABORTED)
+    assert not s.requests and not s.waiting
