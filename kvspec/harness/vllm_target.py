@@ -130,6 +130,8 @@ class _Modules:
         self.request_params = inspect.signature(Request.__init__).parameters
         self.scheduler_params = inspect.signature(Scheduler.__init__).parameters
         self.output_fields = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+        update = inspect.signature(SamplingParams.update_from_generation_config).parameters
+        self.generation_config_takes_eos = len([p for p in update if p != "self"]) >= 2
         self.model_configs: dict[int, object] = {}
 
     def model_config(self, max_model_len: int):
@@ -302,7 +304,10 @@ class VllmTarget:
     def add_request(self, spec: RequestSpec) -> None:
         m = self.m
         params = m.SamplingParams(max_tokens=spec.max_tokens, ignore_eos=False)
-        params.update_from_generation_config({}, eos_token_id=EOS_TOKEN_ID)
+        # The model's EOS: the second parameter, named ``eos_token_id`` or
+        # ``model_eos_token_id`` depending on the release.
+        if m.generation_config_takes_eos:
+            params.update_from_generation_config({}, EOS_TOKEN_ID)
         self._arrivals += 1
         kwargs = dict(request_id=spec.request_id, prompt_token_ids=list(spec.prompt),
                       sampling_params=params, pooling_params=None,
