@@ -19,138 +19,13 @@ import argparse
 import datetime as dt
 import json
 import platform
-import random
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from kvspec.harness.env import EnvConnector, RequestSpec, sampled_token
-from kvspec.harness.runner import Runner
-from kvspec.harness.target import make_config
-from kvspec.harness.targets import make_target
-from kvspec.spec.oracle import KVContent
-from kvspec.spec.state import WorkerOutcome
+from drivers import (BLOCK_SIZE, MAX_TOKENS, NUM_PREFIXES, PREFIX_LEN, PROMPT_LEN,
+                     WARMUP_STEPS, BareDriver, CheckedDriver, git_commit, measure)
 
-BLOCK_SIZE = 4
-PROMPT_LEN = 16
-PREFIX_LEN = 8
-NUM_PREFIXES = 8
-MAX_TOKENS = 32
-WARMUP_STEPS = 8
-REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = Path(__file__).resolve().parent / "results.json"
-
-
-def bench_config(n: int):
-    seq_len = PROMPT_LEN + MAX_TOKENS
-    blocks_per_seq = -(-seq_len // BLOCK_SIZE)
-    return make_config(block_size=BLOCK_SIZE, num_blocks=n * blocks_per_seq + n,
-                       max_num_batched_tokens=max(n * 4, 64), max_num_seqs=n,
-                       max_model_len=seq_len + BLOCK_SIZE)
-
-
-class Workload:
-    """Deterministic stream of requests sharing a few 8-token prefixes."""
-
-    def __init__(self, seed: int = 0) -> None:
-        self.rng = random.Random(seed)
-        self.prefixes = [[self.rng.randrange(1, 1000) for _ in range(PREFIX_LEN)]
-                         for _ in range(NUM_PREFIXES)]
-        self.count = 0
-
-    def next(self) -> tuple[str, list[int]]:
-        rid = f"r{self.count}"
-        prefix = self.prefixes[self.count % NUM_PREFIXES]
-        suffix = [self.rng.randrange(1, 1000) for _ in range(PROMPT_LEN - PREFIX_LEN)]
-        self.count += 1
-        return rid, prefix + suffix
-
-
-class CheckedDriver:
-    """Steps through the Runner: every relation, invariant and the data oracle."""
-
-    def __init__(self, n: int) -> None:
-        self.runner = Runner("impl", bench_config(n))
-        self.workload = Workload()
-        self.live: set[str] = set()
-        self.n = n
-
-    def _top_up(self) -> None:
-        while len(self.live) < self.n:
-            rid, prompt = self.workload.next()
-            self.runner.apply({"op": "add", "id": rid, "prompt": prompt,
-                               "max_tokens": MAX_TOKENS})
-            self.live.add(rid)
-
-    def step(self) -> None:
-        self._top_up()
-        self.runner.apply({"op": "step"})
-        # the Runner keeps a replay log; trim it so long runs stay flat in memory
-        del self.runner.log[:-64], self.runner.actions[:-64]
-        self.live &= set(self.runner.obs.requests)
-
-
-class BareDriver:
-    """The same target and connector, stepped directly: no checks, no oracle."""
-
-    def __init__(self, n: int) -> None:
-        cfg = bench_config(n)
-        content = KVContent(cfg.num_blocks, cfg.block_size)
-        self.env = EnvConnector(content, lambda rid: self.target.observe_request(rid))
-        self.target = make_target("impl", cfg, self.env)
-        self.requests = self.target.scheduler.requests
-        self.workload = Workload()
-        self.live: set[str] = set()
-        self.n = n
-
-    def _top_up(self) -> None:
-        while len(self.live) < self.n:
-            rid, prompt = self.workload.next()
-            spec = RequestSpec(rid, tuple(prompt), MAX_TOKENS)
-            self.env.plan(spec)
-            self.target.add_request(spec)
-            self.live.add(rid)
-
-    def step(self) -> None:
-        self._top_up()
-        step = self.target.schedule()
-        sampled = {}
-        for rid, n in step.num_scheduled_tokens.items():
-            num_tokens = self.requests[rid].num_tokens
-            if step.num_computed_before[rid] + n >= num_tokens:
-                sampled[rid] = (sampled_token(rid, num_tokens),)
-        self.target.update_from_output(WorkerOutcome(sampled_token_ids=sampled))
-        self.live = {rid for rid in self.live if rid in self.requests}
-
-
-def measure(driver, seconds: float) -> dict:
-    for _ in range(WARMUP_STEPS):  # fill the batch: the first steps are all prefill
-        driver.step()
-    steps = 0
-    start = time.perf_counter()
-    deadline = start + seconds
-    while True:
-        driver.step()
-        steps += 1
-        now = time.perf_counter()
-        if now >= deadline:
-            break
-    elapsed = now - start
-    return {"steps": steps, "seconds": round(elapsed, 4),
-            "steps_per_s": round(steps / elapsed, 2),
-            "requests_started": driver.workload.count}
-
-
-def git_commit() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for n in args.concurrency:
-        bare = measure(BareDriver(n), args.seconds)
-        checked = measure(CheckedDriver(n), args.seconds)
+        bare = measure(lambda: BareDriver("impl", n, (1, 999)), args.seconds)
+        checked = measure(lambda: CheckedDriver("impl", n, (1, 999)), args.seconds)
         ratio = checked["steps_per_s"] / bare["steps_per_s"] if bare["steps_per_s"] else None
         rows.append({"concurrency": n, "bare": bare, "checked": checked,
                      "checked_over_bare": round(ratio, 5) if ratio is not None else None})
