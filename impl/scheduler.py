@@ -243,9 +243,8 @@ class Scheduler:
         blocked = False
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.pop()
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS \
-                    and not self._finish_remote_load(request):
-                skipped.append(request)
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                skipped.append(request)  # finished loads left this status at the top of schedule()
                 continue
             # Past a blocked head only requests that already hold their KV may
             # go: they need little and free what they hold when they finish.

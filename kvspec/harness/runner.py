@@ -149,8 +149,8 @@ class Runner:
         self.env.plan(spec)
         before = self.obs
         self.target.add_request(spec)
-        return self._settle(self.target.observe(), Transition("add", before, self.target.observe(),
-                                                              request_id=spec.request_id))
+        after = self.target.observe()
+        return self._settle(after, Transition("add", before, after, request_id=spec.request_id))
 
     def _do_step(self, a: dict) -> list[Violation]:
         before = self.obs
@@ -209,8 +209,9 @@ class Runner:
         if not num:
             return {}
         drafts = {}
-        for rid in self.target.observe().running:
-            r = self.target.observe_request(rid)
+        obs = self.target.observe()
+        for rid in obs.running:
+            r = obs.requests[rid]
             if r.num_computed_tokens == r.num_tokens - 1:  # decoding
                 drafts[rid] = [draft_token(rid, r.num_tokens + k, k) for k in range(num)]
         return drafts
