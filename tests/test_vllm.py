@@ -30,11 +30,7 @@ from kvspec.harness.replay import replay_trace  # noqa: E402
 FINDINGS = Path(__file__).resolve().parent.parent / "docs" / "findings"
 
 
-def installed_version() -> str:
-    return installed_vllm_version()
-
-
-VERSION = installed_version()
+VERSION = installed_vllm_version()
 CASES = [pytest.param(finding, trace, id=f"{finding.id}/{trace}")
          for finding in accepted_for(VERSION) for trace in finding.traces]
 
