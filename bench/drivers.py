@@ -138,3 +138,46 @@ def git_commit() -> str:
         return rev + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def compare(target: str, n: int, seconds: float, token_range: tuple[int, int]) -> dict:
+    """Bare, then checked, stepping of one configuration, side by side."""
+    bare = measure(lambda: BareDriver(target, n, token_range), seconds)
+    checked = measure(lambda: CheckedDriver(target, n, token_range), seconds)
+    ratio = checked["steps_per_s"] / bare["steps_per_s"] if bare["steps_per_s"] else None
+    return {"concurrency": n, "bare": bare, "checked": checked,
+            "checked_over_bare": round(ratio, 5) if ratio is not None else None,
+            "overhead_x": round(1 / ratio, 2) if ratio else None}
+
+
+def environment(seconds: float) -> dict:
+    import datetime as dt
+    import platform
+    import sys
+    return {"python": sys.version.split()[0],
+            "implementation": platform.python_implementation(),
+            "platform": platform.platform(),
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "git_commit": git_commit(),
+            "seconds_per_measurement": seconds,
+            "warmup_steps": WARMUP_STEPS}
+
+
+WORKLOAD = {"block_size": BLOCK_SIZE, "prompt_len": PROMPT_LEN,
+            "shared_prefix_len": PREFIX_LEN, "num_prefixes": NUM_PREFIXES,
+            "max_tokens": MAX_TOKENS, "max_model_len": PROMPT_LEN + MAX_TOKENS + BLOCK_SIZE,
+            "max_num_batched_tokens": "max(4 * N, 64)",
+            "num_blocks": "N * ceil((prompt_len + max_tokens) / block_size) + N"}
+
+
+def write_and_print(result: dict, out: Path) -> None:
+    import json
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(f"{'N':>5}  {'bare steps/s':>13}  {'checked steps/s':>16}  {'checked/bare':>12}")
+    for row in result["results"]:
+        ratio = row["checked_over_bare"]
+        print(f"{row['concurrency']:>5}  {row['bare']['steps_per_s']:>13.2f}  "
+              f"{row['checked']['steps_per_s']:>16.2f}  "
+              f"{(f'{ratio:.4f}' if ratio is not None else 'n/a'):>12}")
+    print(f"wrote {out}")
