@@ -75,6 +75,11 @@ def _check_admissions(t: Transition, step: StepView):
         r = t.after.requests.get(rid)
         if r is not None and r.num_preemptions < 1:
             yield f"{rid} reported resumed but was never preempted"
+    for rid, start in step.num_computed_before.items():
+        was, r = t.before.requests.get(rid), t.after.requests.get(rid)
+        if was is not None and r is not None and not was.has_stats and r.has_stats \
+                and r.num_cached_tokens != start:
+            yield f"{rid}: first scheduled at {start} computed, but num_cached={r.num_cached_tokens}"
 
 
 def _check_victims(before: Observation, preempted):

@@ -51,7 +51,13 @@ def compute_first_stats(num_local, num_external, num_tokens):
     """Stats at the first scheduling: what counts as computed, and how much of it
     came from the external store (the full-hit rule takes the last token back)."""
     num_cached = compute_num_computed_after_hit(num_local, num_external, num_tokens)
-    return num_cached, Max(0, Min(num_external, num_cached - num_local))
+    return num_cached, compute_first_external(num_cached, num_local, num_external)
+
+
+def compute_first_external(num_cached, num_local, num_external):
+    """The external part of the first scheduling's hits: the connector's answer,
+    less whatever of it the scheduling did not count as computed."""
+    return Max(0, Min(num_external, num_cached - num_local))
 
 
 def compute_owner_flags(affected):

@@ -14,6 +14,7 @@ from typing import Iterator
 
 import attrs
 
+from kvspec.spec.arith import compute_first_external
 from kvspec.spec.predicates import (is_blocks_cover_computed, is_cached_le_computed,
                                     is_computed_within_tokens, is_free_iff_unreferenced,
                                     is_ref_count_of_holders, is_stats_ordered,
@@ -30,6 +31,8 @@ class Ghost:
     stats: dict[str, tuple[int, int]] = attrs.Factory(dict)
     #: requests a load failure was reported for (recovery may lower their stats)
     recovered: set[str] = attrs.Factory(set)
+    #: the connector's answer (num_local, num_external) when the stats were set
+    first_hits: dict[str, tuple[int, int]] = attrs.Factory(dict)
 
 
 @attrs.define
@@ -87,6 +90,28 @@ def stats_set_exactly_once(ctx: Context):
         if now != first:
             yield (f"{r.request_id}: stats set to {first}, changed to {now}; only failure "
                    f"recovery may change them, lowering both as compute_lowered_stats says")
+
+
+@invariant(cites="#36533, #36755 (seed 001)")
+def stats_are_the_first_hits(ctx: Context):
+    """The external part of the stats is what the connector answered at the first
+    scheduling, less what that scheduling did not count as computed
+    (``compute_first_external`` of the recorded ``num_cached_tokens``), unless a
+    load failure has touched the request since (recovery lowers it).
+
+    Protects what operators read as the external cache's hit rate: the bounds
+    alone (ordered, set once) admit any external count up to the cached one, so a
+    scheduler could under- or over-report the connector's hits and no other
+    claim would notice. (``num_cached_tokens`` itself is pinned by
+    ``schedule_relation``: the computed prefix the first scheduling starts from.)"""
+    for r in ctx.live():
+        first, hits = ctx.ghost.stats.get(r.request_id), ctx.ghost.first_hits.get(r.request_id)
+        if first is None or hits is None or r.request_id in ctx.ghost.recovered:
+            continue
+        expected = compute_first_external(first[0], hits[0], hits[1])
+        if first[1] != expected:
+            yield (f"{r.request_id}: {first[1]} external hits recorded, but the connector "
+                   f"answered {hits[1]} beyond {hits[0]} local for {first[0]} cached: {expected}")
 
 
 @invariant(cites="#34616", established_by=("hypothesis", "z3"))

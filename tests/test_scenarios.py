@@ -153,3 +153,59 @@ def test_waiter_does_not_resume_over_blocks_not_yet_recomputed():
             block_size=2, num_blocks=16, max_num_batched_tokens=32,
             long_prefill_token_threshold=2)
     assert not r.obs.requests
+
+
+def test_async_load_failing_on_its_last_block_is_found():
+    # Block size 3, four tokens loaded: the load spans two blocks and the second
+    # fails. Recovery must scan every block under the load's target, the last,
+    # partial one included.
+    r = run([{"op": "add", "id": "r0", "prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 2,
+              "ext": 4, "async": True},
+             {"op": "step"}, {"op": "step", "finish_loads": ["r0"], "fail": ["r0"],
+                              "fail_offset": 1}],
+            block_size=3, num_blocks=8)
+    assert r.obs.requests["r0"].num_computed_tokens == 3
+    r.apply({"op": "drain"})
+    assert not r.obs.requests
+
+
+def test_threshold_of_one_token_caps_competing_prefills():
+    r = run([{"op": "add", "id": "r0", "prompt": [20, 21, 22, 23, 24, 25], "max_tokens": 1},
+             {"op": "add", "id": "r1", "prompt": [30, 31, 32, 33, 34, 35], "max_tokens": 1},
+             {"op": "step"}],
+            block_size=2, num_blocks=12, max_num_batched_tokens=4,
+            long_prefill_token_threshold=1)
+    assert all(r.obs.requests[rid].num_computed_tokens <= 2 for rid in ("r0", "r1"))
+    r.apply({"op": "drain"})
+
+
+@pytest.mark.parametrize("owner, waiter", [("r0", "r1"), ("z", "a")])
+def test_shared_failed_block_owner_whatever_its_name(owner, waiter):
+    # The owner is the first affected request in scan order, not by id.
+    prompt = [1, 2, 3, 4, 5, 6]
+    r = run([{"op": "add", "id": owner, "prompt": prompt + [7], "max_tokens": 3, "ext": 6},
+             {"op": "add", "id": waiter, "prompt": prompt + [8], "max_tokens": 3},
+             {"op": "step", "fail": [owner], "fail_offset": 1}, {"op": "drain"}],
+            block_size=2, num_blocks=12, max_num_batched_tokens=32,
+            long_prefill_token_threshold=2)
+    assert not r.obs.requests
+
+
+@pytest.mark.parametrize("block_size", [2, 3])
+@pytest.mark.parametrize("failed_block", [0, 1, 2])
+def test_chunked_owner_and_waiters_past_the_first_block(block_size, failed_block):
+    # The store holds the whole shared prefix and one of its blocks fails; the
+    # owner recomputes chunk by chunk while two waiters hold the same blocks.
+    # A waiter truncated at a later block must still wait for exactly that block.
+    prompt = list(range(1, 3 * block_size + 1))
+    r = run([{"op": "add", "id": "r0", "prompt": prompt + [40], "max_tokens": 3,
+              "ext": len(prompt)},
+             {"op": "add", "id": "r1", "prompt": prompt + [41], "max_tokens": 3},
+             {"op": "add", "id": "r2", "prompt": prompt + [42], "max_tokens": 3},
+             {"op": "add", "id": "r3", "prompt": [30, 31], "max_tokens": 6},
+             {"op": "step", "fail": ["r0"], "fail_offset": failed_block},
+             {"op": "step"}, {"op": "abort", "id": "r3"}, {"op": "step"}, {"op": "step"},
+             {"op": "drain"}],
+            block_size=block_size, num_blocks=24, max_num_batched_tokens=64,
+            long_prefill_token_threshold=block_size - 1)
+    assert not r.obs.requests

@@ -66,6 +66,8 @@ class EnvConnector:
         self.none_left: dict[str, int] = {}
         self._num_local: dict[str, int] = {}
         self.offloaded: dict[str, int] = {}
+        #: the latest answer per request: (num_local, num_external)
+        self.answers: dict[str, tuple[int, int]] = {}
 
     def note_computed(self, request_id: str, num_computed: int, num_tokens: int) -> None:
         """An offloading store saves a running request's computed prefix."""
@@ -88,6 +90,7 @@ class EnvConnector:
         self._num_local[rid] = num_computed_tokens
         stored = max(plan.ext, self.offloaded.get(rid, 0))
         num_external = max(0, stored - num_computed_tokens)
+        self.answers[rid] = (num_computed_tokens, num_external)
         return num_external, plan.load_async and num_external > 0
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens: int) -> None:

@@ -13,6 +13,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvspec.harness.machine import machine_for
+from kvspec.harness.minimize import minimize
 from kvspec.harness.profiles import FULL
 from kvspec.harness.runner import ALL_KINDS, Counterexample
 from kvspec.harness.trace import save_trace
@@ -65,16 +66,28 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
                 verbosity=Verbosity.quiet, print_blob=False,
                 phases=(Phase.reuse, Phase.generate, Phase.shrink)))
         except Exception:  # the machine raised: the saved trace holds the shrunk example
-            result.counterexample = state["last"]
-            result.trace_path = trace_path if state["last"] is not None else None
             if state["last"] is None:
                 raise
+            result.counterexample = _minimized(target, state["last"], kinds, seed, trace_path)
+            result.trace_path = trace_path
             break
         finally:
             _collect(result, machine, start)
             if progress:
                 progress(result)
     return result
+
+
+def _minimized(target: str, shrunk: Counterexample, kinds, seed: int,
+               trace_path: Path) -> Counterexample:
+    """Hypothesis' shrunk example, minimized further at the trace level; the
+    saved trace is replaced only by a smaller one that still fails."""
+    smaller = minimize(target, shrunk.runner.config, shrunk, kinds)
+    if smaller is not shrunk:
+        r = smaller.runner
+        save_trace(trace_path, target=target, config=r.config, actions=list(r.actions),
+                   violations=smaller.violations, steps=r.log, seed=seed)
+    return smaller
 
 
 def _collect(result: FuzzResult, machine, start: float) -> None:

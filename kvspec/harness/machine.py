@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Callable
 
+import attrs
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
@@ -24,6 +25,34 @@ MAX_REQUESTS = 8
 # Faults and events name requests by index; most counterexamples involve the
 # first few requests, so draw from those (a larger range rarely hits a live one).
 ids = st.sets(st.integers(0, 3), max_size=2)
+
+
+@attrs.frozen
+class Swarm:
+    """Run-level shape of the environment, drawn once per run (swarm testing,
+    Groce et al., ISSTA 2012): a run that turns some behaviour on for every
+    request, or off for all, reaches compound states (an offloading store, a
+    preemption, a reload that fails) far more often than one that flips an
+    independent coin for each request. Hypothesis already swarms the rules."""
+
+    #: "offloading": every request's store keeps what it computes (LMCache-like);
+    #: "plain": none does; "mixed": each request draws
+    store: str = "mixed"
+    #: "sync" / "async": every load runs that way; "mixed": each request draws
+    loads: str = "mixed"
+    #: out of 4: the odds that a step fails every load in flight
+    fault_odds: int = 1
+
+    def offload(self, drawn: bool) -> bool:
+        return {"offloading": True, "plain": False}.get(self.store, drawn)
+
+    def load_async(self, drawn: bool) -> bool:
+        return {"sync": False, "async": True}.get(self.loads, drawn)
+
+
+swarms = st.builds(Swarm, store=st.sampled_from(["mixed", "offloading", "plain"]),
+                   loads=st.sampled_from(["mixed", "sync", "async"]),
+                   fault_odds=st.sampled_from([1, 1, 2, 3]))
 
 
 def make_prompt(index: int, prefix: int, prefix_len: int, suffix_len: int) -> list[int]:
@@ -43,6 +72,7 @@ class KVSpecMachine(RuleBasedStateMachine):
         self.runner: Runner | None = None
         self.next_index = 0
         self.failed = False
+        self.swarm = Swarm()
         type(self).stats["runs"] += 1
 
     def _apply(self, action: dict) -> None:
@@ -65,11 +95,13 @@ class KVSpecMachine(RuleBasedStateMachine):
 
     @initialize(block_size=st.sampled_from([2, 3, 4]), spare_blocks=st.integers(1, 12),
                 budget=st.integers(4, 24), max_num_seqs=st.integers(1, 4),
-                max_model_len=st.integers(12, 24), threshold=st.sampled_from([0, 0, 3, 5]),
+                max_model_len=st.integers(12, 24), threshold=st.sampled_from([0, 0, 1, 3, 5]),
                 policy=st.sampled_from(["fcfs", "priority"]),
-                failure_policy=st.sampled_from(["recompute", "recompute", "fail"]))
+                failure_policy=st.sampled_from(["recompute", "recompute", "fail"]),
+                swarm=swarms)
     def configure(self, block_size, spare_blocks, budget, max_num_seqs, max_model_len,
-                  threshold, policy, failure_policy):
+                  threshold, policy, failure_policy, swarm):
+        self.swarm = swarm
         if policy not in self.profile.policies:
             policy = self.profile.policies[0]
         if failure_policy not in self.profile.failure_policies:
@@ -93,9 +125,10 @@ class KVSpecMachine(RuleBasedStateMachine):
         prompt = prompt[:self.runner.config.max_model_len - 1]
         action = {"op": "add", "id": f"r{self.next_index}", "prompt": prompt,
                   "max_tokens": max_tokens, "priority": priority, "ext": self._ext(ext, prompt),
-                  "async": load_async, "none": none,
-                  "send": send and (self.profile.async_load_with_send or not load_async),
-                  "offload": offload}
+                  "async": self.swarm.load_async(load_async), "none": none,
+                  "send": send and (self.profile.async_load_with_send
+                                    or not self.swarm.load_async(load_async)),
+                  "offload": self.swarm.offload(offload)}
         self.next_index += 1
         self._apply(action)
 
@@ -111,14 +144,16 @@ class KVSpecMachine(RuleBasedStateMachine):
             first = k == 0
             action = {"op": "add", "id": f"r{self.next_index}", "prompt": prompt, "max_tokens": 2,
                       "ext": self._ext(ext, prompt) if first else 0,
-                      "async": load_async and first}
+                      "async": self.swarm.load_async(load_async) and first,
+                      "offload": self.swarm.offload(False)}
             self.next_index += 1
             self._apply(action)
 
-    @rule(finish_loads=ids, fail=ids, fail_all=st.sampled_from([False, False, False, True]),
+    @rule(finish_loads=ids, fail=ids, fail_roll=st.integers(0, 3),
           fail_offset=st.integers(0, 3), eos=ids, finish_sends=ids, accept=st.integers(0, 3),
           drafts=st.integers(0, 2))
-    def step(self, finish_loads, fail, fail_all, fail_offset, eos, finish_sends, accept, drafts):
+    def step(self, finish_loads, fail, fail_roll, fail_offset, eos, finish_sends, accept, drafts):
+        fail_all = fail_roll >= 4 - self.swarm.fault_odds
         if not self.profile.load_failures:
             fail, fail_all = set(), False
         self._apply({"op": "step", "finish_loads": self._ids(finish_loads),

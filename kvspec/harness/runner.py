@@ -131,12 +131,16 @@ class Runner:
             first = self.ghost.stats.get(r.request_id)
             if first is None and r.has_stats:
                 self.ghost.stats[r.request_id] = now
+                if r.request_id in self.env.answers:
+                    self.ghost.first_hits[r.request_id] = self.env.answers[r.request_id]
             elif (first is not None and r.request_id in lowered_ok and r.has_stats
                   and now != first and now[0] <= first[0]
                   and now == compute_lowered_stats(first[0], first[1], now[0])):
                 self.ghost.stats[r.request_id] = now  # lowered the one way recovery may
+        self.ghost.recovered |= lowered_ok
         for rid in [rid for rid in self.ghost.stats if rid not in obs.requests]:
             del self.ghost.stats[rid]
+            self.ghost.first_hits.pop(rid, None)
 
     # -- actions --------------------------------------------------------------
     def _do_add(self, a: dict) -> list[Violation]:
