@@ -40,7 +40,10 @@ WHY = {
         "past that bound goes unnoticed and the request keeps garbage: the oracle sees the "
         "request finished on output computed from invalid KV (`update_from_output_relation`) "
         "or counting it (`computed_means_valid`). Needs preemption, offload and a failing "
-        "reload together: the hardest mutant to reach by sampling."),
+        "reload together: the hardest mutant to reach by sampling. Flipping a coin per "
+        "request for offload and sync loads, the fuzzer missed it within 60 s; with the "
+        "run-level swarm shape (an offloading store for every request, all loads sync, "
+        "frequent faults) it is found in seconds."),
     "shared_block_recomputed_by_none": (
         "The second holder of a failed shared block keeps it as computed and reads it before "
         "anyone recomputed it: `computed_means_valid` at the end of that step."),
@@ -75,9 +78,12 @@ def main() -> None:
              "Each historical bug of this area, put back into the reference implementation as "
              "a mutant (`kvspec targets` lists them as `mutant:<name>`). `kvspec zoo` fuzzes each "
              "with a budget and records who caught it; then again with only the data oracle's "
-             "invariants enabled. Times are to the first failing example (detection); steps are "
-             "rows of the shrunk step table. Shrunk traces are committed under "
-             "`model_tests/regressions/` and replayed by the test suite.", "",
+             "invariants enabled. Times are to the first failing example (detection); 'with "
+             "shrink' adds Hypothesis' shrinking and the trace-level minimization; steps are "
+             "rows of the minimized step table (healed-phase steps included). The traces are "
+             "committed under `model_tests/regressions/` and replayed by the test suite. One "
+             "run of `kvspec zoo --budget 60s --json` on one core (`taskset -c 0`) of the "
+             "2-core development machine, with a mutation run on the other core.", "",
              f"Caught: {len(caught)} of {sum(r['status'] != 'pending' for r in rows)}; "
              f"median time to detection {statistics.median(times):.2f} s, "
              f"max {max(times):.2f} s." if times else "", "",

@@ -179,14 +179,17 @@ def test_threshold_of_one_token_caps_competing_prefills():
     r.apply({"op": "drain"})
 
 
-@pytest.mark.parametrize("owner, waiter", [("r0", "r1"), ("z", "a")])
-def test_shared_failed_block_owner_whatever_its_name(owner, waiter):
-    # The owner is the first affected request in scan order, not by id.
+@pytest.mark.parametrize("owner, waiters", [("r0", ("r1", "r2")), ("z", ("a", "b"))])
+def test_shared_failed_block_owner_whatever_its_name(owner, waiters):
+    # The owner is the first affected request in scan order, whatever the ids;
+    # exactly one request recomputes the failed block, the others wait.
     prompt = [1, 2, 3, 4, 5, 6]
-    r = run([{"op": "add", "id": owner, "prompt": prompt + [7], "max_tokens": 3, "ext": 6},
-             {"op": "add", "id": waiter, "prompt": prompt + [8], "max_tokens": 3},
-             {"op": "step", "fail": [owner], "fail_offset": 1}, {"op": "drain"}],
-            block_size=2, num_blocks=12, max_num_batched_tokens=32,
+    r = run([{"op": "add", "id": owner, "prompt": prompt + [7], "max_tokens": 3, "ext": 6}]
+            + [{"op": "add", "id": w, "prompt": prompt + [8 + k], "max_tokens": 3}
+               for k, w in enumerate(waiters)]
+            + [{"op": "step", "fail": [owner], "fail_offset": 1}, {"op": "step"},
+               {"op": "step"}, {"op": "drain"}],
+            block_size=2, num_blocks=16, max_num_batched_tokens=32,
             long_prefill_token_threshold=2)
     assert not r.obs.requests
 

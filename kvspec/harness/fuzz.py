@@ -82,7 +82,7 @@ def _minimized(target: str, shrunk: Counterexample, kinds, seed: int,
                trace_path: Path) -> Counterexample:
     """Hypothesis' shrunk example, minimized further at the trace level; the
     saved trace is replaced only by a smaller one that still fails."""
-    smaller = minimize(target, shrunk.runner.config, shrunk, kinds)
+    smaller = minimize(target, shrunk, kinds)
     if smaller is not shrunk:
         r = smaller.runner
         save_trace(trace_path, target=target, config=r.config, actions=list(r.actions),

@@ -106,6 +106,8 @@ class KVSpecMachine(RuleBasedStateMachine):
             policy = self.profile.policies[0]
         if failure_policy not in self.profile.failure_policies:
             failure_policy = self.profile.failure_policies[0]
+        if 0 < threshold < self.profile.min_prefill_threshold:
+            threshold = self.profile.min_prefill_threshold
         # The pool always fits one request of max_model_len, as vLLM checks at start-up.
         num_blocks = -(-max_model_len // block_size) + spare_blocks
         config = make_config(block_size=block_size, num_blocks=num_blocks,

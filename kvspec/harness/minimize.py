@@ -3,14 +3,17 @@
 Hypothesis shrinks the choices behind a run; it does not know that most actions
 of a trace are independent of each other, and a counterexample can come back
 with arrivals or fault flags the failure does not need. This pass works on the
-trace itself, the way delta debugging does: drop one action, or one argument of
-a step, replay, and keep the change when the target still violates one of the
-claims the original trace violated. Replays are deterministic, so the result
-replays exactly as saved.
+trace itself, the way delta debugging does: drop one action or one argument of a
+step, or relax the configuration so requests finish in fewer steps; replay; keep
+the change when the target still violates one of the claims the original trace
+violated and the step table got shorter. Replays are deterministic, so the
+result replays exactly as saved.
 """
 from __future__ import annotations
 
 import time
+
+import attrs
 
 from kvspec.harness.runner import ALL_KINDS, Counterexample, Runner
 from kvspec.spec.state import Config
@@ -18,6 +21,8 @@ from kvspec.spec.state import Config
 #: step arguments worth trying without, most likely to be noise first
 STEP_ARGS = ("drafts", "accept", "eos", "finish_sends", "fail_offset", "fail", "fail_all",
              "finish_loads")
+#: arrival arguments worth trying without
+ADD_FLAGS = ("priority", "none", "send", "offload", "async", "ext")
 
 
 def replay_actions(target: str, config: Config, actions: list[dict],
@@ -32,34 +37,73 @@ def replay_actions(target: str, config: Config, actions: list[dict],
     return None
 
 
-def _candidates(actions: list[dict]):
-    """Smaller traces: one action less (latest first), then one step argument less."""
+def _candidates(config: Config, actions: list[dict]):
+    """Smaller traces: one action less (latest first), one step argument less, a
+    simpler arrival, then a configuration that runs requests in fewer steps."""
     for i in reversed(range(len(actions))):
         if actions[i]["op"] != "drain":
-            yield actions[:i] + actions[i + 1:]
+            yield config, actions[:i] + actions[i + 1:]
     for i, action in enumerate(actions):
         if action["op"] != "step":
             continue
         for key in STEP_ARGS:
             if action.get(key):
-                yield actions[:i] + [{k: v for k, v in action.items() if k != key}] + actions[i + 1:]
+                yield config, (actions[:i] + [{k: v for k, v in action.items() if k != key}]
+                               + actions[i + 1:])
+    for i, action in enumerate(actions):
+        if action["op"] == "add":
+            for simpler in _add_simplifications(action):
+                yield config, actions[:i] + [simpler] + actions[i + 1:]
+    for changes in _config_simplifications(config):
+        yield attrs.evolve(config, **changes), actions
 
 
-def minimize(target: str, config: Config, failure: Counterexample, kinds=ALL_KINDS,
+def _add_simplifications(action: dict):
+    """An arrival with a flag less, one prompt token less, or a single output."""
+    for key in ADD_FLAGS:
+        if action.get(key):
+            yield {k: v for k, v in action.items() if k != key}
+    prompt = action["prompt"]
+    if len(prompt) > 1:
+        yield {**action, "prompt": prompt[:-1], "ext": min(action.get("ext", 0), len(prompt) - 1)}
+    if action.get("max_tokens", 1) > 1:
+        yield {**action, "max_tokens": 1}
+
+
+def _config_simplifications(config: Config):
+    """No long-prefill cap, FCFS, a larger token budget: each makes prefills finish
+    in fewer steps, so the healed phase's step table gets shorter."""
+    if config.long_prefill_token_threshold:
+        yield {"long_prefill_token_threshold": 0}
+    if config.policy != "fcfs":
+        yield {"policy": "fcfs"}
+    if config.max_num_batched_tokens < 2 * config.max_model_len:
+        yield {"max_num_batched_tokens": 2 * config.max_model_len}
+
+
+def _size(failure: Counterexample) -> tuple[int, int]:
+    return len(failure.runner.log), len(failure.runner.actions)
+
+
+def minimize(target: str, failure: Counterexample, kinds=ALL_KINDS,
              time_limit: float = 20.0) -> Counterexample:
     """The smallest trace reached greedily that still violates one of
     ``failure``'s claims (the original failure if nothing smaller does)."""
     claims = {v.invariant for v in failure.violations}
-    best, actions = failure, list(failure.runner.actions)
+    best = failure
     deadline = time.monotonic() + time_limit
     improved = True
     while improved and time.monotonic() < deadline:
         improved = False
-        for candidate in _candidates(actions):
+        for cfg, candidate in _candidates(best.runner.config, list(best.runner.actions)):
             if time.monotonic() >= deadline:
                 break
-            found = replay_actions(target, config, candidate, kinds)
-            if found is not None and claims & {v.invariant for v in found.violations}:
-                best, actions, improved = found, list(found.runner.actions), True
+            try:
+                found = replay_actions(target, cfg, candidate, kinds)
+            except (ValueError, TypeError):  # a configuration the target refuses
+                continue
+            if (found is not None and claims & {v.invariant for v in found.violations}
+                    and _size(found) < _size(best)):
+                best, improved = found, True
                 break
     return best

@@ -22,6 +22,8 @@ class EnvProfile:
     load_failures: bool = True
     #: a request may both load asynchronously and send its KV when finished
     async_load_with_send: bool = True
+    #: a positive long_prefill_token_threshold is never drawn below this
+    min_prefill_threshold: int = 0
     #: why each restriction is there (accepted finding ids)
     because: tuple[str, ...] = ()
 

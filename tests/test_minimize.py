@@ -1,0 +1,48 @@
+"""The trace-level minimizer: smaller, still failing the same claim, replayable."""
+import json
+from pathlib import Path
+
+from kvspec.harness.minimize import minimize, replay_actions
+from kvspec.harness.trace import load_trace, save_trace
+
+REGRESSION = Path(__file__).parents[1] / "model_tests" / "regressions" / "cache_failed_block.json"
+TARGET = "mutant:cache_failed_block"
+
+
+def padded_failure():
+    data = load_trace(REGRESSION)
+    noise = [{"op": "add", "id": "x0", "prompt": [50, 51, 52, 53], "max_tokens": 1,
+              "priority": 1},
+             {"op": "step", "eos": ["x0"], "drafts": 2, "accept": 1},
+             {"op": "reset_prefix_cache"}]
+    failure = replay_actions(TARGET, data["config"], noise + data["actions"])
+    assert failure is not None
+    return data, failure
+
+
+def test_minimized_trace_is_smaller_and_fails_the_same_claim():
+    data, failure = padded_failure()
+    smaller = minimize(TARGET, failure)
+    claim = data["verdict"][0]["invariant"]
+    assert claim in {v.invariant for v in smaller.violations}
+    assert len(smaller.runner.log) < len(failure.runner.log)
+    assert not any(a["id"].startswith("x") for a in smaller.runner.actions if a["op"] == "add")
+
+
+def test_minimized_trace_replays_identically(tmp_path):
+    _, failure = padded_failure()
+    smaller = minimize(TARGET, failure)
+    r = smaller.runner
+    path = save_trace(tmp_path / "t.json", target=TARGET, config=r.config,
+                      actions=list(r.actions), violations=smaller.violations, steps=r.log)
+    again = replay_actions(TARGET, load_trace(path)["config"], json.loads(path.read_text())["actions"])
+    assert [(v.invariant, v.message) for v in again.violations] == \
+        [(v.invariant, v.message) for v in smaller.violations]
+
+
+def test_nothing_smaller_keeps_the_original():
+    data = load_trace(REGRESSION)
+    failure = replay_actions(TARGET, data["config"], data["actions"])
+    smaller = minimize(TARGET, failure)
+    assert len(smaller.runner.log) <= len(failure.runner.log)
+    assert {v.invariant for v in smaller.violations} & {v.invariant for v in failure.violations}
