@@ -212,3 +212,26 @@ def test_chunked_owner_and_waiters_past_the_first_block(block_size, failed_block
             block_size=block_size, num_blocks=24, max_num_batched_tokens=64,
             long_prefill_token_threshold=block_size - 1)
     assert not r.obs.requests
+
+
+def test_one_token_prompt_fully_loaded_gives_its_block_back_while_waiting():
+    # Nothing of a one-token prompt can be kept (its only token is recomputed):
+    # while the seat is taken, the finished load must not hold its block.
+    r = run([{"op": "add", "id": "r0", "prompt": [5], "max_tokens": 1, "ext": 1,
+              "async": True},
+             {"op": "add", "id": "r1", "prompt": [20, 21, 22, 23], "max_tokens": 4},
+             {"op": "step"}, {"op": "step", "finish_loads": ["r0"]}, {"op": "step"},
+             {"op": "drain"}],
+            block_size=2, num_blocks=12, max_num_seqs=1)
+    assert not r.obs.requests
+
+
+def test_drafts_near_max_model_len_are_cut_below_it():
+    # Every decode step proposes two drafts, all rejected, so decoding advances one
+    # token a step; near max_model_len the scheduler
+    # must drop the drafts that would run a position at max_model_len - 1 or past.
+    r = run([{"op": "add", "id": "r0", "prompt": list(range(1, 9)), "max_tokens": 6}]
+            + [{"op": "step", "drafts": 2} for _ in range(5)]
+            + [{"op": "drain"}],
+            block_size=2, num_blocks=12, max_model_len=12)
+    assert not r.obs.requests
