@@ -20,3 +20,10 @@ def test_regression_fails_on_its_target_and_passes_on_impl(path):
     replay = replay_trace(path)
     assert {v.invariant for v in replay.violations} == recorded
     assert not replay_trace(path, "impl").violations
+
+
+@pytest.mark.parametrize("path", REGRESSIONS, ids=[p.stem for p in REGRESSIONS])
+def test_regression_is_short(path):
+    # The bug zoo's bar: a counterexample a reviewer reads in one screen, at most
+    # 12 rows of the step table (healed-phase steps included).
+    assert len(replay_trace(path).steps) <= 12
