@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import attrs
 
-from kvspec.spec.logic import And, If, Implies, Not
+from kvspec.spec.logic import And, If, Not
 from kvspec.spec.predicates import is_free_iff_unreferenced, is_ref_count_of_holders
 
 NUM_REQUESTS, NUM_BLOCKS = 3, 8

@@ -1,5 +1,4 @@
 """Bad input: clear errors, state unchanged, contract violations told apart."""
-import json
 import subprocess
 import sys
 

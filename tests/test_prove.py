@@ -7,7 +7,6 @@ from kvspec.harness.replay import replay_trace
 from kvspec.harness.z3_traces import TRACE_BUILDERS, is_seed_kind, write_trace
 from kvspec.spec import arith
 from kvspec.spec.effects import Counters, request_invariants
-from kvspec.spec.invariants import Context, Ghost
 from kvspec.spec.prove import OBLIGATIONS, check, check_all
 from kvspec.spec.registry import REGISTRY
 

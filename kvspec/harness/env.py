@@ -64,9 +64,9 @@ class EnvConnector:
         self.observe_request = observe_request
         self.plans: dict[str, RequestSpec] = {}
         self.none_left: dict[str, int] = {}
-        self._num_local: dict[str, int] = {}
         self.offloaded: dict[str, int] = {}
-        #: the latest answer per request: (num_local, num_external)
+        #: the latest answer per request: (num_local, num_external); a load
+        #: starts at num_local
         self.answers: dict[str, tuple[int, int]] = {}
 
     def note_computed(self, request_id: str, num_computed: int, num_tokens: int) -> None:
@@ -87,7 +87,6 @@ class EnvConnector:
         if self.none_left.get(rid, 0) > 0:
             self.none_left[rid] -= 1
             return None, False
-        self._num_local[rid] = num_computed_tokens
         stored = max(plan.ext, self.offloaded.get(rid, 0))
         num_external = max(0, stored - num_computed_tokens)
         self.answers[rid] = (num_computed_tokens, num_external)
@@ -97,7 +96,7 @@ class EnvConnector:
         if num_external_tokens <= 0:
             return
         view = self.observe_request(request.request_id)
-        start = self._num_local.get(request.request_id, 0)
+        start, _ = self.answers.get(request.request_id, (0, 0))
         self.content.add_load(view, block_ids[0], start, num_external_tokens,
                               self.plans[request.request_id].load_async)
 

@@ -45,12 +45,15 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
     result = FuzzResult(target, seed, 0.0, 0, 0, {})
     state = {"last": None}
 
-    def save_first(exc: Counterexample) -> None:
-        if result.first_seen is None:
-            result.first_seen = time.monotonic() - start
+    def save(exc: Counterexample) -> None:
         r = exc.runner
         save_trace(trace_path, target=target, config=r.config, actions=list(r.actions),
                    violations=exc.violations, steps=r.log, seed=seed)
+
+    def save_first(exc: Counterexample) -> None:
+        if result.first_seen is None:
+            result.first_seen = time.monotonic() - start
+        save(exc)
         state["last"] = exc
 
     machine = machine_for(target, on_counterexample=save_first, kinds=kinds, profile=profile)
@@ -68,7 +71,11 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
         except Exception:  # the machine raised: the saved trace holds the shrunk example
             if state["last"] is None:
                 raise
-            result.counterexample = _minimized(target, state["last"], kinds, seed, trace_path)
+            # Minimize Hypothesis' shrunk example at the trace level; the saved
+            # trace is replaced only by a smaller one that still fails.
+            result.counterexample = minimize(target, state["last"], kinds)
+            if result.counterexample is not state["last"]:
+                save(result.counterexample)
             result.trace_path = trace_path
             break
         finally:
@@ -76,18 +83,6 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
             if progress:
                 progress(result)
     return result
-
-
-def _minimized(target: str, shrunk: Counterexample, kinds, seed: int,
-               trace_path: Path) -> Counterexample:
-    """Hypothesis' shrunk example, minimized further at the trace level; the
-    saved trace is replaced only by a smaller one that still fails."""
-    smaller = minimize(target, shrunk, kinds)
-    if smaller is not shrunk:
-        r = smaller.runner
-        save_trace(trace_path, target=target, config=r.config, actions=list(r.actions),
-                   violations=smaller.violations, steps=r.log, seed=seed)
-    return smaller
 
 
 def _collect(result: FuzzResult, machine, start: float) -> None:

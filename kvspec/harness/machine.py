@@ -125,11 +125,11 @@ class KVSpecMachine(RuleBasedStateMachine):
                     load_async, none, send, offload):
         prompt = make_prompt(self.next_index, prefix, prefix_len, suffix_len)
         prompt = prompt[:self.runner.config.max_model_len - 1]
+        load_async = self.swarm.load_async(load_async)
         action = {"op": "add", "id": f"r{self.next_index}", "prompt": prompt,
                   "max_tokens": max_tokens, "priority": priority, "ext": self._ext(ext, prompt),
-                  "async": self.swarm.load_async(load_async), "none": none,
-                  "send": send and (self.profile.async_load_with_send
-                                    or not self.swarm.load_async(load_async)),
+                  "async": load_async, "none": none,
+                  "send": send and (self.profile.async_load_with_send or not load_async),
                   "offload": self.swarm.offload(offload)}
         self.next_index += 1
         self._apply(action)

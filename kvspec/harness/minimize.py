@@ -28,13 +28,7 @@ ADD_FLAGS = ("priority", "none", "send", "offload", "async", "ext")
 def replay_actions(target: str, config: Config, actions: list[dict],
                    kinds=ALL_KINDS) -> Counterexample | None:
     """Run ``actions`` on a fresh target; the counterexample, or None if all hold."""
-    runner = Runner(target, config, kinds)
-    try:
-        for action in actions:
-            runner.apply(action)
-    except Counterexample as exc:
-        return exc
-    return None
+    return Runner(target, config, kinds).run(actions)
 
 
 def _candidates(config: Config, actions: list[dict]):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import attrs
 
-from kvspec.harness.runner import Counterexample, Runner
+from kvspec.harness.runner import Runner
 from kvspec.harness.targets import UnknownTarget
 from kvspec.harness.trace import TraceError, load_trace
 
@@ -26,15 +26,11 @@ def replay_trace(path: Path, target: str | None = None) -> ReplayOutcome:
         runner = Runner(name, data["config"])
     except UnknownTarget as exc:
         raise TraceError(str(exc)) from None
-    violations = []
-    for action in data["actions"]:
-        try:
-            runner.apply(action)
-        except Counterexample as exc:
-            violations = exc.violations
-            break
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TraceError(f"{path}: malformed action {action!r}: {exc}") from None
+    try:
+        failure = runner.run(data["actions"])
+    except (KeyError, TypeError, ValueError) as exc:  # apply() records the action first
+        raise TraceError(f"{path}: malformed action {runner.actions[-1]!r}: {exc}") from None
+    violations = failure.violations if failure else []
     recorded = [(v["invariant"], v["message"]) for v in data.get("verdict", [])]
     got = [(v.invariant, v.message) for v in violations]
     return ReplayOutcome(name, runner.actions, violations, runner.log, recorded == got)

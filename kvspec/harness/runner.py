@@ -21,7 +21,7 @@ from kvspec.spec.arith import compute_lowered_stats
 from kvspec.spec.invariants import Context, Ghost
 from kvspec.spec.oracle import KVContent
 from kvspec.spec.registry import REGISTRY, Violation
-from kvspec.spec.state import Config, Observation, RequestStatus, StepView, WorkerOutcome
+from kvspec.spec.state import Config, Observation, StepView, WorkerOutcome
 
 
 class Counterexample(Exception):
@@ -92,6 +92,16 @@ class Runner:
         self._record(action, violations)
         if violations:
             raise Counterexample(violations, self)
+
+    def run(self, actions) -> Counterexample | None:
+        """Apply ``actions`` in order until one breaks a claim; that
+        counterexample, or None if every claim held."""
+        try:
+            for action in actions:
+                self.apply(action)
+        except Counterexample as exc:
+            return exc
+        return None
 
     def _record(self, action: dict, violations) -> None:
         requests = " ".join(describe_request(r) for r in self.obs.requests.values())
