@@ -15,21 +15,15 @@ finished request is replaced at once so ``N`` requests stay alive.
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from drivers import WORKLOAD, compare, environment, write_and_print
+from drivers import WORKLOAD, compare, environment, parse_args, write_and_print
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results.json"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seconds", type=float, default=5.0,
-                    help="wall time per configuration and mode (default 5)")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 256])
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = ap.parse_args(argv)
+    args = parse_args(__doc__, DEFAULT_OUT, argv)
 
     rows = [compare("impl", n, args.seconds, (1, 999)) for n in args.concurrency]
     result = {

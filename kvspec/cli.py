@@ -105,11 +105,7 @@ def check(target: str = typer.Option("impl", help="target to check"),
           out: Path = typer.Option(DEFAULT_OUT, help="where failing traces are saved"),
           strict: bool = typer.Option(False, help="vllm: do not step around accepted findings")):
     """Check every invariant on a target within a budget; exit 1 on a violation."""
-    try:
-        result = run_fuzz(target, budget, seed, out, DEFAULT_DB, strict)
-    except UsageError as exc:
-        fail(str(exc))
-    raise typer.Exit(report(result))
+    fuzz_and_report(target, budget, seed, out, DEFAULT_DB, strict)
 
 
 @app.command("fuzz")
@@ -120,6 +116,12 @@ def fuzz_cmd(target: str = typer.Option("impl", help="target to fuzz"),
              db: Path = typer.Option(DEFAULT_DB, help="Hypothesis example database"),
              strict: bool = typer.Option(False, help="vllm: do not step around accepted findings")):
     """Fuzz a target; every failure is saved as a trace and shown as a step table."""
+    fuzz_and_report(target, budget, seed, out, db, strict)
+
+
+def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
+                    strict: bool) -> None:
+    """What ``check`` and ``fuzz`` share: run, report, exit 1 on a violation (2 on bad input)."""
     try:
         result = run_fuzz(target, budget, seed, out, db, strict)
     except UsageError as exc:
