@@ -1,12 +1,17 @@
 """Bad input: clear errors, state unchanged, contract violations told apart."""
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from kvspec.harness.runner import Counterexample, Runner
 from kvspec.harness.target import make_config
 from kvspec.impl import Request, Scheduler, SchedulerConfig
+
+REGRESSION = (Path(__file__).resolve().parents[1] / "model_tests" / "regressions"
+              / "cache_failed_block.json")
 
 
 def make_scheduler():
@@ -69,6 +74,19 @@ def test_malformed_traces_are_one_line(tmp_path, content):
     proc = run_cli("replay", str(path))
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("action", [{"op": "add", "id": "x"},
+                                    {"op": "add", "id": "x", "prompt": "abc", "max_tokens": 1},
+                                    {"op": "abort"}])
+def test_malformed_action_is_one_line_not_a_target_crash(tmp_path, action):
+    trace = json.loads(REGRESSION.read_text())
+    trace["actions"] = [action]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(trace))
+    proc = run_cli("replay", str(path))
+    assert proc.returncode == 2, proc.stdout
+    assert "malformed action" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_missing_trace_is_one_line(tmp_path):

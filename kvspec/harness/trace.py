@@ -13,6 +13,8 @@ from kvspec.spec.state import Config, GroupSpec
 
 FORMAT = "kvspec-trace/1"
 OPS = {"add", "step", "abort", "reset_prefix_cache", "drain"}
+#: what an action must carry to be replayed, by op
+REQUIRED = {"add": {"id": str, "prompt": list, "max_tokens": int}, "abort": {"id": str}}
 
 
 class TraceError(ValueError):
@@ -63,5 +65,16 @@ def load_trace(path: Path) -> dict:
     if not isinstance(actions, list) or not all(
             isinstance(a, dict) and a.get("op") in OPS for a in actions):
         raise TraceError(f"{path}: malformed trace: actions must be a list of known ops {sorted(OPS)}")
+    for action in actions:
+        check_action(path, action)
     data["config"] = config_from_dict(data.get("config") or {})
     return data
+
+
+def check_action(path, action: dict) -> None:
+    """A replayable action carries its op's fields with the right types; a
+    malformed one is the trace's fault, not a target crash."""
+    for key, kind in REQUIRED.get(action["op"], {}).items():
+        if not isinstance(action.get(key), kind):
+            raise TraceError(f"{path}: malformed action {action!r}: "
+                             f"{key!r} must be a {kind.__name__}")
