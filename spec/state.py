@@ -40,27 +40,76 @@ class RequestStatus(enum.Enum):
                         RequestStatus.PREEMPTED)
 
 
+#: Bounds on a configuration (inclusive): wide enough for every run kvspec makes,
+#: narrow enough that no configuration allocates gigabytes or steps for hours.
+LIMITS = {"block_size": (1, 1024), "num_blocks": (1, 100_000), "groups": (1, 8),
+          "max_num_batched_tokens": (1, 1 << 20), "max_num_seqs": (1, 4096),
+          "max_model_len": (1, 1 << 16), "long_prefill_token_threshold": (0, 1 << 20)}
+#: the most KV token slots (num_blocks * block_size) a configuration may have
+MAX_KV_TOKENS = 1 << 22
+GROUP_KINDS = ("full_attention",)
+POLICIES = ("fcfs", "priority")
+FAILURE_POLICIES = ("recompute", "fail")
+
+
+def _bounded_int(instance, attribute, value) -> None:
+    lo, hi = LIMITS[attribute.name]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{attribute.name} must be an integer, got {value!r:.60}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{attribute.name} must be in {lo}..{hi}, got {value}")
+
+
+def _one_of(options):
+    def check(instance, attribute, value) -> None:
+        if not isinstance(value, str) or value not in options:
+            raise ValueError(f"{attribute.name} must be one of {', '.join(options)}, "
+                             f"got {value!r:.60}")
+    return check
+
+
+def _boolean(instance, attribute, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{attribute.name} must be true or false, got {value!r:.60}")
+
+
+def _groups(instance, attribute, value) -> None:
+    lo, hi = LIMITS["groups"]
+    if not isinstance(value, tuple) or not all(isinstance(g, GroupSpec) for g in value):
+        raise TypeError(f"groups must be a tuple of GroupSpec, got {value!r:.60}")
+    if not lo <= len(value) <= hi:
+        raise ValueError(f"groups must hold {lo} to {hi} KV cache groups, got {len(value)}")
+
+
 @attrs.frozen
 class GroupSpec:
     """One KV cache group: its kind and its block size."""
 
-    block_size: int
-    kind: str = "full_attention"
+    block_size: int = attrs.field(validator=_bounded_int)
+    kind: str = attrs.field(default="full_attention", validator=_one_of(GROUP_KINDS))
 
 
 @attrs.frozen
 class Config:
-    """The scheduler's configuration, as far as the spec needs it."""
+    """The scheduler's configuration, as far as the spec needs it. Validated
+    when built: types, positive sizes and the bounds in ``LIMITS``."""
 
-    groups: tuple[GroupSpec, ...]
-    num_blocks: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    max_model_len: int
-    long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"
-    kv_load_failure_policy: str = "recompute"
-    enable_prefix_caching: bool = True
+    groups: tuple[GroupSpec, ...] = attrs.field(validator=_groups)
+    num_blocks: int = attrs.field(validator=_bounded_int)
+    max_num_batched_tokens: int = attrs.field(validator=_bounded_int)
+    max_num_seqs: int = attrs.field(validator=_bounded_int)
+    max_model_len: int = attrs.field(validator=_bounded_int)
+    long_prefill_token_threshold: int = attrs.field(default=0, validator=_bounded_int)
+    policy: str = attrs.field(default="fcfs", validator=_one_of(POLICIES))
+    kv_load_failure_policy: str = attrs.field(default="recompute",
+                                              validator=_one_of(FAILURE_POLICIES))
+    enable_prefix_caching: bool = attrs.field(default=True, validator=_boolean)
+
+    def __attrs_post_init__(self) -> None:
+        slots = self.num_blocks * max(g.block_size for g in self.groups)
+        if slots > MAX_KV_TOKENS:
+            raise ValueError(f"num_blocks * block_size = {slots} KV token slots, more than "
+                             f"the {MAX_KV_TOKENS} kvspec allows")
 
     @property
     def block_size(self) -> int:
