@@ -13,10 +13,45 @@ def hash_block(parent: Hashable, tokens: tuple[int, ...]) -> Hashable:
     return hash((parent, tokens))
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_types(request_id, prompt, max_tokens, eos_token_id, priority,
+                 hash_block_size) -> None:
+    """A request's fields have the types the scheduler computes with (a TypeError
+    naming the field otherwise); values (an empty prompt, max_tokens < 1, a prompt
+    that does not fit) are the scheduler's to check in ``add_request``."""
+    if not isinstance(request_id, str):
+        raise TypeError(f"request_id must be a str, got {request_id!r:.60}")
+    if not isinstance(prompt, (list, tuple)):
+        raise TypeError(f"request {request_id!r:.40}: prompt_token_ids must be a list of "
+                        f"integers, got {prompt!r:.60}")
+    bad = next((t for t in prompt if not _is_int(t)), None)
+    if bad is not None:
+        raise TypeError(f"request {request_id!r:.40}: prompt_token_ids must be integers, "
+                        f"got {bad!r:.60}")
+    if any(t < 0 for t in prompt):
+        raise ValueError(f"request {request_id!r:.40}: prompt_token_ids must be >= 0, "
+                         f"got {min(prompt)}")
+    for name, value in (("max_tokens", max_tokens), ("priority", priority)):
+        if not _is_int(value):
+            raise TypeError(f"request {request_id!r:.40}: {name} must be an integer, "
+                            f"got {value!r:.60}")
+    if eos_token_id is not None and not _is_int(eos_token_id):
+        raise TypeError(f"request {request_id!r:.40}: eos_token_id must be an integer or None, "
+                        f"got {eos_token_id!r:.60}")
+    if not _is_int(hash_block_size) or hash_block_size < 1:
+        raise ValueError(f"request {request_id!r:.40}: hash_block_size must be an integer "
+                         f">= 1, got {hash_block_size!r:.60}")
+
+
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
                  eos_token_id: int | None = None, priority: int = 0,
                  arrival_time: float = 0.0, hash_block_size: int = 4) -> None:
+        _check_types(request_id, prompt_token_ids, max_tokens, eos_token_id, priority,
+                     hash_block_size)
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
