@@ -26,6 +26,12 @@ def replay_trace(path: Path, target: str | None = None) -> ReplayOutcome:
         runner = Runner(name, data["config"])
     except UnknownTarget as exc:
         raise TraceError(str(exc)) from None
+    except (ValueError, TypeError, RuntimeError) as exc:
+        # the target refuses the configuration (vLLM's own checks), or cannot be
+        # built at all (vLLM not installed): the trace's problem, not a finding
+        detail = " ".join(str(exc).split())
+        raise TraceError(f"{path}: target {name!r} cannot run this trace: "
+                         f"{detail[:200]}") from None
     try:
         failure = runner.run(data["actions"])
     except (KeyError, TypeError, ValueError) as exc:  # apply() records the action first

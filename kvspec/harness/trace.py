@@ -1,25 +1,278 @@
 """Traces are data: one self-contained JSON format that the fuzzer writes, that
-Z3 counterexamples will write, and that ``kvspec replay`` runs on any target."""
+Z3 counterexamples will write, and that ``kvspec replay`` runs on any target.
+
+A trace is checked when it is loaded, in two passes, before anything runs:
+
+1. its shape, against one JSON Schema (``TRACE_SCHEMA``): the format, the
+   configuration, each action with the fields its op may carry and their
+   types (integers are integers, not booleans or floats), the verdict, the
+   step table;
+2. what the environment could produce (``check_semantics``): an arrival has a
+   fresh id, a prompt that fits under ``max_model_len`` and a store that holds
+   at most the prompt (unless ``overclaim_ok`` asks for a contract violation
+   on purpose); steps, aborts and faults name requests added before them.
+
+A trace that fails either is malformed (:class:`TraceError`, one line naming
+the field and its value), never a finding of the target it is replayed on.
+"""
 from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 
 import attrs
+import jsonschema
+from jsonschema import validators
 
-from kvspec.spec.state import Config, GroupSpec
+from kvspec.harness.vllm_target import MAX_DRAFTS
+from kvspec.spec.state import (FAILURE_POLICIES, GROUP_KINDS, LIMITS, POLICIES, Config,
+                               GroupSpec)
 
 FORMAT = "kvspec-trace/1"
-OPS = {"add", "step", "abort", "reset_prefix_cache", "drain"}
-#: what an action must carry to be replayed, by op
-REQUIRED = {"add": {"id": str, "prompt": list, "max_tokens": int}, "abort": {"id": str}}
+OPS = ("add", "step", "abort", "reset_prefix_cache", "drain")
+#: larger than any trace kvspec writes by orders of magnitude; a bigger file is not a trace
+MAX_TRACE_BYTES = 64 << 20
+#: how much of an offending value an error line shows
+SHOWN = 60
 
 
 class TraceError(ValueError):
     """A trace file that cannot be replayed; the message is one line."""
 
+
+# -- the schema ----------------------------------------------------------------
+
+def _int(lo: int, hi: int) -> dict:
+    return {"type": "integer", "minimum": lo, "maximum": hi}
+
+
+_ID = {"type": "string", "minLength": 1, "maxLength": 200}
+_IDS = {"type": "array", "items": _ID, "uniqueItems": True}
+_BOOL = {"type": "boolean"}
+_INT32 = 2 ** 31 - 1
+
+#: the fields each op may carry (the fuzzer, kvspec.harness.machine, draws
+#: narrower ranges; these bounds keep any replay finite), and those it must carry
+ACTION_FIELDS: dict[str, tuple[dict, tuple[str, ...]]] = {
+    "add": ({
+        "id": _ID,
+        "prompt": {"type": "array", "minItems": 1, "items": _int(0, _INT32)},
+        "max_tokens": _int(1, LIMITS["max_model_len"][1]),
+        "priority": _int(-_INT32 - 1, _INT32),
+        "ext": _int(0, LIMITS["max_model_len"][1]),   # prompt tokens the store holds
+        "async": _BOOL,
+        "none": _int(0, 10),      # "not yet" answers before the first real one
+        "send": _BOOL,
+        "offload": _BOOL,
+        "overclaim_ok": _BOOL,    # a connector contract violation, on purpose
+    }, ("id", "prompt", "max_tokens")),
+    "step": ({
+        "finish_loads": _IDS, "fail": _IDS, "fail_all": _BOOL,
+        "fail_offset": _int(0, LIMITS["max_model_len"][1]),
+        "eos": _IDS, "finish_sends": _IDS,
+        "accept": _int(0, 16),
+        "drafts": _int(0, MAX_DRAFTS),   # the target is configured for this many drafts
+    }, ()),
+    "abort": ({"id": _ID}, ("id",)),
+    "reset_prefix_cache": ({}, ()),
+    "drain": ({}, ()),
+}
+
+
+def _action_schema() -> dict:
+    branches = []
+    for op, (fields, required) in ACTION_FIELDS.items():
+        branches.append({
+            "if": {"properties": {"op": {"const": op}}, "required": ["op"]},
+            "then": {"properties": {"op": {"const": op}, **fields},
+                     "required": ["op", *required], "additionalProperties": False}})
+    return {"type": "object", "required": ["op"], "properties": {"op": {"enum": list(OPS)}},
+            "allOf": branches}
+
+
+_CONFIG_SCHEMA = {
+    "type": "object",
+    "required": ["groups", "num_blocks", "max_num_batched_tokens", "max_num_seqs",
+                 "max_model_len"],
+    "additionalProperties": False,
+    "properties": {
+        "groups": {"type": "array", "minItems": LIMITS["groups"][0],
+                   "maxItems": LIMITS["groups"][1],
+                   "items": {"type": "object", "required": ["block_size"],
+                             "additionalProperties": False,
+                             "properties": {"block_size": _int(*LIMITS["block_size"]),
+                                            "kind": {"enum": list(GROUP_KINDS)}}}},
+        **{name: _int(*LIMITS[name]) for name in (
+            "num_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
+            "long_prefill_token_threshold")},
+        "policy": {"enum": list(POLICIES)},
+        "kv_load_failure_policy": {"enum": list(FAILURE_POLICIES)},
+        "enable_prefix_caching": _BOOL,
+    },
+}
+
+TRACE_SCHEMA = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "kvspec trace",
+    "type": "object",
+    "required": ["format", "target", "config", "actions"],
+    "additionalProperties": False,
+    "properties": {
+        "format": {"const": FORMAT},
+        "target": {"type": "string", "minLength": 1, "maxLength": 200},
+        "seed": {"type": ["integer", "null"]},
+        "config": _CONFIG_SCHEMA,
+        "actions": {"type": "array", "items": _action_schema()},
+        "verdict": {"type": "array", "items": {
+            "type": "object", "required": ["invariant", "message"],
+            "additionalProperties": False,
+            "properties": {"invariant": {"type": "string", "minLength": 1},
+                           "message": {"type": "string"}}}},
+        "steps": {"type": "array", "items": {
+            "type": "object", "required": ["index", "action", "requests"],
+            "additionalProperties": False,
+            "properties": {"index": {"type": "integer", "minimum": 0},
+                           "action": {"type": "string"}, "requests": {"type": "string"}}}},
+    },
+}
+
+# JSON Schema counts 1.0 as an integer and Python counts True as one; a trace does not.
+_TYPES = validators.Draft202012Validator.TYPE_CHECKER.redefine(
+    "integer", lambda checker, value: isinstance(value, int) and not isinstance(value, bool))
+TraceValidator = validators.extend(validators.Draft202012Validator, type_checker=_TYPES)
+TraceValidator.check_schema(TRACE_SCHEMA)
+_VALIDATOR = TraceValidator(TRACE_SCHEMA)
+
+
+# -- one line per error ----------------------------------------------------------
+
+def short(value, limit: int = SHOWN) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a long prompt stays one short line)."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        return "<deeply nested value>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def field_path(path) -> str:
+    """``["actions", 3, "max_tokens"]`` -> ``actions[3].max_tokens``."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+_TYPE_NAMES = {"integer": "an integer", "string": "a string", "boolean": "true or false",
+               "array": "a list", "object": "an object", "null": "null"}
+
+
+def describe(error: jsonschema.ValidationError) -> str:
+    """One short line for a schema error: what was expected and what was there."""
+    kind, expected, value = error.validator, error.validator_value, error.instance
+    if kind == "type":
+        names = [expected] if isinstance(expected, str) else expected
+        return f"expected {' or '.join(_TYPE_NAMES.get(n, n) for n in names)}, got {short(value)}"
+    if kind == "required":
+        missing = [k for k in expected if k not in value]
+        return f"missing field {missing[0]!r}"
+    if kind == "additionalProperties":
+        known = error.schema.get("properties", {})
+        extra = [k for k in value if k not in known]
+        allowed = ", ".join(sorted(k for k in known if k != "op")) or "no other field"
+        what = f" for op {value['op']!r} (it takes {allowed})" if "op" in value else ""
+        return f"unknown field {short(extra[0])}{what}"
+    if kind == "enum":
+        return f"must be one of {', '.join(map(repr, expected))}, got {short(value)}"
+    if kind == "const":
+        return f"must be {expected!r}, got {short(value)}"
+    if kind == "minimum":
+        return f"must be >= {expected}, got {short(value)}"
+    if kind == "maximum":
+        return f"must be <= {expected}, got {short(value)}"
+    if kind in ("minItems", "minLength") and expected == 1:
+        return f"must not be empty, got {short(value)}"
+    if kind == "minItems":
+        return f"needs at least {expected} items, got {len(value)}"
+    if kind == "maxItems":
+        return f"takes at most {expected} items, got {len(value)}"
+    if kind == "maxLength":
+        return f"takes at most {expected} characters, got {len(value)}"
+    if kind == "uniqueItems":
+        return f"names an item twice: {short(value)}"
+    return short(error.message, 2 * SHOWN)
+
+
+_TOP_ORDER = ("format", "target", "seed", "config", "actions", "verdict", "steps")
+
+
+def _position(error: jsonschema.ValidationError):
+    """Document order: the first field at fault is the one reported."""
+    path = list(error.absolute_path)
+    head = _TOP_ORDER.index(path[0]) if path and path[0] in _TOP_ORDER else -1
+    return (head, [(0, p, "") if isinstance(p, int) else (1, 0, str(p)) for p in path[1:]])
+
+
+def schema_error(data) -> str | None:
+    """The first schema violation of ``data`` as ``where: what``, or None."""
+    errors = list(_VALIDATOR.iter_errors(data))
+    if not errors:
+        return None
+    error = min(errors, key=_position)
+    where = field_path(error.absolute_path) or "trace"
+    return f"{where}: {describe(error)}"
+
+
+# -- what the environment could produce -------------------------------------------
+
+def check_semantics(config: Config, actions: list[dict]) -> str | None:
+    """The first thing the environment could never produce, as ``where: why``:
+    groups of different block sizes; an arrival that reuses an id, does not fit
+    under max_model_len, has a store holding more than its prompt, or cannot
+    finish alone in the pool; a step, abort or fault naming a request not added
+    before it."""
+    sizes = sorted({g.block_size for g in config.groups})
+    if len(sizes) > 1:
+        return (f"config.groups: block sizes {sizes} differ; groups of different block sizes "
+                "(hybrid groups) are not modelled")
+    added: dict[str, int] = {}
+    block_size = config.block_size
+    for i, action in enumerate(actions):
+        where = f"actions[{i}]"
+        op = action["op"]
+        if op == "add":
+            rid, n, max_tokens = action["id"], len(action["prompt"]), action["max_tokens"]
+            if rid in added:
+                return (f"{where}.id: duplicate request id {short(rid)} "
+                        f"(added by actions[{added[rid]}])")
+            if n >= config.max_model_len:
+                return (f"{where}.prompt: {n} tokens do not fit under max_model_len="
+                        f"{config.max_model_len} (at most {config.max_model_len - 1})")
+            ext = action.get("ext", 0)
+            if ext > n and not action.get("overclaim_ok"):
+                return (f"{where}.ext: the store cannot hold {ext} tokens of a {n}-token prompt "
+                        "(set overclaim_ok to test a contract violation)")
+            # the KV a request computes before its last token: it must fit the pool alone
+            need = -(-min(n + max_tokens - 1, config.max_model_len - 1) // block_size)
+            if need > config.num_blocks:
+                return (f"{where}: request {short(rid)} needs {need} blocks to finish alone "
+                        f"(block size {block_size}), the pool has {config.num_blocks}")
+            added[rid] = i
+        elif op == "abort":
+            if action["id"] not in added:
+                return f"{where}.id: {short(action['id'])} names no request added before it"
+        elif op == "step":
+            for key in ("finish_loads", "fail", "eos", "finish_sends"):
+                unknown = [rid for rid in action.get(key, ()) if rid not in added]
+                if unknown:
+                    return f"{where}.{key}: {short(unknown[0])} names no request added before it"
+    return None
+
+
+# -- reading and writing ---------------------------------------------------------
 
 def config_to_dict(config: Config) -> dict:
     data = attrs.asdict(config)
@@ -31,13 +284,20 @@ def config_from_dict(data: dict) -> Config:
     try:
         groups = tuple(GroupSpec(**g) for g in data["groups"])
         return Config(**{**data, "groups": groups})
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise TraceError(f"bad config in trace: {exc}") from None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def save_trace(path: Path, *, target: str, config: Config, actions: list[dict],
                violations=(), steps=(), seed=None) -> Path:
-    """Write atomically: a crash mid-write never leaves a half trace behind."""
+    """Write atomically: a crash mid-write never leaves a half trace behind. The
+    file is readable as any file the user creates (mode 0666 less the umask)."""
     payload = {
         "format": FORMAT, "target": target, "seed": seed, "config": config_to_dict(config),
         "actions": actions,
@@ -46,35 +306,67 @@ def save_trace(path: Path, *, target: str, config: Config, actions: list[dict],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".trace-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=1)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=1)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 
-def load_trace(path: Path) -> dict:
+def _read_json(path: Path):
     try:
-        data = json.loads(Path(path).read_text())
+        info = path.stat()
     except FileNotFoundError:
         raise TraceError(f"no such trace file: {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TraceError(f"{path}: not a kvspec trace (invalid JSON: {exc})") from None
+    except OSError as exc:  # a symlink loop, a name too long, a directory we may not enter
+        raise TraceError(f"{path}: cannot read trace ({exc.strerror or exc})") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise TraceError(f"{path}: is a directory, not a trace file")
+    if not stat.S_ISREG(info.st_mode):
+        raise TraceError(f"{path}: not a regular file")
+    if info.st_size > MAX_TRACE_BYTES:
+        raise TraceError(f"{path}: not a kvspec trace ({info.st_size} bytes; traces are "
+                         f"under {MAX_TRACE_BYTES >> 20} MiB)")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read trace ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"{path}: not a kvspec trace (not UTF-8 text: {exc.reason})") from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise TraceError(f"{path}: not a kvspec trace (JSON nested too deeply)") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer of thousands of digits
+        raise TraceError(f"{path}: not a kvspec trace "
+                         f"(invalid JSON: {short(str(exc), 100)})") from None
+
+
+def load_trace(path: Path) -> dict:
+    """The trace at ``path``, checked (see the module doc); ``config`` is a
+    :class:`Config`. Raises :class:`TraceError` with one line otherwise."""
+    path = Path(path)
+    data = _read_json(path)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise TraceError(f"{path}: not a kvspec trace (expected format {FORMAT!r})")
-    actions = data.get("actions")
-    if not isinstance(actions, list) or not all(
-            isinstance(a, dict) and a.get("op") in OPS for a in actions):
-        raise TraceError(f"{path}: malformed trace: actions must be a list of known ops {sorted(OPS)}")
-    for action in actions:
-        check_action(path, action)
-    data["config"] = config_from_dict(data.get("config") or {})
+    try:
+        problem = schema_error(data)
+    except RecursionError:
+        problem = "trace: nested too deeply"
+    if problem:
+        kind = "malformed action" if problem.startswith("actions[") else "malformed trace"
+        raise TraceError(f"{path}: {kind} {problem}" if kind == "malformed action"
+                         else f"{path}: {kind}: {problem}")
+    try:
+        data["config"] = config_from_dict(data["config"])
+    except TraceError as exc:
+        raise TraceError(f"{path}: {exc}") from None
+    problem = check_semantics(data["config"], data["actions"])
+    if problem:
+        kind = "impossible action" if problem.startswith("actions[") else "impossible trace:"
+        raise TraceError(f"{path}: {kind} {problem}")
     return data
-
-
-def check_action(path, action: dict) -> None:
-    """A replayable action carries its op's fields with the right types; a
-    malformed one is the trace's fault, not a target crash."""
-    for key, kind in REQUIRED.get(action["op"], {}).items():
-        if not isinstance(action.get(key), kind):
-            raise TraceError(f"{path}: malformed action {action!r}: "
-                             f"{key!r} must be a {kind.__name__}")
