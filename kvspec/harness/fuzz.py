@@ -3,6 +3,7 @@ is spent or a counterexample is found. Every failure is written to a trace file
 the moment it is seen (the last write is Hypothesis' shrunk example)."""
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -39,7 +40,13 @@ def derive_seed(seed: int, batch: int) -> int:
 def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | None = None,
          batch_examples: int = 25, step_count: int = 30,
          progress: Callable[[FuzzResult], None] | None = None,
-         kinds=ALL_KINDS, trace_name: str | None = None, profile=FULL) -> FuzzResult:
+         kinds=ALL_KINDS, trace_name: str | None = None, profile=FULL,
+         heartbeat: Callable[[FuzzResult], None] | None = None,
+         heartbeat_every: float = 10.0) -> FuzzResult:
+    """Fuzz ``target`` for ``budget`` seconds. ``progress`` is called after each
+    batch; ``heartbeat``, if given, every ``heartbeat_every`` seconds from a
+    background thread with the counts so far (runs, actions), however long a
+    batch takes."""
     start = time.monotonic()
     trace_path = out_dir / (trace_name or f"{target.replace(':', '_')}-seed{seed}.json")
     result = FuzzResult(target, seed, 0.0, 0, 0, {})
@@ -58,31 +65,52 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
 
     machine = machine_for(target, on_counterexample=save_first, kinds=kinds, profile=profile)
     database = DirectoryBasedExampleDatabase(str(db_dir)) if db_dir else None
+    stop = _start_heartbeat(heartbeat, heartbeat_every, machine, result, start)
     batch = 0
-    while time.monotonic() - start < budget:
-        machine._hypothesis_internal_use_seed = derive_seed(seed, batch)
-        batch += 1
-        try:
-            run_state_machine_as_test(machine, settings=settings(
-                max_examples=batch_examples, stateful_step_count=step_count, deadline=None,
-                database=database, suppress_health_check=list(HealthCheck),
-                verbosity=Verbosity.quiet, print_blob=False,
-                phases=(Phase.reuse, Phase.generate, Phase.shrink)))
-        except Exception:  # the machine raised: the saved trace holds the shrunk example
-            if state["last"] is None:
-                raise
-            # Minimize Hypothesis' shrunk example at the trace level; the saved
-            # trace is replaced only by a smaller one that still fails.
-            result.counterexample = minimize(target, state["last"], kinds)
-            if result.counterexample is not state["last"]:
-                save(result.counterexample)
-            result.trace_path = trace_path
-            break
-        finally:
-            _collect(result, machine, start)
-            if progress:
-                progress(result)
+    try:
+        while time.monotonic() - start < budget:
+            machine._hypothesis_internal_use_seed = derive_seed(seed, batch)
+            batch += 1
+            try:
+                run_state_machine_as_test(machine, settings=settings(
+                    max_examples=batch_examples, stateful_step_count=step_count,
+                    deadline=None, database=database, suppress_health_check=list(HealthCheck),
+                    verbosity=Verbosity.quiet, print_blob=False,
+                    phases=(Phase.reuse, Phase.generate, Phase.shrink)))
+            except Exception:  # the machine raised: the saved trace holds the shrunk example
+                if state["last"] is None:
+                    raise
+                # Minimize Hypothesis' shrunk example at the trace level; the saved
+                # trace is replaced only by a smaller one that still fails.
+                result.counterexample = minimize(target, state["last"], kinds)
+                if result.counterexample is not state["last"]:
+                    save(result.counterexample)
+                result.trace_path = trace_path
+                break
+            finally:
+                _collect(result, machine, start)
+                if progress:
+                    progress(result)
+    finally:
+        stop.set()
     return result
+
+
+def _start_heartbeat(heartbeat, every: float, machine, result: FuzzResult,
+                     start: float) -> threading.Event:
+    """Call ``heartbeat`` every ``every`` seconds until the returned event is set."""
+    stop = threading.Event()
+    if heartbeat is None:
+        return stop
+
+    def beat() -> None:
+        while not stop.wait(every):
+            stats = machine.stats  # the fuzzing thread's Counter; single reads are atomic
+            heartbeat(FuzzResult(result.target, result.seed, time.monotonic() - start,
+                                 stats["runs"], stats["actions"], {}))
+
+    threading.Thread(target=beat, name="kvspec-heartbeat", daemon=True).start()
+    return stop
 
 
 def _collect(result: FuzzResult, machine, start: float) -> None:

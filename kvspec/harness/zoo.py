@@ -32,10 +32,11 @@ class ZooRow:
     oracle_alone: Detection | None = None
 
 
-def detect(target: str, budget: float, seed: int, out_dir: Path, kinds=None, tag="") -> Detection:
+def detect(target: str, budget: float, seed: int, out_dir: Path, kinds=None, tag="",
+           **fuzz_options) -> Detection:
     kwargs = {"kinds": kinds} if kinds else {}
     name = f"{target.replace(':', '_')}{tag}.json"
-    result = fuzz(target, budget, seed, out_dir, trace_name=name, **kwargs)
+    result = fuzz(target, budget, seed, out_dir, trace_name=name, **kwargs, **fuzz_options)
     ce = result.counterexample
     if ce is None:
         return Detection(False, [], None, result.elapsed, None, None)
@@ -45,14 +46,17 @@ def detect(target: str, budget: float, seed: int, out_dir: Path, kinds=None, tag
 
 
 def run_zoo(budget: float, seed: int, out_dir: Path, names=None, oracle_alone=True,
-            regressions: Path | None = None, progress=None) -> list[ZooRow]:
+            regressions: Path | None = None, progress=None, heartbeat=None,
+            heartbeat_every: float = 10.0) -> list[ZooRow]:
+    """``progress`` is called with each row; ``heartbeat`` as fuzz() calls it."""
     rows = []
+    beat = {"heartbeat": heartbeat, "heartbeat_every": heartbeat_every}
     for name, mutant in MUTANTS.items():
         if names and name not in names:
             continue
-        full = detect(f"mutant:{name}", budget, seed, out_dir)
+        full = detect(f"mutant:{name}", budget, seed, out_dir, **beat)
         alone = detect(f"mutant:{name}", budget, seed, out_dir, kinds=("data",),
-                       tag="-oracle") if oracle_alone else None
+                       tag="-oracle", **beat) if oracle_alone else None
         row = ZooRow(name, mutant.description, mutant.upstream, mutant.expected_invariant,
                      "caught" if full.caught else "survived", full, alone)
         if regressions is not None and full.trace:
