@@ -193,6 +193,74 @@ MUTANTS.update({m.name: m for m in [
            "seed 004 (_free_request, delayed free)", "send_source_intact", FreeDuringSend),
 ]})
 
+class LengthCappedOneEarly(Scheduler):
+    """A request is finished LENGTH_CAPPED one token before max_tokens."""
+
+    def _stop_status(self, request):
+        if request.max_tokens > 1 and request.num_output_tokens == request.max_tokens - 1:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return super()._stop_status(request)
+
+
+class StoppedWithoutEos(Scheduler):
+    """A request that reaches max_tokens is reported FINISHED_STOPPED, as if it
+    had sampled EOS."""
+
+    def _stop_status(self, request):
+        status = super()._stop_status(request)
+        if status == RequestStatus.FINISHED_LENGTH_CAPPED:
+            return RequestStatus.FINISHED_STOPPED
+        return status
+
+
+class AbortMarksStopped(Scheduler):
+    """An aborted request ends FINISHED_STOPPED instead of FINISHED_ABORTED."""
+
+    def finish_requests(self, request_ids, status):
+        if status == RequestStatus.FINISHED_ABORTED:
+            status = RequestStatus.FINISHED_STOPPED
+        super().finish_requests(request_ids, status)
+
+
+class FinishedSendingIgnored(Scheduler):
+    """finished_sending is ignored: a request held for a KV send never frees its blocks."""
+
+    def _update_from_kv_xfer_finished(self, finished_recving, finished_sending):
+        super()._update_from_kv_xfer_finished(finished_recving, ())
+
+
+class AsyncLoadCountedShort(Scheduler):
+    """A finished async load counts only the whole blocks it filled (rounded down)."""
+
+    def _finish_remote_load(self, request):
+        done = super()._finish_remote_load(request)
+        if done and request.request_id in self._loaded:
+            request.num_computed_tokens -= request.num_computed_tokens % self.block_size
+        return done
+
+
+MUTANTS.update({m.name: m for m in [
+    Mutant("length_capped_one_early",
+           "a request is finished LENGTH_CAPPED one token before max_tokens",
+           "planted (review of kvspec, issue 9)", "update_from_output_relation",
+           LengthCappedOneEarly),
+    Mutant("stopped_without_eos",
+           "a request reaching max_tokens ends FINISHED_STOPPED without EOS",
+           "planted (review of kvspec, issue 9)", "update_from_output_relation",
+           StoppedWithoutEos),
+    Mutant("abort_marks_stopped",
+           "an aborted request ends FINISHED_STOPPED",
+           "planted (review of kvspec, issue 9)", "abort_relation", AbortMarksStopped),
+    Mutant("finished_sending_ignored",
+           "finished_sending is ignored: blocks held for a send are never freed",
+           "planted (review of kvspec, issue 9)", "finished_request_releases_blocks",
+           FinishedSendingIgnored),
+    Mutant("async_load_counted_short",
+           "a finished async load counts only whole blocks (rounded down)",
+           "planted (review of kvspec, issue 9)", "transition_admitted_by_model",
+           AsyncLoadCountedShort),
+]})
+
 #: mutants that need spec features not built yet (several KV cache groups,
 #: async scheduling): listed so the zoo table shows them as pending.
 PENDING_MUTANTS = {

@@ -32,7 +32,6 @@ MIN_BUDGET = 1.0
 PROGRESS_EVERY = 10.0
 
 
-
 class UsageError(Exception):
     pass
 
@@ -87,20 +86,20 @@ def check_target(name: str, origin: str = "") -> None:
              "pip uninstall -y torchvision torchaudio torchcodec (see README)")
 
 
-def target_profile(target: str, strict: bool):
+def target_profile(target: str, strict: bool, quiet: bool = False):
     from kvspec.harness.profiles import FULL
     if target != "vllm" or strict:
         return FULL
     from kvspec.harness.accepted_findings import profile_for
     profile = profile_for(installed_vllm_version())
-    if profile.because:
+    if profile.because and not quiet:
         console.print(f"vllm {installed_vllm_version()}: stepping around accepted findings "
                       f"{', '.join(profile.because)} (docs/findings/; --strict to include them)")
     return profile
 
 
 def run_fuzz(target: str, budget: str, seed: int, out: Path, db: Path | None,
-             strict: bool = False):
+             strict: bool = False, design_rules: bool = True):
     from kvspec.harness.fuzz import fuzz
     seconds = parse_budget(budget)
     check_target(target)
@@ -111,7 +110,7 @@ def run_fuzz(target: str, budget: str, seed: int, out: Path, db: Path | None,
     console.print(f"kvspec: target {target}{version}, seed {seed}, budget {seconds:g}s")
     profile = target_profile(target, strict)
     if not console.is_terminal:  # a log: a plain line at a steady interval
-        return fuzz(target, seconds, seed, out, db, profile=profile,
+        return fuzz(target, seconds, seed, out, db, profile=profile, design_rules=design_rules,
                     heartbeat=progress_line("fuzzing", seconds), heartbeat_every=PROGRESS_EVERY)
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
@@ -120,7 +119,8 @@ def run_fuzz(target: str, budget: str, seed: int, out: Path, db: Path | None,
         def tick(result):
             progress.update(task, completed=min(result.elapsed, seconds),
                             description=f"fuzzing: {result.runs} runs, {result.actions} actions")
-        return fuzz(target, seconds, seed, out, db, progress=tick, profile=profile)
+        return fuzz(target, seconds, seed, out, db, progress=tick, profile=profile,
+                    design_rules=design_rules)
 
 
 def rate(result) -> str:
@@ -139,15 +139,17 @@ def progress_line(what: str, seconds: float, named: bool = False):
     return line
 
 
-def report(result) -> int:
-    from kvspec.report import print_counterexample, summary_table
+def report(result, design_rules: bool = True) -> int:
+    from kvspec.report import print_counterexample, summary_table, unwitnessed
     violations = {}
     if result.counterexample is not None:
         for v in result.counterexample.violations:
             violations[v.invariant] = violations.get(v.invariant, 0) + 1
-    console.print(summary_table(result.checks, violations))
+    console.print(summary_table(result.checks, result.witnessed, violations, design_rules))
     console.print(f"{result.runs} runs, {result.actions} actions in {result.elapsed:.1f}s "
                   f"({rate(result)})")
+    for name, why in unwitnessed(result.checks, result.witnessed, design_rules).items():
+        console.print(f"[yellow]never witnessed:[/] {name}" + (f" ({why})" if why else ""))
     if result.counterexample is None:
         console.print("[green]all invariants hold[/]")
         return 0
@@ -156,14 +158,20 @@ def report(result) -> int:
     return 1
 
 
+DESIGN_RULES_HELP = ("check vLLM's design rules (one writer per recomputed block, the "
+                     "long-prefill cap) as well as the safety claims")
+
+
 @app.command()
 def check(target: str = typer.Option("impl", help="target to check"),
-          budget: str = typer.Option("30s", help="time budget, e.g. 30s, 10m"),
+          budget: str = typer.Option("60s", help="time budget, e.g. 60s, 10m"),
           seed: int = typer.Option(0, help="seed; everything derives from it"),
           out: Path = typer.Option(DEFAULT_OUT, help="where failing traces are saved"),
-          strict: bool = typer.Option(False, help="vllm: do not step around accepted findings")):
+          strict: bool = typer.Option(False, help="vllm: do not step around accepted findings"),
+          design_rules: bool = typer.Option(True, help=DESIGN_RULES_HELP),
+          as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout")):
     """Check every invariant on a target within a budget; exit 1 on a violation."""
-    fuzz_and_report(target, budget, seed, out, DEFAULT_DB, strict)
+    fuzz_and_report(target, budget, seed, out, DEFAULT_DB, strict, design_rules, as_json)
 
 
 @app.command("fuzz")
@@ -172,19 +180,41 @@ def fuzz_cmd(target: str = typer.Option("impl", help="target to fuzz"),
              seed: int = typer.Option(0, help="seed; everything derives from it"),
              out: Path = typer.Option(DEFAULT_OUT, help="where failing traces are saved"),
              db: Path = typer.Option(DEFAULT_DB, help="Hypothesis example database"),
-             strict: bool = typer.Option(False, help="vllm: do not step around accepted findings")):
+             strict: bool = typer.Option(False, help="vllm: do not step around accepted findings"),
+             design_rules: bool = typer.Option(True, help=DESIGN_RULES_HELP),
+             as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout")):
     """Fuzz a target; every failure is saved as a trace and shown as a step table."""
-    fuzz_and_report(target, budget, seed, out, db, strict)
+    fuzz_and_report(target, budget, seed, out, db, strict, design_rules, as_json)
 
 
 def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
-                    strict: bool) -> None:
-    """What ``check`` and ``fuzz`` share: run, report, exit 1 on a violation (2 on bad input)."""
+                    strict: bool, design_rules: bool = True, as_json: bool = False) -> None:
+    """What ``check`` and ``fuzz`` share: run, report, exit 1 on a violation (2 on bad
+    input). With ``as_json`` the human-readable output goes to stderr and stdout
+    holds one JSON object (``kvspec.report.json_summary``)."""
+    global console
+    if as_json:
+        console = Console(stderr=True, width=200)
     try:
-        result = run_fuzz(target, budget, seed, out, db, strict)
+        result = run_fuzz(target, budget, seed, out, db, strict, design_rules)
     except UsageError as exc:
         fail(str(exc))
-    raise typer.Exit(report(result))
+    code = report(result, design_rules)
+    if as_json:
+        import json
+
+        from kvspec.report import json_summary
+        print(json.dumps(json_summary(result, target_version(target), parse_budget(budget),
+                                      target_profile(target, strict, quiet=True),
+                                      design_rules), indent=1))
+    raise typer.Exit(code)
+
+
+def target_version(target: str) -> str:
+    from importlib.metadata import version
+    if target == "vllm":
+        return installed_vllm_version()
+    return f"kvspec-reference {version('kvspec')}"
 
 
 @app.command()
@@ -263,7 +293,7 @@ def prove(as_json: bool = typer.Option(False, "--json", help="machine-readable o
 
     from kvspec.harness.replay import replay_trace
     from kvspec.harness.z3_traces import write_trace
-    from kvspec.spec.prove import OBLIGATIONS, check_all
+    from kvspec.spec.prove import CARD_CLAIMS, OBLIGATIONS, check_all
     unknown = [n for n in only or () if n not in OBLIGATIONS]
     if unknown:
         fail(f"unknown obligation {unknown[0][:60]!r}; `kvspec prove` lists them all")
@@ -273,8 +303,11 @@ def prove(as_json: bool = typer.Option(False, "--json", help="machine-readable o
     results = check_all(only or None, timeout_ms=timeout * 1000)
     rows = []
     for r in results:
+        ob = OBLIGATIONS[r.name]
         row = {"name": r.name, "kind": r.kind, "status": r.status, "expected": r.expected,
-               "ok": r.ok, "seconds": round(r.seconds, 4), "counterexample": r.counterexample}
+               "vacuous": r.vacuous, "ok": r.ok, "seconds": round(r.seconds, 4),
+               "establishes": list(ob.establishes), "refutes_rule_of": ob.refutes_rule_of,
+               "counterexample": r.counterexample}
         written = write_trace(r.name, r.counterexample, traces) if r.counterexample else None
         if written and r.kind == "refutation":
             target, path = written
@@ -284,20 +317,34 @@ def prove(as_json: bool = typer.Option(False, "--json", help="machine-readable o
             row["ok"] = r.ok and row["replays_on_mutant"] and row["passes_on_impl"]
         rows.append(row)
     total = _time.perf_counter() - start
+    established = {claim: sorted(row["name"] for row in rows
+                                 if claim in row["establishes"] and row["ok"])
+                   for claim in sorted({c for row in rows for c in row["establishes"]})}
     if as_json:
-        print(_json.dumps({"seconds": round(total, 3), "obligations": rows}, indent=1))
+        print(_json.dumps({"seconds": round(total, 3), "obligations": rows,
+                           "vacuous": [row["name"] for row in rows if row["vacuous"]],
+                           "claims_established": established,
+                           "card_claims": {c: bool(established.get(c)) for c in CARD_CLAIMS}},
+                          indent=1))
     else:
         table = Table(title=f"Z3 obligations ({len(rows)} in {total:.2f}s)")
         for column in ("obligation", "kind", "result", "time", "counterexample"):
             table.add_column(column)
         for row in rows:
             mark = "[green]ok[/]" if row["ok"] else "[red]FAILED[/]"
+            if row["vacuous"]:
+                mark = "[red]VACUOUS[/]"
             cex = "" if row["counterexample"] is None else str(row["counterexample"])
             if "trace" in row:
                 cex += f" -> {row['trace']} (mutant fails: {row['replays_on_mutant']}, impl passes: {row['passes_on_impl']})"
             table.add_row(row["name"], row["kind"], f"{mark} {row['status']}",
                           f"{row['seconds']:.3f}s", cex)
         console.print(table)
+        for claim in CARD_CLAIMS:
+            proved_by = established.get(claim, [])
+            console.print(f"card claim {claim}: " + (f"[green]established[/] by {len(proved_by)} "
+                                                     f"obligation(s)" if proved_by
+                                                     else "[red]not established[/]"))
     raise typer.Exit(0 if all(row["ok"] for row in rows) else 1)
 
 
@@ -384,6 +431,7 @@ def main() -> None:
     from hypothesis.configuration import set_hypothesis_home_dir
     set_hypothesis_home_dir(HYPOTHESIS_HOME)  # keep Hypothesis' files under .kvspec/ too
     sys.exit(run())
+
 
 if __name__ == "__main__":
     main()

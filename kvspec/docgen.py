@@ -23,6 +23,7 @@ KIND_HEADINGS: dict[str, str] = {
     "state": "State invariants",
     "data": "Data-oracle invariants",
     "relation": "Action relations",
+    "model": "Conformance to the Z3 model",
     "liveness": "Liveness",
 }
 
@@ -88,48 +89,221 @@ Liveness is checked only in a final healed phase with no faults.
 
 ## Scope notes
 
-`num_cached_tokens <= num_computed_tokens` is claimed only for a RUNNING
-request that has never been preempted: after a preemption the computed
-count restarts from the hits of the re-scheduling, while the stats keep the
-first scheduling's value. For a request in WAITING_FOR_REMOTE_KVS,
-`num_computed_tokens` is the target of its in-flight load, not valid KV yet.
+`num_cached_tokens <= num_computed_tokens` is claimed only for a request that
+has never been preempted nor cut back by a load failure: after a preemption
+the computed count restarts from the hits of the re-scheduling while the stats
+keep the first scheduling's value, and after a failure a scheduler may keep
+the stats (vLLM 0.32 does) while it recomputes. For a request in
+WAITING_FOR_REMOTE_KVS, `num_computed_tokens` is the target of its in-flight
+load, not valid KV yet.
+
+## Safety claims and design rules
+
+Every claim has a *role*. A **safety** claim protects users: KV read or
+cached that is not what its position holds, a crash, wrong stats, a lost
+request, a leaked block. Every correct scheduler keeps them. A **design** rule
+is a rule of vLLM's current design that a different, correct scheduler may
+break: one writer per recomputed block after a shared load failure, and the
+long-prefill cap. `kvspec check --no-design-rules` checks an alternative
+design against the safety claims alone; `alt:conservative_recovery` (every
+request a failure touches recomputes from block 0) passes it, and a test keeps
+it passing.
+
+Where a correct scheduler may choose, the spec admits every correct choice:
+how recovery lowers the stats (`is_admissible_lowering`: both counts, the
+external count only, or neither), how far it cuts back (any prefix up to the
+first failed block), who recomputes a shared failed block, how long a chunk is,
+and whether the stats of an async load are recorded when it is issued (vLLM)
+or when the request first runs (the reference), with or without the last
+token of a full-prompt hit.
+
+## Witnessed, not just checked
+
+A claim whose antecedent never held checked nothing. Each claim calls
+`witness()` whenever a request (or block, or step) is in the state it speaks
+about: `placeholders_nonnegative` is witnessed only by a request with
+placeholders, `stats_set_exactly_once` only by a request with stats that was
+since preempted or cut back by a failure. `kvspec check` shows a witnessed
+column, names every claim that was never witnessed, and `kvspec check --json`
+reports both counts per claim with the environment features the run
+exercised. A claim that cannot be witnessed yet says why in the registry
+(`unwitnessed_because`); today that is only `placeholders_nonnegative` (no
+target runs async scheduling until issue 10).
 """
 
 
 def _load_registry():
-    import kvspec.spec.invariants  # noqa: F401  (registers the invariants)
-    import kvspec.spec.actions  # noqa: F401  (registers the relations)
-    import kvspec.spec.liveness  # noqa: F401  (registers liveness)
-    from kvspec.spec.registry import REGISTRY
+    from kvspec.spec.catalogue import REGISTRY
     return REGISTRY
 
 
-def _render_entry(inv) -> list[str]:
-    established = ", ".join(inv.established_by) or "nothing yet"
+def _render_entry(inv, z3_obligations: dict[str, list[str]]) -> list[str]:
+    from kvspec.vllm_map import CONSTRAINS
+    proofs = z3_obligations.get(inv.name, [])
+    established = "Hypothesis" + (f"; Z3 ({len(proofs)} obligations)" if proofs else "")
     lines = [f"### {inv.name}", ""]
     if inv.doc:
         lines += [inv.doc, ""]
-    lines += [f"*Cites:* {inv.cites} · *Established by:* {established}", ""]
+    lines += [f"*Role:* {inv.role} · *Cites:* {inv.cites} · *Established by:* {established}", ""]
+    lines += [f"*vLLM 0.32:* {CONSTRAINS[inv.name]}", ""]
+    if inv.unwitnessed_because:
+        lines += [f"*Not witnessed yet:* {inv.unwitnessed_because}", ""]
     return lines
 
 
 def render_generated() -> str:
+    from kvspec.spec.prove import claims_established
     registry = _load_registry()
+    z3_obligations = claims_established()
     by_kind: dict[str, list] = {}
     for inv in registry.values():  # registry (definition) order within a kind
         by_kind.setdefault(inv.kind, []).append(inv)
     kinds = [k for k in KIND_HEADINGS if k in by_kind]
     kinds += sorted(k for k in by_kind if k not in KIND_HEADINGS)
+    design = [n for n, inv in registry.items() if inv.role == "design"]
     lines = [BEGIN_MARKER, "",
-             f"The catalogue: {len(registry)} entries, generated from the registry "
-             "(`kvspec.spec.registry.REGISTRY`).", ""]
+             f"The catalogue: {len(registry)} claims ({len(registry) - len(design)} safety, "
+             f"{len(design)} design rules: {', '.join(design)}), generated from the registry "
+             "(`kvspec.spec.registry.REGISTRY`). \"Established by\" is derived from the Z3 "
+             "obligations that name a claim (`kvspec prove --json`, `claims_established`), "
+             "never written by hand.", ""]
+    lines += _render_reviewers_kit()
     for kind in kinds:
         heading = KIND_HEADINGS.get(kind, f"Other ({kind})")
         lines += [f"## {heading}", ""]
         for inv in by_kind[kind]:
-            lines += _render_entry(inv)
+            lines += _render_entry(inv, z3_obligations)
     lines.append(END_MARKER)
     return "\n".join(lines) + "\n"
+
+
+def _render_reviewers_kit() -> list[str]:
+    return (["## A reviewer's kit", ""] + REVIEW_HOWTO.splitlines() + [""]
+            + OBSERVATION_MAP.splitlines() + [""] + _render_frame_table()
+            + _render_status_diagram() + NOT_MODELLED.splitlines() + [""])
+
+
+REVIEW_HOWTO = """\
+### How to check your scheduler change
+
+1. Install your vLLM checkout into the environment kvspec runs in (`pip install -e`
+   of your branch, or the CPU wheel of the release under review, see the README).
+2. `HF_HUB_OFFLINE=1 kvspec check --target vllm --budget 10m --json > report.json`.
+   The target is the installed `Scheduler`, driven in-process through its public
+   calls with a programmable KV connector. `verdict` says whether every claim held;
+   `claims` says how often each was witnessed (a claim your change touches with 0
+   witnesses was not tested: widen the environment or the budget); `features`
+   says which parts of the environment the run exercised.
+3. On a violation the counterexample is already saved (the path is in `trace`) and
+   printed as a step table. `kvspec replay TRACE` replays it deterministically;
+   `kvspec replay TRACE --target impl` shows what the reference does instead.
+4. Read the violated claim's entry below: what it protects, the upstream issue
+   that shows the cost of breaking it, and the vLLM functions it constrains.
+   A `transition_admitted_by_model` violation means your scheduler did something
+   the Z3 model does not cover: a bug the other claims missed, or a choice the model
+   should admit (then the model, `spec/effects.py`, grows a primitive or a shape,
+   and `kvspec prove` must still pass).
+5. If your change is a deliberately different design (a different recovery, no
+   long-prefill cap), run with `--no-design-rules`: every safety claim must hold.
+6. `kvspec prove` re-checks the Z3 model if you changed the arithmetic in `spec/`."""
+
+OBSERVATION_MAP = """\
+### The observation map (vLLM -> the spec's state)
+
+`kvspec/harness/vllm_target.py` maps vLLM's objects after every call; it probes
+fields, not version numbers, so one adapter serves every supported release.
+
+| spec | vLLM 0.32 | note |
+| --- | --- | --- |
+| block `b` | vLLM block `b + 1` | block 0 is vLLM's null block (no maintained ref count, never free); the target gives vLLM one block more and renumbers everywhere, invalid block ids included |
+| `num_cached_tokens`, `num_external_computed_tokens` | `Request.prefill_stats.num_cached_tokens`, `.num_external_cached_tokens` | older releases: `Request.num_cached_tokens` / `num_external_computed_tokens`. vLLM fills `PrefillStats` at every lookup of a never-preempted request and hands it out with the first output; the target keeps the object and reports the stats from the moment the request is admitted (RUNNING or WAITING_FOR_REMOTE_KVS): a lookup whose allocation fails is provisional |
+| `waiting` | `Scheduler.waiting` + `kv_holding_waiting` | 0.32 keeps waiting requests that hold blocks (a finished load) apart; `deferred_waiting` is a set of members of the two |
+| `running` | `Scheduler.running` | |
+| `status` | `Request.status` | `FINISHED_IGNORED` maps to LENGTH_CAPPED, `FINISHED_REPETITION` to STOPPED, the grammar and streaming waits to WAITING |
+| `block_ids` | `kv_cache_manager.get_block_ids(id)` | one table per KV cache group |
+| pool | `BlockPool.blocks[i].ref_cnt`, `free_block_queue`, `cached_block_hash_to_block` | |
+| `sending` | finished requests still in `Scheduler.requests` | held by the connector's delayed free |
+| an aborted load | reported in the next `finished_recving` | vLLM keeps the blocks of a request aborted mid-load until the worker reports the transfer |"""
+
+NOT_MODELLED = """\
+### What is not modelled
+
+- Async scheduling (`AsyncScheduler`, output placeholders, a step in flight): issue 10.
+- Several KV cache groups (sliding window, last-state groups, per-group failures): issue 11.
+- Real KV tensors and a real model: the data oracle tracks content symbolically (issue 13).
+- Stop strings and stop token ids (EOS is the only stop token), `min_tokens`, repetition
+  detection, structured-output grammars, streaming sessions, pooling and encoder-decoder models.
+- Pipeline parallelism, data-parallel prefill balancing, DSV4.1 replay, CoW of partially
+  hashed blocks (`hash_block_size < block_size`), `reset_prefix_cache(reset_running_requests=True)`.
+- The connector's worker side and metadata (`build_connector_meta`): the harness plays the worker.
+- A connector answer outside its contract (more external tokens than uncomputed) is an
+  environment contract violation, tested apart, never explored by the fuzzer."""
+
+
+def _render_frame_table() -> list[str]:
+    """Which counters each primitive of the model may change, read off the model
+    itself: a field an effect passes through untouched is unchanged."""
+    import attrs
+    import z3
+
+    from kvspec.spec.effects import PRIMITIVES, Counters
+    fields = [f.name for f in attrs.fields(Counters) if f.name not in ("prompt_len", "block_size")]
+    before = Counters(**{f.name: z3.Int(f"s.{f.name}") for f in attrs.fields(Counters)})
+    lines = ["### Frame table", "",
+             "What each primitive of the model (`spec/effects.py`) may change; every other "
+             "field stays as it was. Generated from the effects: a field an effect passes "
+             "through untouched is marked `=`.", "",
+             "| primitive | " + " | ".join(fields) + " |",
+             "| --- | " + " | ".join("---" for _ in fields) + " |"]
+    for name, prim in PRIMITIVES.items():
+        params = type("P", (), {p: z3.Int(f"a.{p}") for p in prim.params})
+        _, after = prim.fn(before, params)
+        marks = ["=" if getattr(after, f) is getattr(before, f) else "**changes**" for f in fields]
+        lines.append(f"| `{name}` | " + " | ".join(marks) + " |")
+    lines += ["", "The scheduler's public calls, by what they may change (vLLM 0.32):", "",
+              "| call | request fields | pool |", "| --- | --- | --- |",
+              "| `add_request` | none of an existing request | none |",
+              "| `schedule` | status, `num_computed_tokens`, stats (first lookup), "
+              "`num_preemptions`, drafts cleared; never output tokens | allocation, prefix hits, "
+              "caching, preemption frees |",
+              "| `update_from_output` | output tokens, FINISHED_* status, `num_computed_tokens` "
+              "down only (rejected drafts, recovery) | frees of finished requests, transfers "
+              "finished, eviction of failed blocks |",
+              "| `update_draft_token_ids` | `spec_token_ids` | none |",
+              "| `finish_requests` | status of the named live requests | their blocks (unless "
+              "a send delays the free) |",
+              "| `reset_prefix_cache` | none | the prefix cache, only when every block is free |",
+              ""]
+    return lines
+
+
+def _render_status_diagram() -> list[str]:
+    """The statuses and the primitives that move a request between them."""
+    from kvspec.spec.effects import _FLOW, STATUS_NAMES, WAITING
+    names = {i: n for i, n in enumerate(STATUS_NAMES)}
+    edges: dict[tuple[str, str], list[str]] = {}
+    for prim, (admits, leaves) in _FLOW.items():
+        for start in sorted(admits):
+            if leaves == "waiting":
+                ends = ["WAITING", "PREEMPTED"]
+            elif leaves is None:
+                ends = [names[start]]
+            else:
+                ends = [names[leaves]]
+            for end in ends:
+                edges.setdefault((names[start], end), []).append(prim)
+    lines = ["### Statuses", "",
+             "Generated from the model's primitives (`spec/effects.py`); FINISHED stands for "
+             "every FINISHED_* status. A request leaves WAITING_FOR_REMOTE_KVS for PREEMPTED "
+             "when it had been preempted before.", "", "```mermaid", "stateDiagram-v2",
+             f"    [*] --> {names[WAITING]}: add_request"]
+    for (start, end), prims in edges.items():
+        label = ", ".join(sorted(set(prims)))
+        lines.append(f"    {start.replace('WAITING_FOR_REMOTE_KVS', 'LOADING')} --> "
+                     f"{end.replace('WAITING_FOR_REMOTE_KVS', 'LOADING')}: {label}")
+    lines += ["    FINISHED --> [*]", "```", "",
+              "(LOADING is WAITING_FOR_REMOTE_KVS.)", ""]
+    return lines
 
 
 def render_spec_md() -> str:
@@ -145,85 +319,134 @@ PROOFS_INTRO = """\
 <!-- Generated by `python -m kvspec.docgen`; edit the prose in kvspec/docgen.py and
      the obligation docstrings in spec/prove.py, then regenerate. -->
 
-`kvspec prove` checks every obligation below; `kvspec prove --json` gives the same
-for machines, and exits non-zero on any failed or unknown result. The whole run
-takes about a second (`bench/prove_results.json` records the measured time).
+`kvspec prove` checks every obligation below; `kvspec prove --json` gives the same for
+machines (per obligation: status, `vacuous`, the claims it establishes, the rule it
+refutes), and exits non-zero on any failed, unknown or vacuous result. The whole run
+takes a few seconds (`bench/prove_results.json` records the measured time).
 
-## One source of truth
+## No obligation passes by accident
 
-The obligations do not re-encode the spec. They call the same Python the concrete
-checks call: the token arithmetic of `spec/arith.py`, the per-request predicates of
-`spec/predicates.py` (used by the invariants in `spec/invariants.py`) and the
-per-request action effects of `spec/effects.py`, evaluated on Z3 integers through the
-dispatching helpers of `spec/logic.py` (`If`, `And`, `Or`, `Implies`, `Min`, `Max`,
-`cdiv`). A test evaluates the predicates on concrete values and on Z3 constants and
-checks that they agree.
+- **Hypotheses are satisfiable.** Every obligation is a list of cases, each a
+  hypothesis and a conclusion. Before the conclusion is checked, Z3 must find a model
+  of each hypothesis; an obligation whose hypothesis has none is *vacuous* (it would
+  prove anything) and fails. A test plants one and checks that `kvspec prove` reports
+  it and exits 1.
+- **One name, one role.** Z3 identifies a constant by its name. Every constant is made
+  through `Symbols` with a role (state `s.*`, a primitive's parameter `aN.*`, a
+  position); a name asked for in two roles raises. (The first version named action
+  parameters like state fields, so the parameter `num_external` *was* the field that
+  `well_formed` pins to 0 for a fresh request: eight obligations held vacuously.)
+- **Rules against independent descriptions.** A lemma is a function of the rule it
+  speaks about and states what the rule must achieve in other terms: the async count
+  over *positions delivered* (quantified), truncation over *block indices*. Each lemma
+  is refuted for every historical rule of `spec/historical.py`, and each historical
+  step or pool effect is refuted by the induction it would break: a statement that
+  cannot tell the spec's rule from the historical one proves nothing.
+
+## One model of the transitions
+
+`spec/effects.py` is the only model of what a step may do to a request's counters:
+primitive actions (guard and effect; every field an effect does not name is unchanged)
+and *step shapes*, the sequences of primitives one request can take within one runner
+action. Z3 proves every per-request invariant inductive over every step shape.
+
+The runtime checks the same model, so the transitions Z3 reasons about are the
+transitions the targets make: after every action of every target, the claim
+`transition_admitted_by_model` (`spec/conformance.py`) maps each request's state
+before and after into the model's counters, reads the primitives' parameters off the
+observation (tokens scheduled, drafts, tokens appended, the connector's answer, the
+first failed block; where the model leaves a choice to the scheduler, the value the
+scheduler chose, checked by the guard), and requires some step shape to reproduce the
+state after exactly. A transition no shape admits is reported as a model error: a
+scheduler bug the other claims missed, or a choice the model must learn to admit.
+The pool model (`spec/pool_effects.py`) is tied to the runtime by shared predicates
+(`is_ref_count_of_holders`, `is_free_iff_unreferenced`, `is_cached_block_valid`),
+not by a conformance check.
 
 ## Kinds of obligation
 
-- **lemma**: a rule of token arithmetic, for all integers satisfying its
-  preconditions (unbounded).
-- **refutation**: a rule vLLM once used; Z3 must find a counterexample, and the
-  counterexample is turned into a kvspec trace that fails on the matching mutant
-  and passes on the reference implementation (`kvspec/harness/z3_traces.py`).
-  The pre-#34616 counterexample is checked to be of the seed's kind: external
-  hits ending mid-block before the prompt end.
-- **induction**: for each action of `spec/effects.py` and each per-request
-  invariant, *all invariants before* and *the action's guard* imply *the invariant
-  after*, over a symbolic request with unbounded counters; and the same for the block
-  pool's actions (`spec/pool_effects.py`) and its two accounting invariants.
+- **lemma**: a rule of token arithmetic against an independent description, for all
+  integers satisfying its preconditions (unbounded, or per block size where the
+  description multiplies by it).
+- **refutation**: a rule vLLM once used (or a plausible wrong patch); Z3 must find a
+  counterexample. Three of them are turned into kvspec traces that fail on the
+  matching mutant and pass on the reference (`kvspec/harness/z3_traces.py`); the
+  pre-#34616 one is checked to be of the seed's kind (external hits ending mid-block
+  before the prompt end).
+- **induction**: for each step shape, *every per-request invariant before*, and *each
+  primitive's guard* imply *every invariant after* and *stats unchanged, or lowered in
+  an admissible way by a failure*, over a symbolic request with unbounded counters;
+  and for each pool action and pool invariant, over a symbolic pool.
 
-## Strengthening found by the proofs
+## The card's claims
 
-The induction first failed for `stats_are_ordered` under `first_schedule` and
-`start_after_load`: nothing said that a request never scheduled has produced no
-tokens, so Z3 built a "first scheduling" of a request with output tokens whose
-external hits exceeded its prompt. The fix is a new named invariant,
-`unscheduled_request_has_no_output`, added to the catalogue (checked by Hypothesis
-on every target too), plus the shape facts in `well_formed` (a preempted request
-has been preempted at least once and has stats; counts are non-negative).
+The design card names three: `num_cached <= num_computed` (`cached_le_computed`),
+stats set exactly once (`stats_set_exactly_once`: a ghost count of recordings that must
+equal 1 once stats exist, and the two-state `is_stats_step_ok` on every step shape,
+refuting the #36859 re-set), and no caching of invalid blocks
+(`no_caching_of_invalid_blocks`, over the pool model with block content, refuting the
+two review findings of #34616). `kvspec prove --json` lists under `card_claims` whether
+each is established.
+
+## Strengthenings found by the proofs
+
+- `unscheduled_request_has_no_output`: a request never scheduled has produced no tokens
+  (first version); and one waiting that was never preempted has not run either (the
+  async path: a request whose load finished is waiting with stats).
+- `cached_le_computed` covers waiting requests too: one waiting with a finished or
+  in-flight load counts all its hits but the last token.
+- `well_formed`: a preempted request has stats; a PREEMPTED one has been preempted.
+- `release_loaded` (a loaded request giving its blocks back) only when its stats do
+  not describe that load: otherwise a scheduler would report hits it threw away.
 
 ## Honest limits
 
 - **Per request, and a pool of bounded shape.** The counter induction is over one
-  request's counters (unbounded). The pool induction (`spec/pool_effects.py`) proves
-  `ref_count_is_holders` and `free_queue_is_free_blocks` over a symbolic pool of 3
-  requests and 8 blocks under allocate, cache-hit touch, free and evict. Facts that tie
-  the two together or span the queues (queue membership, prefix-cache content, which
-  request recomputes a shared failed block) are not proved by Z3; they are checked by
-  Hypothesis on every step and, exhaustively for short runs, by the bounded model checker.
-- **Abstract actions.** `spec/effects.py` states each action at the level of
-  counters (hits, chunk sizes, drafts, the first invalid block are free
-  parameters within their guards). That the reference implementation and vLLM
-  follow these effects is checked on concrete traces, not proved.
-- **Not modelled by the effects:** a preempted request re-issuing an async load
-  (handled by the concrete checks), several KV cache groups, async scheduling with
-  output placeholders (the placeholder predicate exists; its actions are not built).
-- **Bounded model checking** (`kvspec bmc`, default depth 7: the shortest depth at which every in-scope mutant of the zoo is found) is explicit-state: breadth-first over
-  every sequence of up to k actions from an 8-action alphabet (two requests
-  sharing a prefix, one async and one sync load, an offloading one; steps that
+  request's counters (unbounded). The pool induction is over 3 requests and 6 blocks.
+  Facts that tie requests together or span the queues (queue membership, which
+  request recomputes a shared failed block, what a waiter may resume over) are checked
+  by Hypothesis on every step and, exhaustively for short runs, by the bounded model
+  checker, not by Z3.
+- **Loose where a scheduler chooses.** Blocks held, the prefix recovery keeps, the
+  lowered stats and a waiter's resume point are parameters bounded by guards; the data
+  oracle, not Z3, checks that what they count is valid KV.
+- **Not modelled:** several KV cache groups, async scheduling with output
+  placeholders (the predicate exists; the primitives do not), the contents of blocks
+  beyond the pool's valid bit.
+- **Bounded model checking** (`kvspec bmc`, default depth 7) is explicit-state:
+  breadth-first over every sequence of up to k actions from an 8-action alphabet (two
+  requests sharing a prefix, one async and one sync load, an offloading one; steps that
   finish loads and sends, with and without failures; an abort) on one small
-  configuration (block size 2, 7 blocks, budget 8, 2 sequences, priority policy),
-  with a healed drain checked after every prefix. It covers that configuration
-  only, up to depth k.
+  configuration (block size 2, 7 blocks, budget 8, 2 sequences, priority policy), with
+  a healed drain checked after every prefix.
 """
 
 
 def _render_obligation(ob) -> list[str]:
-    return [f"### {ob.name}", "", f"*Kind:* {ob.kind}", "", ob.doc, ""]
+    lines = [f"### {ob.name}", "", f"*Kind:* {ob.kind}"]
+    if ob.refutes_rule_of:
+        lines[-1] += f" · *refutes the rule of:* `{ob.refutes_rule_of}`"
+    if ob.establishes:
+        lines[-1] += f" · *establishes:* {', '.join(ob.establishes)}"
+    return lines + ["", ob.doc, ""]
 
 
 def render_proofs_md() -> str:
     """The full text of ``docs/proofs.md``."""
     from kvspec.spec.prove import OBLIGATIONS
     lines = [BEGIN_MARKER, "", f"## Obligations ({len(OBLIGATIONS)})", ""]
-    induction = [ob for ob in OBLIGATIONS.values() if ob.kind == "induction"]
+    steps = [ob for ob in OBLIGATIONS.values() if ob.name.startswith("step_")]
+    pools = [ob for ob in OBLIGATIONS.values() if ob.name.startswith("pool_")]
     for ob in OBLIGATIONS.values():
-        if ob.kind != "induction":
+        if ob not in steps and ob not in pools:
             lines += _render_obligation(ob)
-    lines += ["### Induction steps", "",
-              f"{len(induction)} obligations, one per (invariant, action) pair:", ""]
-    lines += [f"- `{ob.name}`" for ob in induction]
+    lines += ["### Induction over the step shapes", "",
+              f"{len(steps)} obligations, one per step shape of `spec/effects.py` "
+              "(primitives in order; each establishes every per-request invariant):", ""]
+    lines += [f"- `{ob.name}`" for ob in steps]
+    lines += ["", "### Induction over the pool actions", "",
+              f"{len(pools)} obligations, one per (pool invariant, pool action):", ""]
+    lines += [f"- `{ob.name}`" for ob in pools]
     lines += ["", END_MARKER]
     return PROOFS_INTRO + "\n" + "\n".join(lines) + "\n"
 

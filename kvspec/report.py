@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from kvspec.spec.registry import REGISTRY
+from kvspec.spec.catalogue import REGISTRY
 
 
 def step_table(steps, violations) -> Table:
@@ -28,17 +28,69 @@ def print_counterexample(console: Console, steps, violations, trace_path=None) -
         console.print(f"trace saved: {trace_path}  (replay: kvspec replay {trace_path})")
 
 
-def summary_table(checks: dict[str, int], violations: dict[str, int]) -> Table:
-    table = Table(title="invariants")
-    table.add_column("invariant")
-    table.add_column("kind")
-    table.add_column("checked", justify="right")
-    table.add_column("violations", justify="right")
+def is_checked_claim(inv, design_rules: bool) -> bool:
+    return inv.role == "safety" or design_rules
+
+
+def summary_table(checks: dict[str, int], witnessed: dict[str, int],
+                  violations: dict[str, int], design_rules: bool = True) -> Table:
+    table = Table(title="claims")
+    for column in ("claim", "kind", "role", "checked", "witnessed", "violations"):
+        table.add_column(column, justify="right" if column in ("checked", "witnessed",
+                                                                "violations") else "left")
     for name, inv in REGISTRY.items():
-        bad = violations.get(name, 0)
-        table.add_row(name, inv.kind, str(checks.get(name, 0)),
-                      f"[red]{bad}[/]" if bad else "0")
+        if not is_checked_claim(inv, design_rules):
+            table.add_row(name, inv.kind, inv.role, "off", "-", "-")
+            continue
+        bad, seen = violations.get(name, 0), witnessed.get(name, 0)
+        table.add_row(name, inv.kind, inv.role, str(checks.get(name, 0)),
+                      str(seen) if seen else "[yellow]0[/]", f"[red]{bad}[/]" if bad else "0")
     return table
+
+
+def unwitnessed(checks: dict[str, int], witnessed: dict[str, int],
+                design_rules: bool = True) -> dict[str, str]:
+    """Claims checked but never witnessed in a run: name -> the registry's reason
+    why that may be expected (empty when it should have been witnessed)."""
+    return {name: inv.unwitnessed_because for name, inv in REGISTRY.items()
+            if is_checked_claim(inv, design_rules) and not witnessed.get(name)}
+
+
+def json_summary(result, version: str, budget_s: float, profile, design_rules: bool) -> dict:
+    """``kvspec check --json``: one object describing the run."""
+    import attrs
+
+    from kvspec.harness.runner import FEATURES
+    counted = {}
+    if result.counterexample is not None:
+        for v in result.counterexample.violations:
+            counted[v.invariant] = counted.get(v.invariant, 0) + 1
+    claims = [{"name": name, "kind": inv.kind, "role": inv.role,
+               "checked": result.checks.get(name, 0) if is_checked_claim(inv, design_rules) else None,
+               "witnessed": result.witnessed.get(name, 0),
+               "violations": counted.get(name, 0)} for name, inv in REGISTRY.items()]
+    for name in counted:  # target_crashed, environment_contract: not registry claims
+        if name not in REGISTRY:
+            claims.append({"name": name, "kind": "outcome", "role": "safety", "checked": None,
+                           "witnessed": None, "violations": counted[name]})
+    defaults = {f.name: f.default for f in attrs.fields(type(profile))}
+    restrictions = {k: v for k, v in attrs.asdict(profile).items()
+                    if k not in ("name", "because") and v != defaults[k]}
+    ce = result.counterexample
+    return {
+        "target": result.target, "version": version, "seed": result.seed, "budget_s": budget_s,
+        "elapsed_s": round(result.elapsed, 3), "runs": result.runs, "actions": result.actions,
+        "actions_per_s": round(result.actions / result.elapsed, 1) if result.elapsed else 0.0,
+        "design_rules": design_rules, "claims": claims,
+        "unwitnessed": unwitnessed(result.checks, result.witnessed, design_rules),
+        "features": {f: result.features.get(f, 0) for f in FEATURES},
+        "profile": {"name": profile.name, "restrictions": restrictions,
+                    "because": list(profile.because)},
+        "verdict": "hold" if ce is None else "violated",
+        "violations": [] if ce is None else [{"claim": v.invariant, "message": v.message}
+                                             for v in ce.violations],
+        "trace": str(result.trace_path) if result.trace_path else None,
+    }
 
 
 def _fmt_detection(d) -> tuple[str, str, str]:

@@ -1,5 +1,5 @@
-"""The state machine against the reference implementation, and the four
-breakings of the reference the spec must catch quickly with a short trace."""
+"""The state machine against the reference implementation, and the breakings
+of the reference the spec must catch quickly with a short trace."""
 import json
 
 import pytest
@@ -20,7 +20,10 @@ TestImplMachine.settings = settings(max_examples=150, stateful_step_count=30, de
                                     suppress_health_check=list(HealthCheck))
 
 ACCEPTANCE_MUTANTS = ["async_block_rounding", "stats_reset_on_reschedule",
-                      "cache_failed_block", "preempt_keeps_blocks"]
+                      "cache_failed_block", "preempt_keeps_blocks",
+                      # the weak spots of the first review (issue 9): each survived before
+                      "length_capped_one_early", "stopped_without_eos", "abort_marks_stopped",
+                      "finished_sending_ignored", "async_load_counted_short"]
 
 
 @pytest.mark.parametrize("name", ACCEPTANCE_MUTANTS)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import attrs
 
 from kvspec.spec.arith import compute_computed_after_rejection
-from kvspec.spec.registry import invariant
-from kvspec.spec.state import Observation, RequestStatus, StepView, WorkerOutcome
+from kvspec.spec.registry import Witnessing, invariant
+from kvspec.spec.state import Observation, RequestStatus, RequestView, StepView, WorkerOutcome
 
 
 @attrs.define
-class Transition:
+class Transition(Witnessing):
     action: str
     before: Observation
     after: Observation
@@ -25,6 +25,15 @@ class Transition:
     #: request id -> first invalid position it read in this step (data oracle)
     garbage_readers: dict[str, int] = attrs.Factory(dict)
     request_id: str | None = None
+    #: requests that left the scheduler during the action, as they ended
+    departed: dict[str, RequestView] = attrs.Factory(dict)
+    #: request id -> the connector's answer (num_local, num_external) its stats came from
+    first_hits: dict[str, tuple[int, int]] = attrs.Factory(dict)
+    witnessed: int = 0
+
+    def ended(self, rid: str) -> RequestView | None:
+        """The request after the action, whether still known to the scheduler or gone."""
+        return self.after.requests.get(rid) or self.departed.get(rid)
 
 
 def _unchanged_fields(a, b) -> list[str]:
@@ -41,6 +50,7 @@ def add_relation(t: Transition):
     and the block pool."""
     if t.action != "add":
         return
+    t.witness()
     r = t.after.requests.get(t.request_id)
     if r is None or r.status != RequestStatus.WAITING or r.request_id not in t.after.waiting:
         yield f"{t.request_id} is not WAITING in the waiting queue after add_request"
@@ -54,13 +64,33 @@ def add_relation(t: Transition):
             yield f"add_request changed request {rid}"
 
 
-def _prefill_cap(before: Observation) -> int:
-    """0 (no cap) unless several requests compete for the budget."""
+def get_prefill_cap(before: Observation) -> int:
+    """vLLM's long-prefill cap for one step: the threshold when more than one
+    request is eligible (running or waiting), none (0) otherwise."""
     cfg = before.config
     eligible = len(before.running) + len(before.waiting)
-    if cfg.long_prefill_token_threshold <= 0 or eligible <= 1:
-        return 0
-    return max(cfg.long_prefill_token_threshold, cfg.max_num_batched_tokens // eligible)
+    return cfg.long_prefill_token_threshold if eligible > 1 else 0
+
+
+@invariant(cites="seed 004 (schedule: long_prefill_token_threshold)", kind="relation",
+           role="design", action="schedule")
+def long_prefill_cap(t: Transition):
+    """With ``long_prefill_token_threshold`` set and more than one request
+    eligible (running or waiting) when the step starts, no request is scheduled
+    more tokens than the threshold in one step.
+
+    A tuning rule of vLLM's default scheduler (vLLM 0.32 applies it to running
+    and waiting requests alike and lifts it when only one request is eligible;
+    the adaptive fair share is off by default), not a safety claim: it keeps a
+    long prefill from starving the others. Witnessed by a step that scheduled a
+    request while the cap applied."""
+    cap = get_prefill_cap(t.before)
+    if cap <= 0:
+        return
+    for rid, n in t.step.num_scheduled_tokens.items():
+        t.witness()
+        if n > cap:
+            yield f"{rid}: {n} tokens scheduled > long-prefill cap {cap}"
 
 
 def _check_admissions(t: Transition, step: StepView):
@@ -77,9 +107,24 @@ def _check_admissions(t: Transition, step: StepView):
             yield f"{rid} reported resumed but was never preempted"
     for rid, start in step.num_computed_before.items():
         was, r = t.before.requests.get(rid), t.after.requests.get(rid)
-        if was is not None and r is not None and not was.has_stats and r.has_stats \
-                and r.num_cached_tokens != start:
-            yield f"{rid}: first scheduled at {start} computed, but num_cached={r.num_cached_tokens}"
+        if was is not None and r is not None and not was.has_stats and r.has_stats:
+            yield from _check_first_cached(t, r, start)
+    for rid, r in t.after.requests.items():
+        was = t.before.requests.get(rid)
+        if (r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and r.has_stats
+                and was is not None and not was.has_stats):  # recorded as the load is issued
+            yield from _check_first_cached(t, r, r.num_computed_tokens)
+
+
+def _check_first_cached(t: Transition, r, start: int):
+    """Stats recorded at a first scheduling count the prefix it starts from; on
+    a full-prompt hit the whole prompt may count (vLLM counts the last token,
+    which is recomputed to sample, the reference does not)."""
+    local, external = t.first_hits.get(r.request_id, (0, 0))
+    full_hit = start == r.num_tokens - 1 and local + external == r.num_tokens
+    if r.num_cached_tokens != start and not (full_hit and r.num_cached_tokens == r.num_tokens):
+        yield (f"{r.request_id}: first scheduled at {start} computed, but "
+               f"num_cached={r.num_cached_tokens}")
 
 
 def _check_victims(before: Observation, preempted):
@@ -104,20 +149,19 @@ def _check_victims(before: Observation, preempted):
 def schedule_relation(t: Transition):
     """schedule. Effect: every scheduled request is RUNNING with at least one
     token scheduled, starting at its computed prefix and ending within its
-    tokens plus scheduled drafts, below ``max_model_len - 1`` and, when more
-    than one request was eligible, within ``long_prefill_token_threshold`` (or a
-    fair share of the budget, if larger: the threshold exists to stop a long
-    prefill starving others, so with nobody to starve vLLM lifts it); its
+    tokens plus scheduled drafts, below ``max_model_len - 1``; its
     scheduled drafts are exactly the
     positions past its known tokens; the total is within the token budget; a
     request that starts running is reported new or resumed (resumed only after a
     preemption); a preempted request has nothing computed and one more
-    preemption, and is the victim its policy names. Unchanged:
+    preemption, and is the victim its policy names. (How long a chunk may be is
+    the design rule ``long_prefill_cap``.) Unchanged:
     tokens of every request, and ``num_computed_tokens`` of requests neither
     scheduled, preempted, nor moving through an external load."""
     if t.action != "schedule":
         return
     step, cfg = t.step, t.after.config
+    t.witness(len(step.num_scheduled_tokens))
     if step.total_num_scheduled_tokens > cfg.max_num_batched_tokens:
         yield f"{step.total_num_scheduled_tokens} tokens scheduled > budget {cfg.max_num_batched_tokens}"
     for rid, n in step.num_scheduled_tokens.items():
@@ -134,8 +178,6 @@ def schedule_relation(t: Transition):
             yield f"{rid}: scheduled positions up to {start + n} past max_model_len - 1 = {cfg.max_model_len - 1}"
         elif spec != max(0, start + n - r.num_tokens):
             yield f"{rid}: {spec} drafts scheduled for {max(0, start + n - r.num_tokens)} positions past its tokens"
-        elif 0 < _prefill_cap(t.before) < n:
-            yield f"{rid}: {n} tokens scheduled > long-prefill cap {_prefill_cap(t.before)}"
     yield from _check_victims(t.before, step.preempted_req_ids)
     yield from _check_admissions(t, step)
     for rid in step.preempted_req_ids:
@@ -157,27 +199,31 @@ def schedule_relation(t: Transition):
             yield f"{rid}: num_computed grew without being scheduled"
 
 
-@invariant(cites="seed 004 (update_from_output), seed 003", kind="relation")
+@invariant(cites="seed 004 (update_from_output), seed 003; #46240", kind="relation")
 def update_from_output_relation(t: Transition):
     """update_from_output. Effect: a scheduled request appends a prefix of its
     sampled tokens (ending at the first stop) and loses exactly its rejected
-    drafts from ``num_computed_tokens`` (``compute_computed_after_rejection``); it stops (FINISHED_STOPPED) right after EOS and
-    (FINISHED_LENGTH_CAPPED) at ``max_tokens`` outputs; a request that read
-    invalid KV in this step appends nothing and is not finished on that output
-    (unless the "fail" policy ends it). Under ``kv_load_failure_policy`` "fail"
-    every such request ends FINISHED_ERROR; under "recompute" none does. Unchanged: ``num_computed_tokens`` never grows here."""
+    drafts from ``num_computed_tokens`` (``compute_computed_after_rejection``);
+    it stops FINISHED_STOPPED right after EOS and only then, and
+    FINISHED_LENGTH_CAPPED at ``max_tokens`` outputs or ``max_model_len`` tokens
+    and only then; a request that read invalid KV in this step appends nothing
+    and is not finished on that output (unless the "fail" policy ends it). Under
+    ``kv_load_failure_policy`` "fail" every such request ends FINISHED_ERROR;
+    under "recompute" none does. A finished request whose send is reported in
+    ``finished_sending`` gives its blocks back. Unchanged: ``num_computed_tokens``
+    never grows here. Requests that leave the scheduler during the call are
+    judged as they ended."""
     if t.action != "update_from_output":
         return
     failed_by_policy = (t.outcome.invalid_block_ids
                         and t.after.config.kv_load_failure_policy == "fail")
     for rid, old in t.before.requests.items():
-        new = t.after.requests.get(rid)
-        if new is None:
-            if rid in t.garbage_readers and not failed_by_policy:
-                yield (f"{rid} read invalid KV at token {t.garbage_readers[rid]} this step "
-                       f"and was finished on that output")
+        new = t.ended(rid)
+        if new is None:  # the target cannot show how the request ended
             continue
         added = new.output_token_ids[len(old.output_token_ids):]
+        ended_now = new.status.is_finished and not old.status.is_finished
+        t.witness(bool(added) or ended_now)
         if new.output_token_ids[:len(old.output_token_ids)] != old.output_token_ids:
             yield f"{rid}: output tokens were rewritten"
         elif added and rid in t.garbage_readers:
@@ -185,11 +231,16 @@ def update_from_output_relation(t: Transition):
                    f"but its sampled tokens {list(added)} were kept")
         elif added and tuple(added) != t.outcome.sampled_token_ids.get(rid, ())[:len(added)]:
             yield f"{rid}: appended {list(added)}, sampled {t.outcome.sampled_token_ids.get(rid)}"
-        if new.num_computed_tokens > old.num_computed_tokens \
+        elif ended_now and rid in t.garbage_readers and not failed_by_policy:
+            yield (f"{rid} read invalid KV at token {t.garbage_readers[rid]} this step "
+                   f"and was finished on that output")
+        if new.num_computed_tokens > old.num_computed_tokens and not new.status.is_finished \
                 and old.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             yield f"{rid}: num_computed grew in update_from_output"
         if added:
             yield from _check_stop(new, added)
+        if ended_now:
+            yield from _check_finish_status(new, t.after.config.max_model_len)
         yield from _check_failure_policy(t, rid, new)
         drafts = t.step.scheduled_spec_decode_tokens.get(rid, ()) if t.step else ()
         if added and drafts and rid not in t.garbage_readers and not new.status.is_finished:
@@ -198,6 +249,10 @@ def update_from_output_relation(t: Transition):
             if new.num_computed_tokens != want:
                 yield (f"{rid}: {len(drafts)} drafts, {len(added) - 1} accepted: num_computed "
                        f"should roll back to {want}, is {new.num_computed_tokens}")
+    for rid in t.outcome.finished_sending:
+        r = t.after.requests.get(rid)
+        if r is not None and r.status.is_finished and any(r.block_ids):
+            yield f"{rid}: its send was reported finished but it still holds blocks {r.block_ids[0]}"
 
 
 def _check_failure_policy(t: Transition, rid: str, new):
@@ -210,7 +265,8 @@ def _check_failure_policy(t: Transition, rid: str, new):
 
 
 def _check_stop(r, added):
-    """The stop rules: EOS ends the output and the request; so do max_tokens."""
+    """The stop rules on the tokens just appended: EOS ends the output and the
+    request; so does reaching ``max_tokens``."""
     eos = r.eos_token_id
     if eos is not None and eos in added[:-1]:
         yield f"{r.request_id}: tokens appended after EOS: {list(added)}"
@@ -222,15 +278,35 @@ def _check_stop(r, added):
         yield f"{r.request_id} reached max_tokens={r.max_tokens} but is {r.status.name}"
 
 
+def _check_finish_status(r, max_model_len: int):
+    """A stop status is earned: FINISHED_STOPPED only right after EOS,
+    FINISHED_LENGTH_CAPPED only at ``max_tokens`` outputs or ``max_model_len``
+    tokens, FINISHED_ABORTED only by an abort."""
+    eos = r.eos_token_id
+    outputs = r.output_token_ids
+    if r.status == RequestStatus.FINISHED_STOPPED and not (eos is not None and outputs
+                                                           and outputs[-1] == eos):
+        yield f"{r.request_id} ended FINISHED_STOPPED without EOS (outputs {list(outputs)})"
+    elif r.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(outputs) < r.max_tokens \
+            and r.num_tokens < max_model_len:
+        yield (f"{r.request_id} ended FINISHED_LENGTH_CAPPED with {len(outputs)} of "
+               f"max_tokens={r.max_tokens} outputs")
+    elif r.status == RequestStatus.FINISHED_ABORTED:
+        yield f"{r.request_id} ended FINISHED_ABORTED without an abort"
+
+
 @invariant(cites="seed 004 (finish_requests)", kind="relation")
 def abort_relation(t: Transition):
-    """abort. Effect: the request is FINISHED_ABORTED (or gone) and in no queue.
-    Unchanged: every other request's tokens and computed count."""
+    """abort. Effect: a live request ends FINISHED_ABORTED and is in no queue (one
+    already finished keeps its status). Unchanged: every other request's tokens
+    and computed count."""
     if t.action != "abort":
         return
-    r = t.after.requests.get(t.request_id)
-    if r is not None and not r.status.is_finished:
-        yield f"{t.request_id} still {r.status.name} after abort"
+    was, r = t.before.requests.get(t.request_id), t.ended(t.request_id)
+    if was is not None and not was.status.is_finished:
+        t.witness()
+        if r is not None and r.status != RequestStatus.FINISHED_ABORTED:
+            yield f"{t.request_id} is {r.status.name} after abort, not FINISHED_ABORTED"
     for rid, old in t.before.requests.items():
         new = t.after.requests.get(rid)
         if rid != t.request_id and new is not None and _unchanged_fields(old, new):
@@ -243,6 +319,7 @@ def reset_prefix_cache_relation(t: Transition):
     empty. Unchanged: every request."""
     if t.action != "reset_prefix_cache":
         return
+    t.witness(t.request_id == "True")
     if t.request_id == "True" and t.after.pool.cached:
         yield "reset_prefix_cache reported success but the cache is not empty"
     for rid, old in t.before.requests.items():

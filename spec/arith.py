@@ -47,6 +47,13 @@ def compute_lowered_stats(num_cached, num_external, num_valid):
     return lowered, Max(0, lowered - num_local)
 
 
+def compute_external_lowered(num_cached, num_external, num_valid):
+    """Stats after failure recovery keeps ``num_valid`` tokens, lowering only the
+    external count: to what of it the kept prefix still covers past the local hits."""
+    num_local = num_cached - num_external
+    return num_cached, Max(0, Min(num_external, num_valid - num_local))
+
+
 def compute_first_stats(num_local, num_external, num_tokens):
     """Stats at the first scheduling: what counts as computed, and how much of it
     came from the external store (the full-hit rule takes the last token back)."""

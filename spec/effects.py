@@ -1,21 +1,47 @@
-"""The actions at the level of one request's counters: guard and effect, as
-pure functions over a ``Counters`` record. Z3 proves the per-request
-invariants inductive over these; the same effects state what the relations of
-``actions`` check on concrete traces."""
+"""One model of what a step may do to one request's counters.
+
+Primitive actions are guard plus effect over a ``Counters`` record; every field
+an effect does not name stays unchanged (``attrs.evolve``). A *step shape* is
+the short sequence of primitives one request takes within one runner action
+(one ``schedule`` + worker + ``update_from_output``; an abort; an arrival).
+
+Two checkers read this one model, so the transitions Z3 reasons about are the
+transitions the runtime checks:
+
+- Z3 (``spec/prove.py``) proves every per-request invariant inductive over
+  every step shape, and that the stats are set once and only ever lowered;
+- the runner (``kvspec/harness/conformance.py``) maps every request transition
+  a target makes into ``Counters`` before and after, reads the primitives'
+  parameters off the observation (tokens scheduled, drafts, tokens appended,
+  the connector's answers, the failed blocks) and requires some shape to admit
+  it; a transition no shape admits is reported as ``transition_admitted_by_model``.
+
+The model is loose where a correct scheduler may choose: how many blocks it
+holds (at least enough for what it counts), how far recovery cuts back (to at
+most the first failed block: recomputing from zero is correct too), how it
+lowers the stats after a failure (any lowering that keeps them ordered), and a
+waiter resuming over blocks another request recomputed. It is tight where
+correctness lives: where a scheduling starts, what a finished load counts, what
+rejected drafts give back, and that stats are recorded once.
+"""
 from __future__ import annotations
+
+import itertools
+from typing import Callable
 
 import attrs
 
-from kvspec.spec.arith import (compute_computed_after_rejection, compute_first_stats,
-                               compute_lowered_stats, compute_num_computed_after_hit,
-                               compute_truncated_computed)
-from kvspec.spec.logic import And, If, Max, cdiv
-from kvspec.spec.predicates import (is_blocks_cover_computed, is_cached_le_computed,
-                                    is_computed_within_tokens, is_running_with_stats,
-                                    is_stats_ordered, is_unscheduled_without_output,
-                                    is_waiting_with_work)
+from kvspec.spec.arith import (compute_computed_after_rejection, compute_first_external,
+                               compute_num_computed_after_hit)
+from kvspec.spec.logic import And, If, Implies, Min, Not, Or
+from kvspec.spec.predicates import (is_admissible_lowering, is_blocks_cover_computed,
+                                    is_cached_le_computed, is_computed_within_tokens,
+                                    is_first_cached_count,
+                                    is_running_with_stats, is_stats_ordered,
+                                    is_unscheduled_without_output, is_waiting_with_work)
 
-WAITING, LOADING, RUNNING, PREEMPTED = 0, 1, 2, 3
+WAITING, LOADING, RUNNING, PREEMPTED, FINISHED = 0, 1, 2, 3, 4
+STATUS_NAMES = ("WAITING", "WAITING_FOR_REMOTE_KVS", "RUNNING", "PREEMPTED", "FINISHED")
 
 
 @attrs.frozen
@@ -24,146 +50,343 @@ class Counters:
     prompt_len: object
     num_tokens: object
     num_computed: object
-    num_cached: object
+    num_cached: object        # -1 until the stats are recorded
     num_external: object
     num_preemptions: object
-    num_blocks: object
+    num_blocks: object        # blocks in the (full-attention) block table
     block_size: object
+    #: ghost: how many times the stats were recorded
+    num_stats_sets: object = 0
+    #: ghost: how many load failures cut the request back
+    num_recoveries: object = 0
 
-    def replace(self, **changes) -> "Counters":
-        return attrs.evolve(self, **changes)
+
+OBSERVED_FIELDS = ("status", "prompt_len", "num_tokens", "num_computed", "num_cached",
+                   "num_external", "num_preemptions", "num_blocks")
+
+
+def has_stats(c: Counters):
+    return c.num_cached >= 0
+
+
+def is_waiting(c: Counters):
+    return Or(c.status == WAITING, c.status == PREEMPTED)
+
+
+def get_waiting_status(c: Counters):
+    """Where a request goes back to wait: PREEMPTED once it has been preempted."""
+    return If(c.num_preemptions >= 1, PREEMPTED, WAITING)
+
+
+def is_chunk(num_tokens, end, num_new, num_drafts):
+    """``num_new`` tokens scheduled up to ``end``: at least one, never past the
+    known tokens plus the drafts, and drafts only at the very end."""
+    return And(num_new >= 1, num_drafts >= 0, end <= num_tokens + num_drafts,
+               Implies(num_drafts > 0, end == num_tokens + num_drafts))
 
 
 def request_invariants(r: Counters) -> dict:
-    """The per-request invariants of the catalogue, by name."""
-    has_stats = r.num_cached >= 0
-    return {
-        "stats_are_ordered": If(has_stats, is_stats_ordered(r.prompt_len, r.num_cached,
-                                                            r.num_external), True),
-        "cached_le_computed": If(has_stats, is_cached_le_computed(
-            r.status == RUNNING, r.num_preemptions, r.num_cached, r.num_computed), True),
+    """The per-request invariants of the catalogue, by name, for a live request
+    (the concrete checks in ``spec/invariants.py`` use the same predicates)."""
+    stats, live = has_stats(r), r.status != FINISHED
+    never_disturbed = And(stats, r.num_preemptions == 0, r.num_recoveries == 0)
+    claims = {
+        "stats_are_ordered": If(stats, is_stats_ordered(r.prompt_len, r.num_cached,
+                                                        r.num_external), r.num_external == 0),
+        "stats_set_exactly_once": r.num_stats_sets == If(stats, 1, 0),
+        "cached_le_computed": Implies(never_disturbed, is_cached_le_computed(
+            r.status == RUNNING, Or(is_waiting(r), r.status == LOADING), r.num_cached,
+            r.num_computed, r.num_tokens)),
         "computed_within_tokens": is_computed_within_tokens(r.num_computed, r.num_tokens),
-        "waiting_with_work": is_waiting_with_work(r.status == WAITING, r.num_computed,
-                                                   r.num_tokens),
+        "waiting_with_work": is_waiting_with_work(is_waiting(r), r.num_computed, r.num_tokens),
         "blocks_cover_computed": is_blocks_cover_computed(r.num_blocks, r.block_size,
                                                           r.num_computed),
-        "running_request_has_stats": is_running_with_stats(r.status == RUNNING, has_stats),
-        # strengthening found by the induction proof (docs/proofs.md)
+        "running_request_has_stats": is_running_with_stats(r.status == RUNNING, stats),
+        # the strengthenings the induction needed (docs/proofs.md)
         "unscheduled_request_has_no_output": is_unscheduled_without_output(
-            has_stats, r.num_tokens, r.prompt_len),
-        # shape facts the invariants above need to be inductive
-        "well_formed": And(r.prompt_len >= 1, r.num_tokens >= r.prompt_len, r.block_size >= 1,
-                           r.num_preemptions >= 0, r.num_blocks >= 0,
-                           If(has_stats, True, r.num_external == 0),
-                           If(r.status == PREEMPTED, And(r.num_preemptions >= 1, has_stats), True)),
+            stats, And(Or(is_waiting(r), r.status == LOADING), r.num_preemptions == 0),
+            r.num_tokens, r.prompt_len),
     }
+    claims = {name: Implies(live, claim) for name, claim in claims.items()}
+    # shape facts the invariants above need to be inductive
+    claims["well_formed"] = And(
+        r.status >= WAITING, r.status <= FINISHED, r.prompt_len >= 1,
+        r.num_tokens >= r.prompt_len, r.block_size >= 1, r.num_preemptions >= 0,
+        r.num_blocks >= 0, r.num_recoveries >= 0,
+        Implies(r.status == PREEMPTED, r.num_preemptions >= 1),
+        Implies(r.num_preemptions >= 1, stats))
+    return claims
 
 
-# Each action: (guard, after). Parameters are the environment's choices.
-
-def act_first_schedule(r: Counters, num_local, num_external, num_new):
-    """A WAITING request that never ran is scheduled: hits, stats set once, compute."""
-    computed = compute_num_computed_after_hit(num_local, num_external, r.num_tokens)
-    cached, external = compute_first_stats(num_local, num_external, r.num_tokens)
-    guard = And(r.status == WAITING, r.num_computed == 0, r.num_cached < 0,
-                r.num_preemptions == 0, num_local >= 0, num_external >= 0,
-                num_local + num_external <= r.num_tokens,
-                num_new >= 1, num_new <= r.num_tokens - computed)
-    after = r.replace(status=RUNNING, num_computed=computed + num_new, num_cached=cached,
-                      num_external=external,
-                      num_blocks=Max(r.num_blocks, cdiv(computed + num_new, r.block_size)))
-    return guard, after
+def is_initial(r: Counters):
+    """A request as ``add_request`` leaves it."""
+    return And(r.status == WAITING, r.num_tokens == r.prompt_len, r.prompt_len >= 1,
+               r.num_computed == 0, r.num_cached == -1, r.num_external == 0,
+               r.num_preemptions == 0, r.num_blocks == 0, r.block_size >= 1,
+               r.num_stats_sets == 0, r.num_recoveries == 0)
 
 
-def act_reschedule(r: Counters, num_local, num_external, num_new):
-    """A preempted request runs again: new hits, stats untouched (set once)."""
-    computed = compute_num_computed_after_hit(num_local, num_external, r.num_tokens)
-    guard = And(r.status == PREEMPTED, r.num_computed == 0, num_local >= 0,
-                num_external >= 0, num_local + num_external <= r.num_tokens,
-                num_new >= 1, num_new <= r.num_tokens - computed)
-    after = r.replace(status=RUNNING, num_computed=computed + num_new,
-                      num_blocks=Max(r.num_blocks, cdiv(computed + num_new, r.block_size)))
-    return guard, after
+def is_stats_step_ok(before: Counters, after: Counters, may_lower):
+    """Stats, once recorded, stay as they are; only a load failure (``may_lower``)
+    may lower them, in any way that keeps them ordered. The two-state form of
+    ``stats_set_exactly_once``, shared with the runtime claim."""
+    unchanged = And(after.num_cached == before.num_cached,
+                    after.num_external == before.num_external)
+    lowered = is_admissible_lowering(before.num_cached, before.num_external,
+                                     after.num_cached, after.num_external)
+    return If(has_stats(before), If(may_lower, Or(unchanged, lowered), unchanged), True)
 
 
-def act_async_allocate(r: Counters, num_local, num_external):
-    """An async load is issued: blocks for local + external hits, no stats yet."""
-    guard = And(r.status == WAITING, r.num_computed == 0, r.num_cached < 0,
-                num_local >= 0, num_external >= 1, num_local + num_external <= r.num_tokens)
-    target = num_local + num_external
-    after = r.replace(status=LOADING, num_computed=target,
-                      num_blocks=Max(r.num_blocks, cdiv(target, r.block_size)))
-    return guard, after
+# -- primitives ----------------------------------------------------------------
+
+class Params:
+    """A primitive's parameters, by name."""
+
+    def __init__(self, **values) -> None:
+        self.__dict__.update(values)
 
 
-def act_async_finish(r: Counters):
-    """The load is reported finished: back to WAITING, the last token left to compute."""
-    guard = r.status == LOADING
-    after = r.replace(status=WAITING,
-                      num_computed=compute_num_computed_after_hit(r.num_computed, 0, r.num_tokens))
-    return guard, after
+@attrs.frozen
+class Primitive:
+    name: str
+    fn: Callable
+    params: tuple[str, ...]
+    doc: str
 
 
-def act_start_after_load(r: Counters, num_local, num_new):
-    """A request whose async load finished is scheduled: stats set once."""
-    cached, external = compute_first_stats(num_local, r.num_computed - num_local, r.num_tokens)
-    guard = And(r.status == WAITING, r.num_computed >= 1, r.num_cached < 0,
-                r.num_preemptions == 0, num_local >= 0, num_local <= r.num_computed,
-                num_new >= 1, num_new <= r.num_tokens - r.num_computed)
-    after = r.replace(status=RUNNING, num_computed=r.num_computed + num_new, num_cached=cached,
-                      num_external=external,
-                      num_blocks=Max(r.num_blocks, cdiv(r.num_computed + num_new, r.block_size)))
-    return guard, after
+PRIMITIVES: dict[str, Primitive] = {}
 
 
-def act_decode(r: Counters, num_new, num_drafts, num_accepted):
-    """A running request computes ``num_new`` tokens (drafts included) and gets
-    ``num_accepted + 1`` tokens back."""
-    computed = compute_computed_after_rejection(r.num_computed + num_new, num_drafts, num_accepted)
-    guard = And(r.status == RUNNING, num_drafts >= 0, num_accepted >= 0,
-                num_accepted <= num_drafts, num_new >= 1,
-                r.num_computed + num_new - num_drafts == r.num_tokens)
-    after = r.replace(num_computed=computed, num_tokens=r.num_tokens + num_accepted + 1,
-                      num_blocks=Max(r.num_blocks, cdiv(r.num_computed + num_new, r.block_size)))
-    return guard, after
+def primitive(*params: str):
+    def register(fn):
+        name = fn.__name__.removeprefix("act_")
+        PRIMITIVES[name] = Primitive(name, fn, params, (fn.__doc__ or "").strip())
+        return fn
+    return register
 
 
-def act_prefill_chunk(r: Counters, num_new):
-    """A running request computes a chunk of its prompt; nothing is sampled."""
-    guard = And(r.status == RUNNING, num_new >= 1, r.num_computed + num_new < r.num_tokens)
-    after = r.replace(num_computed=r.num_computed + num_new,
-                      num_blocks=Max(r.num_blocks, cdiv(r.num_computed + num_new, r.block_size)))
-    return guard, after
+def record_stats(c: Counters, records, num_local, num_external, num_cached):
+    """Guard and effect of recording the stats for ``num_local + num_external``
+    hits, where ``records`` says the step records them (only a request that has
+    none does): the cached count per ``is_first_cached_count``, the external part
+    the connector's answer less what that count leaves out."""
+    first = And(records, Not(has_stats(c)))
+    external = compute_first_external(num_cached, num_local, num_external)
+    guard = Implies(first, is_first_cached_count(num_cached, num_local + num_external,
+                                                 c.num_tokens))
+    return guard, dict(num_cached=If(first, num_cached, c.num_cached),
+                       num_external=If(first, external, c.num_external),
+                       num_stats_sets=c.num_stats_sets + If(first, 1, 0))
 
 
-def act_preempt(r: Counters):
-    guard = r.status == RUNNING
-    after = r.replace(status=PREEMPTED, num_computed=0, num_blocks=0,
-                      num_preemptions=r.num_preemptions + 1)
-    return guard, after
+@primitive("num_local", "num_external", "num_new", "num_drafts", "num_blocks", "num_cached")
+def act_schedule_waiting(c: Counters, p):
+    """A waiting request with nothing computed is scheduled. It starts at its
+    hits (local, then external, leaving the last token), computes ``num_new``
+    tokens, and records its stats if it never had them."""
+    start = compute_num_computed_after_hit(p.num_local, p.num_external, c.num_tokens)
+    end = start + p.num_new
+    stats_guard, stats = record_stats(c, True, p.num_local, p.num_external, p.num_cached)
+    guard = And(is_waiting(c), c.num_computed == 0, p.num_local >= 0, p.num_external >= 0,
+                p.num_local + p.num_external <= c.num_tokens,
+                is_chunk(c.num_tokens, end, p.num_new, p.num_drafts),
+                is_blocks_cover_computed(p.num_blocks, c.block_size, end), stats_guard)
+    return guard, attrs.evolve(c, status=RUNNING, num_computed=end, num_blocks=p.num_blocks,
+                               **stats)
 
 
-def act_recover(r: Counters, first_invalid_block):
-    """A load failure: truncate at the first invalid block, lower the stats."""
-    truncated = compute_truncated_computed(first_invalid_block, r.block_size, r.num_computed)
-    cached, external = compute_lowered_stats(r.num_cached, r.num_external, truncated)
-    guard = And(first_invalid_block >= 0,
-                first_invalid_block * r.block_size < r.num_computed)
-    has_stats = r.num_cached >= 0
-    after = r.replace(num_computed=truncated,
-                      num_cached=If(has_stats, cached, r.num_cached),
-                      num_external=If(has_stats, external, r.num_external))
-    return guard, after
+@primitive("num_local", "num_new", "num_drafts", "num_blocks")
+def act_schedule_loaded(c: Counters, p):
+    """A waiting request whose async load finished is scheduled from the loaded
+    prefix; if it has no stats yet, it records the loaded prefix as its hits:
+    ``num_local`` local, the rest external."""
+    end = c.num_computed + p.num_new
+    stats_guard, stats = record_stats(c, True, p.num_local, c.num_computed - p.num_local,
+                                      c.num_computed)
+    guard = And(is_waiting(c), c.num_computed >= 1, p.num_local >= 0,
+                p.num_local <= c.num_computed,
+                is_chunk(c.num_tokens, end, p.num_new, p.num_drafts),
+                is_blocks_cover_computed(p.num_blocks, c.block_size, end), stats_guard)
+    return guard, attrs.evolve(c, status=RUNNING, num_computed=end, num_blocks=p.num_blocks,
+                               **stats)
 
 
-ACTIONS = {
-    "first_schedule": (act_first_schedule, ("num_local", "num_external", "num_new")),
-    "reschedule": (act_reschedule, ("num_local", "num_external", "num_new")),
-    "async_allocate": (act_async_allocate, ("num_local", "num_external")),
-    "async_finish": (act_async_finish, ()),
-    "start_after_load": (act_start_after_load, ("num_local", "num_new")),
-    "prefill_chunk": (act_prefill_chunk, ("num_new",)),
-    "decode": (act_decode, ("num_new", "num_drafts", "num_accepted")),
-    "preempt": (act_preempt, ()),
-    "recover": (act_recover, ("first_invalid_block",)),
-}
+@primitive("num_new", "num_drafts", "num_blocks")
+def act_compute(c: Counters, p):
+    """A running request is scheduled for ``num_new`` more tokens (its scheduled
+    drafts included)."""
+    end = c.num_computed + p.num_new
+    guard = And(c.status == RUNNING, is_chunk(c.num_tokens, end, p.num_new, p.num_drafts),
+                is_blocks_cover_computed(p.num_blocks, c.block_size, end))
+    return guard, attrs.evolve(c, num_computed=end, num_blocks=p.num_blocks)
+
+
+@primitive("num_valid")
+def act_resume_waiter(c: Counters, p):
+    """A request cut back by a load failure resumes over blocks another request
+    has recomputed since: its computed prefix grows without computing. (Whether
+    that KV is really there is the data oracle's to check.)"""
+    guard = And(Or(c.status == RUNNING, is_waiting(c)), c.num_recoveries >= 1,
+                p.num_valid > c.num_computed, p.num_valid <= c.num_tokens - 1,
+                is_blocks_cover_computed(c.num_blocks, c.block_size, p.num_valid))
+    return guard, attrs.evolve(c, num_computed=p.num_valid)
+
+
+@primitive("num_local", "num_external", "num_blocks", "records", "num_cached")
+def act_issue_async_load(c: Counters, p):
+    """A waiting request with nothing computed gets blocks for its hits and waits
+    for the external part in WAITING_FOR_REMOTE_KVS; the target of the load is
+    local + external hits, not a block multiple (#34616). A scheduler may record
+    the stats now (``records`` = 1, vLLM) or when the request first runs
+    (``records`` = 0, the reference)."""
+    target = p.num_local + p.num_external
+    stats_guard, stats = record_stats(c, p.records == 1, p.num_local, p.num_external,
+                                      p.num_cached)
+    guard = And(is_waiting(c), c.num_computed == 0, p.num_local >= 0, p.num_external >= 1,
+                target <= c.num_tokens, Or(p.records == 0, p.records == 1),
+                is_blocks_cover_computed(p.num_blocks, c.block_size, target), stats_guard)
+    return guard, attrs.evolve(c, status=LOADING, num_computed=target, num_blocks=p.num_blocks,
+                               **stats)
+
+
+@primitive()
+def act_finish_async_load(c: Counters, p):
+    """The load is reported finished: the request waits again with the target
+    counted, less the last token on a full hit (it is recomputed to sample). A
+    load that left nothing to count (it failed on its first block, or it loaded
+    a one-token prompt) gives the request's blocks back."""
+    computed = Min(c.num_computed, c.num_tokens - 1)
+    return c.status == LOADING, attrs.evolve(
+        c, status=get_waiting_status(c), num_computed=computed,
+        num_blocks=If(computed == 0, 0, c.num_blocks))
+
+
+@primitive()
+def act_release_loaded(c: Counters, p):
+    """A waiting request whose load finished gives its blocks back under memory
+    pressure; it will recompute. Not while its stats describe this load (recorded
+    and never preempted since): it would report hits it threw away."""
+    guard = And(is_waiting(c), c.num_computed >= 1,
+                Or(Not(has_stats(c)), c.num_preemptions >= 1))
+    return guard, attrs.evolve(c, num_computed=0, num_blocks=0)
+
+
+@primitive()
+def act_preempt(c: Counters, p):
+    """A running request is preempted: it frees its blocks and starts over."""
+    return c.status == RUNNING, attrs.evolve(c, status=PREEMPTED, num_computed=0, num_blocks=0,
+                                             num_preemptions=c.num_preemptions + 1)
+
+
+@primitive("num_drafts", "num_accepted")
+def act_sample(c: Counters, p):
+    """The step computed every known token and ``num_drafts`` drafts: the accepted
+    drafts and one new token are appended, the rejected drafts stop counting."""
+    guard = And(c.status == RUNNING, p.num_drafts >= 0, p.num_accepted >= 0,
+                p.num_accepted <= p.num_drafts, c.num_computed == c.num_tokens + p.num_drafts)
+    return guard, attrs.evolve(
+        c, num_tokens=c.num_tokens + p.num_accepted + 1,
+        num_computed=compute_computed_after_rejection(c.num_computed, p.num_drafts,
+                                                      p.num_accepted))
+
+
+@primitive()
+def act_keep_prefilling(c: Counters, p):
+    """A partial prefill chunk samples nothing: prompt tokens are left to compute."""
+    return And(c.status == RUNNING, c.num_computed < c.num_tokens), c
+
+
+@primitive("first_invalid_block", "num_valid", "num_cached", "num_external")
+def act_recover(c: Counters, p):
+    """A load failure is reported on a block under the request's computed
+    prefix: it keeps at most the tokens before that block (recomputing from zero
+    is correct too), and its stats may be lowered in any way that keeps them
+    ordered, never raised."""
+    first_bad = p.first_invalid_block * c.block_size
+    stats_ok = If(has_stats(c),
+                  is_admissible_lowering(c.num_cached, c.num_external,
+                                         p.num_cached, p.num_external),
+                  And(p.num_cached == c.num_cached, p.num_external == c.num_external))
+    # a failed block holds loaded positions, so it starts within the known tokens
+    guard = And(Or(c.status == RUNNING, c.status == LOADING), p.first_invalid_block >= 0,
+                first_bad < c.num_computed, first_bad < c.num_tokens, p.num_valid >= 0,
+                p.num_valid <= first_bad, stats_ok)
+    return guard, attrs.evolve(c, num_computed=p.num_valid, num_cached=p.num_cached,
+                               num_external=p.num_external,
+                               num_recoveries=c.num_recoveries + 1)
+
+
+@primitive()
+def act_finish(c: Counters, p):
+    """The request ends: stopped, length-capped, aborted, or failed by the
+    "fail" policy. The per-request model stops here."""
+    return c.status != FINISHED, attrs.evolve(c, status=FINISHED)
+
+
+# -- step shapes -----------------------------------------------------------------
+
+#: what may happen before the scheduler decides: a load reported finished
+PRE = ((), ("finish_async_load",))
+#: what one schedule() may do to one request
+SCHEDULE = ((), ("schedule_waiting",), ("schedule_loaded",), ("compute",),
+            ("resume_waiter",), ("resume_waiter", "compute"), ("resume_waiter", "schedule_loaded"),
+            ("issue_async_load",), ("preempt",), ("release_loaded",),
+            ("release_loaded", "schedule_waiting"))
+#: primitives that schedule tokens: the worker's output then speaks about them
+COMPUTES = {"schedule_waiting", "schedule_loaded", "compute"}
+#: what the worker's output does to a request it ran: a chunk, tokens, a
+#: failure it read, a stop (EOS, length) or an end by the "fail" policy
+OUTPUT_RAN = (("keep_prefilling",), ("sample",), ("recover",), ("sample", "finish"),
+              ("recover", "finish"))
+#: ... and to one it did not run: nothing, or a failure of a block it holds
+OUTPUT_IDLE = ((), ("recover",), ("recover", "finish"))
+#: an abort: the request ends (or had ended)
+ABORT_SHAPES = ((), ("finish",))
+
+#: which statuses each primitive's guard admits, and the status it leaves
+_FLOW = {"schedule_waiting": ({WAITING, PREEMPTED}, RUNNING),
+         "schedule_loaded": ({WAITING, PREEMPTED}, RUNNING),
+         "compute": ({RUNNING}, RUNNING), "resume_waiter": ({RUNNING, WAITING, PREEMPTED}, None),
+         "issue_async_load": ({WAITING, PREEMPTED}, LOADING),
+         "finish_async_load": ({LOADING}, "waiting"),
+         "release_loaded": ({WAITING, PREEMPTED}, None), "preempt": ({RUNNING}, PREEMPTED),
+         "keep_prefilling": ({RUNNING}, RUNNING), "sample": ({RUNNING}, RUNNING),
+         "recover": ({RUNNING, LOADING}, None),
+         "finish": ({WAITING, LOADING, RUNNING, PREEMPTED}, FINISHED)}
+
+
+def _is_status_feasible(shape: tuple[str, ...]) -> bool:
+    """Whether some start status lets every primitive's guard pass in turn
+    (Z3 confirms each shape's guards satisfiable: its obligation is not vacuous)."""
+    for start in (WAITING, LOADING, RUNNING, PREEMPTED):
+        now = {start}
+        for name in shape:
+            admits, leaves = _FLOW[name]
+            now &= admits
+            if not now:
+                break
+            if leaves == "waiting":
+                now = {WAITING, PREEMPTED}
+            elif leaves is not None:
+                now = {leaves}
+        if now:
+            return True
+    return False
+
+
+def _build_step_shapes() -> tuple[tuple[str, ...], ...]:
+    shapes = []
+    for pre, sched in itertools.product(PRE, SCHEDULE):
+        ran = bool(sched) and sched[-1] in COMPUTES
+        for out in OUTPUT_RAN if ran else OUTPUT_IDLE:
+            shape = pre + sched + out
+            if shape and shape not in shapes and _is_status_feasible(shape):
+                shapes.append(shape)
+    return tuple(shapes)
+
+
+#: every shape one request's counters may take within one step (the empty
+#: shape, nothing happened to it, is admitted without a proof obligation)
+STEP_SHAPES = _build_step_shapes()
+#: every shape the model knows, steps and aborts
+ALL_SHAPES = STEP_SHAPES + tuple(s for s in ABORT_SHAPES if s and s not in STEP_SHAPES)

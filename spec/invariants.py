@@ -19,7 +19,7 @@ from kvspec.spec.predicates import (is_blocks_cover_computed, is_cached_le_compu
                                     is_computed_within_tokens, is_free_iff_unreferenced,
                                     is_ref_count_of_holders, is_stats_ordered,
                                     is_unscheduled_without_output, is_waiting_with_work)
-from kvspec.spec.registry import invariant
+from kvspec.spec.registry import Witnessing, invariant
 from kvspec.spec.state import Observation, RequestStatus, RequestView
 
 
@@ -31,12 +31,17 @@ class Ghost:
     stats: dict[str, tuple[int, int]] = attrs.Factory(dict)
     #: requests a load failure was reported for (recovery may lower their stats)
     recovered: set[str] = attrs.Factory(set)
+    #: requests that finished while their async load was in flight: they may hold
+    #: their blocks until the worker reports the load (finished_recving)
+    finished_mid_load: set[str] = attrs.Factory(set)
+    #: requests live when the healed phase began
+    draining: set[str] = attrs.Factory(set)
     #: the connector's answer (num_local, num_external) when the stats were set
     first_hits: dict[str, tuple[int, int]] = attrs.Factory(dict)
 
 
 @attrs.define
-class Context:
+class Context(Witnessing):
     obs: Observation
     ghost: Ghost
     oracle: object | None = None  # kvspec.spec.oracle.KVContent when synced
@@ -44,8 +49,15 @@ class Context:
     #: include the tokens (and drafts) of the step in flight
     synced: bool = True
 
+    witnessed: int = 0
+
     def live(self) -> Iterator[RequestView]:
         return (r for r in self.obs.requests.values() if not r.status.is_finished)
+
+    def is_undisturbed(self, r: RequestView) -> bool:
+        """Never preempted and never touched by a load failure: its stats still
+        describe the prefix it runs on."""
+        return r.num_preemptions == 0 and r.request_id not in self.ghost.recovered
 
 
 def _blocks(req: RequestView) -> tuple[int, ...]:
@@ -54,7 +66,7 @@ def _blocks(req: RequestView) -> tuple[int, ...]:
 
 # -- cache-hit stats ----------------------------------------------------------
 
-@invariant(cites="#36533, #36755, #36859", established_by=("hypothesis", "z3"))
+@invariant(cites="#36533, #36755, #36859")
 def stats_are_ordered(ctx: Context):
     """Cache-hit stats are ordered: ``prompt_len >= num_cached >= num_external >= 0``.
 
@@ -63,6 +75,7 @@ def stats_are_ordered(ctx: Context):
     (#36533); the cause was ``num_external_computed_tokens`` re-set on a
     re-scheduling while ``num_cached_tokens`` was kept (#36859)."""
     for r in ctx.live():
+        ctx.witness(r.has_stats)
         if r.has_stats and not is_stats_ordered(r.num_prompt_tokens, r.num_cached_tokens,
                                                 r.num_external_computed_tokens):
             yield (f"{r.request_id}: prompt_len={r.num_prompt_tokens} num_cached="
@@ -73,15 +86,21 @@ def stats_are_ordered(ctx: Context):
 
 @invariant(cites="#36859, #37460")
 def stats_set_exactly_once(ctx: Context):
-    """Cache-hit stats are set exactly once, at the first scheduling, and never
-    re-set by preemption or a failed allocation; only failure recovery may lower
-    them, and only as ``compute_lowered_stats`` says (local hits survive first).
+    """Cache-hit stats are set exactly once, at the first scheduling (or when an
+    async load is issued), and never re-set by preemption or a failed
+    allocation; only failure recovery may change them, and only by lowering
+    them in a way that keeps them ordered (``is_admissible_lowering``: both
+    together, the external count only, or not at all are all correct choices).
 
     Protects the meaning of the stats (the hits of the request's first prefill)
     that the frontend reports once. Re-setting one of the pair on a
-    re-scheduling is what made the pair inconsistent in #36859."""
+    re-scheduling is what made the pair inconsistent in #36859. Witnessed by a
+    request with recorded stats that has since been preempted or cut back by a
+    load failure: the events a scheduler could re-set them on."""
     for r in ctx.live():
         first = ctx.ghost.stats.get(r.request_id)
+        if first is not None and not ctx.is_undisturbed(r):
+            ctx.witness()
         if first is None or not r.has_stats:
             if first is not None:
                 yield f"{r.request_id}: stats were set to {first}, now unset"
@@ -89,7 +108,7 @@ def stats_set_exactly_once(ctx: Context):
         now = (r.num_cached_tokens, r.num_external_computed_tokens)
         if now != first:
             yield (f"{r.request_id}: stats set to {first}, changed to {now}; only failure "
-                   f"recovery may change them, lowering both as compute_lowered_stats says")
+                   f"recovery may change them, by an ordered lowering")
 
 
 @invariant(cites="#36533, #36755 (seed 001)")
@@ -108,63 +127,81 @@ def stats_are_the_first_hits(ctx: Context):
         first, hits = ctx.ghost.stats.get(r.request_id), ctx.ghost.first_hits.get(r.request_id)
         if first is None or hits is None or r.request_id in ctx.ghost.recovered:
             continue
+        ctx.witness()
         expected = compute_first_external(first[0], hits[0], hits[1])
         if first[1] != expected:
             yield (f"{r.request_id}: {first[1]} external hits recorded, but the connector "
                    f"answered {hits[1]} beyond {hits[0]} local for {first[0]} cached: {expected}")
 
 
-@invariant(cites="#34616", established_by=("hypothesis", "z3"))
+@invariant(cites="#34616")
 def running_request_has_stats(ctx: Context):
     """A RUNNING request has its cache-hit stats set.
 
     Protects the stats of async-loaded requests: before #34616 a request whose
     KV came by an async load never set ``num_cached_tokens``."""
     for r in ctx.live():
-        if r.status == RequestStatus.RUNNING and not r.has_stats:
-            yield f"{r.request_id} is RUNNING with num_cached_tokens unset"
+        if r.status == RequestStatus.RUNNING:
+            ctx.witness()
+            if not r.has_stats:
+                yield f"{r.request_id} is RUNNING with num_cached_tokens unset"
 
 
-@invariant(cites="#36859 (stats set at the first scheduling)", established_by=("hypothesis", "z3"))
+@invariant(cites="#36859 (stats set at the first scheduling)")
 def unscheduled_request_has_no_output(ctx: Context):
-    """A request whose stats are unset (never scheduled) has no output tokens.
+    """A request that has not run has no output tokens: one whose stats are
+    unset (never scheduled), or one waiting that was never preempted (only a
+    preemption sends a request that ran back to wait).
 
-    The strengthening the Z3 induction needed: without it, "first scheduling"
-    could see a request with outputs, and the stats' bound by the prompt length
-    is not inductive. It protects the meaning of "first scheduling"."""
+    The strengthenings the Z3 induction needed: without them, "first
+    scheduling" could see a request with outputs, and the stats' bound by the
+    prompt length is not inductive. They protect the meaning of "first scheduling"."""
     for r in ctx.live():
-        if not is_unscheduled_without_output(r.has_stats, r.num_tokens, r.num_prompt_tokens):
-            yield f"{r.request_id} has {len(r.output_token_ids)} output tokens but no stats"
+        waiting = r.status.is_waiting or r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        unpreempted_waiting = waiting and r.num_preemptions == 0
+        ctx.witness(not r.has_stats or unpreempted_waiting)
+        if not is_unscheduled_without_output(r.has_stats, unpreempted_waiting, r.num_tokens,
+                                             r.num_prompt_tokens):
+            yield f"{r.request_id} has {len(r.output_token_ids)} output tokens but has not run"
 
 
-@invariant(cites="#34616, #36859", established_by=("hypothesis", "z3"))
+@invariant(cites="#34616, #36859")
 def cached_le_computed(ctx: Context):
-    """``num_cached_tokens <= num_computed_tokens`` for a RUNNING request that
-    has never been preempted.
+    """Tokens reported as cache hits were computed: ``num_cached_tokens <=
+    num_computed_tokens`` for a RUNNING request, and all but the last token
+    (which a full-prompt hit recomputes) for one waiting with its load finished
+    or in flight; for a request never preempted and never touched by a load
+    failure.
 
     Scope: after a preemption ``num_computed_tokens`` restarts from the hits of
     the re-scheduling, which may be fewer than the first time, while the stats
-    keep the first scheduling's value. Failure recovery lowers both together.
-    Protects the stats' meaning: tokens reported as cache hits were computed."""
+    keep the first scheduling's value; after a load failure a scheduler may keep
+    the stats (vLLM 0.32 does) while it recomputes. Protects the stats' meaning."""
     for r in ctx.live():
-        if r.has_stats and not is_cached_le_computed(
-                r.status == RequestStatus.RUNNING, r.num_preemptions, r.num_cached_tokens,
-                r.num_computed_tokens):
-            yield (f"{r.request_id}: num_cached={r.num_cached_tokens} > "
+        if not (r.has_stats and ctx.is_undisturbed(r)):
+            continue
+        running = r.status == RequestStatus.RUNNING
+        waiting = r.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS)
+        ctx.witness(running or waiting)
+        if not is_cached_le_computed(running, waiting, r.num_cached_tokens,
+                                     r.num_computed_tokens, r.num_tokens):
+            yield (f"{r.request_id} ({r.status.name}): num_cached={r.num_cached_tokens} > "
                    f"num_computed={r.num_computed_tokens}")
 
 
 # -- token accounting ---------------------------------------------------------
 
-@invariant(cites="#34616", established_by=("hypothesis", "z3"))
+@invariant(cites="#34616")
 def computed_within_tokens(ctx: Context):
     """``0 <= num_computed_tokens <= num_tokens`` between steps (within a step
     the scheduled drafts count too), and a waiting request whose KV has arrived
     leaves at least one token to compute.
 
     Protects the model runner: it cannot run a request with nothing scheduled,
-    so a full-prompt hit must recompute the last token (the rule #34616 kept)."""
+    so a full-prompt hit must recompute the last token (the rule #34616 kept).
+    Witnessed by a live request with computed tokens."""
     for r in ctx.live():
+        ctx.witness(r.num_computed_tokens > 0)
         upper = r.num_tokens if ctx.synced else r.num_tokens + ctx.obs.config.max_model_len
         if not is_computed_within_tokens(r.num_computed_tokens, upper):
             yield f"{r.request_id}: num_computed={r.num_computed_tokens} of {r.num_tokens} tokens"
@@ -174,13 +211,17 @@ def computed_within_tokens(ctx: Context):
             yield f"{r.request_id}: waiting with all {r.num_tokens} tokens computed"
 
 
-@invariant(cites="#27644")
+@invariant(cites="#27644", unwitnessed_because="""output placeholders exist only under
+           async scheduling, which no target runs yet (issue 10); until then every
+           request has 0 placeholders and the claim is checked but never witnessed""")
 def placeholders_nonnegative(ctx: Context):
     """``num_output_placeholders >= 0``.
 
     Protects async scheduling: a connector sees ``num_computed_tokens -
-    num_output_placeholders`` as the real boundary (#27644)."""
+    num_output_placeholders`` as the real boundary (#27644). Witnessed by a
+    request with placeholders."""
     for r in ctx.live():
+        ctx.witness(r.num_output_placeholders != 0)
         if r.num_output_placeholders < 0:
             yield f"{r.request_id}: num_output_placeholders={r.num_output_placeholders}"
 
@@ -192,9 +233,10 @@ def idle_waiting_holds_no_blocks(ctx: Context):
     Protects the pool: preemption exists to free memory; a preempted request
     that kept its blocks leaks them and starves the running ones."""
     for r in ctx.live():
-        if (r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-                and r.num_computed_tokens == 0 and any(r.block_ids)):
-            yield f"{r.request_id} is {r.status.name} with 0 computed tokens but holds blocks {_blocks(r)}"
+        if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and r.num_computed_tokens == 0:
+            ctx.witness(r.num_preemptions > 0)
+            if any(r.block_ids):
+                yield f"{r.request_id} is {r.status.name} with 0 computed tokens but holds blocks {_blocks(r)}"
 
 
 @invariant(cites="seed 004 (_preempt_request)")
@@ -205,15 +247,18 @@ def preempted_means_preempted(ctx: Context):
     scheduler output) and the stats' scope; it is one of the shape facts the Z3
     induction needs (``well_formed`` in spec/effects.py)."""
     for r in ctx.live():
-        if r.status == RequestStatus.PREEMPTED and r.num_preemptions < 1:
-            yield f"{r.request_id} is PREEMPTED with num_preemptions={r.num_preemptions}"
+        if r.status == RequestStatus.PREEMPTED:
+            ctx.witness()
+            if r.num_preemptions < 1:
+                yield f"{r.request_id} is PREEMPTED with num_preemptions={r.num_preemptions}"
 
 
-@invariant(cites="seed 004 (allocate_slots)", established_by=("hypothesis", "z3"))
+@invariant(cites="seed 004 (allocate_slots)")
 def blocks_cover_computed(ctx: Context):
     """Every computed token (and every token an async load targets) has a slot:
     ``len(block_table) * block_size >= num_computed_tokens`` in every group."""
     for r in ctx.live():
+        ctx.witness(r.num_computed_tokens > 0)
         for g, table in enumerate(r.block_ids or ((),)):
             size = ctx.obs.config.groups[g].block_size
             if not is_blocks_cover_computed(len(table), size, r.num_computed_tokens):
@@ -229,6 +274,7 @@ def queues_match_status(ctx: Context):
     RUNNING in ``running``, WAITING / WAITING_FOR_REMOTE_KVS / PREEMPTED in
     ``waiting``; finished requests in neither."""
     running, waiting = ctx.obs.running, ctx.obs.waiting
+    ctx.witness(bool(running) and bool(waiting))
     for name, queue in (("running", running), ("waiting", waiting)):
         if len(set(queue)) != len(queue):
             yield f"{name} queue has duplicates: {queue}"
@@ -244,11 +290,14 @@ def queues_match_status(ctx: Context):
 
 @invariant(cites="seed 004 (schedule asserts)")
 def within_limits(ctx: Context):
-    """At most ``max_num_seqs`` requests run, and no request grows past ``max_model_len``."""
+    """At most ``max_num_seqs`` requests run, and no request grows past ``max_model_len``.
+    Witnessed when the running queue is full or a request is one token from the limit."""
     cfg = ctx.obs.config
+    ctx.witness(len(ctx.obs.running) == cfg.max_num_seqs)
     if len(ctx.obs.running) > cfg.max_num_seqs:
         yield f"{len(ctx.obs.running)} running > max_num_seqs={cfg.max_num_seqs}"
     for r in ctx.live():
+        ctx.witness(r.num_tokens >= cfg.max_model_len - 1)
         if r.num_tokens > cfg.max_model_len:
             yield f"{r.request_id}: {r.num_tokens} tokens > max_model_len={cfg.max_model_len}"
 
@@ -264,24 +313,27 @@ def _holders(ctx: Context) -> list[int]:
     return count
 
 
-@invariant(cites="seed 004 (block_pool)", established_by=("hypothesis", "z3"))
+@invariant(cites="seed 004 (block_pool)")
 def ref_count_is_holders(ctx: Context):
     """A block's reference count equals the number of block tables holding it
     (finished requests that wait for a KV send included).
 
     Protects against double frees and leaks: a block freed while still held is
-    handed to another request and overwritten under the first."""
+    handed to another request and overwritten under the first. Witnessed by a
+    block two tables share."""
     for b, (ref, held) in enumerate(zip(ctx.obs.pool.ref_cnt, _holders(ctx))):
+        ctx.witness(held >= 2)
         if not is_ref_count_of_holders(ref, [True] * held):  # one flag per holding table
             yield f"block {b}: ref_cnt={ref} but {held} holder(s)"
 
 
-@invariant(cites="seed 004 (block_pool)", established_by=("hypothesis", "z3"))
+@invariant(cites="seed 004 (block_pool)")
 def free_queue_is_free_blocks(ctx: Context):
     """The free queue holds exactly the blocks with reference count 0, once each;
-    no block is both free and held."""
+    no block is both free and held. Witnessed when some blocks are free and some held."""
     pool = ctx.obs.pool
     free = pool.free_queue
+    ctx.witness(0 < len(free) < pool.num_blocks)
     if len(set(free)) != len(free):
         yield f"free queue has duplicates: {free}"
     free_set = set(free)
@@ -295,16 +347,42 @@ def no_leak_when_idle(ctx: Context):
     """With no live request and no KV send pending, every block is free.
 
     Protects the pool across the lifetime of the server: a leaked block is
-    capacity lost until restart."""
-    if not ctx.obs.requests and any(ctx.obs.pool.ref_cnt):
-        held = [b for b, ref in enumerate(ctx.obs.pool.ref_cnt) if ref]
-        yield f"no requests left but blocks {held} are held"
+    capacity lost until restart. Witnessed when the scheduler holds no request."""
+    if not ctx.obs.requests:
+        ctx.witness()
+        if any(ctx.obs.pool.ref_cnt):
+            held = [b for b, ref in enumerate(ctx.obs.pool.ref_cnt) if ref]
+            yield f"no requests left but blocks {held} are held"
+
+
+@invariant(cites="seed 004 (_free_request, finished_sending); #46240")
+def finished_request_releases_blocks(ctx: Context):
+    """A finished request holds blocks only while its KV send is pending (the
+    connector asked for a delayed free and ``finished_sending`` has not named it)
+    or, until the next worker report, while an async load it was waiting for may
+    still be writing them.
+
+    Protects the pool from leaks while the server is busy: a scheduler that
+    ignores ``finished_sending`` never frees the request's blocks, which
+    ``no_leak_when_idle`` notices only once every request is gone. Witnessed by
+    a finished request still known to the scheduler."""
+    if not ctx.synced or ctx.oracle is None:
+        return
+    for r in ctx.obs.requests.values():
+        if not r.status.is_finished:
+            continue
+        ctx.witness()
+        pending = r.request_id in ctx.oracle.sends or r.request_id in ctx.ghost.finished_mid_load
+        if any(r.block_ids) and not pending:
+            yield (f"{r.request_id} is {r.status.name} and holds blocks {_blocks(r)} with no "
+                   f"send pending")
 
 
 @invariant(cites="seed 004 (cache_full_blocks)")
 def prefix_cache_is_consistent(ctx: Context):
-    """Each prefix-cache entry names a distinct block."""
+    """Each prefix-cache entry names a distinct block. Witnessed by a non-empty cache."""
     seen = {}
+    ctx.witness(len(ctx.obs.pool.cached) >= 2)
     for block_hash, block in ctx.obs.pool.cached:
         if block in seen:
             yield f"block {block} cached under two hashes"
@@ -315,11 +393,15 @@ def prefix_cache_is_consistent(ctx: Context):
 
 @invariant(cites="review of #34616", kind="data")
 def no_caching_of_invalid_blocks(ctx: Context):
-    """Every block in the prefix cache holds exactly the content its hash names.
+    """Every block in the prefix cache holds exactly the content its hash names
+    (``is_cached_block_valid``: valid content, no load still writing it).
 
     Protects every later request: a block whose load failed, or whose load has
     not finished, that enters the prefix cache is served as a hit to the next
-    request with that prefix: silent corruption (the review of #34616)."""
+    request with that prefix: silent corruption (the review of #34616).
+    Witnessed while the cache is not empty and some held block's load failed
+    or is still in flight."""
+    ctx.witness(bool(ctx.obs.pool.cached) and ctx.oracle.has_bad_blocks())
     yield from ctx.oracle.check_cache(ctx.obs)
 
 
@@ -330,9 +412,13 @@ def computed_means_valid(ctx: Context):
     successfully.
 
     Protects what the model reads: before #34616, an async load counted whole
-    blocks, past the last external token, and the model attended to KV nobody wrote."""
+    blocks, past the last external token, and the model attended to KV nobody
+    wrote. Witnessed by a request counting tokens it did not compute itself in
+    this run (hits or loads) or after a load failure."""
     for r in ctx.live():
         if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            ctx.witness(r.num_computed_tokens > 0 and (
+                r.num_cached_tokens > 0 or r.request_id in ctx.ghost.recovered))
             yield from ctx.oracle.check_request(ctx.obs, r)
 
 
@@ -341,17 +427,23 @@ def send_source_intact(ctx: Context):
     """A block held for a KV send keeps its content until ``finished_sending``.
 
     Protects the receiving instance (P/D disaggregation, offloading): freeing a
-    block under an in-flight send ships whatever overwrote it."""
+    block under an in-flight send ships whatever overwrote it. Witnessed by a
+    send in flight."""
+    ctx.witness(len(ctx.oracle.sends))
     yield from ctx.oracle.check_sends()
 
 
-@invariant(cites="seed 004 (_update_requests_with_invalid_blocks)", kind="data")
+@invariant(cites="seed 004 (_update_requests_with_invalid_blocks)", kind="data", role="design")
 def failed_block_recomputed_once(ctx: Context):
     """In one step no slot is computed by two requests: a failed block shared by
     several requests is recomputed by exactly one of them.
 
-    Blocks are shared only once full and cached, and a request computes only
-    past its own computed prefix, so two writers of one slot means recovery sent
-    every sharer to recompute the same block: wasted compute, and a race on the
-    block between them."""
+    A design rule of vLLM's recovery, not a safety claim: two writers of the
+    same valid content waste compute but corrupt nothing, and a conservative
+    recovery in which every affected request recomputes from block 0 is
+    correct. Blocks are shared only once full and cached, and a request computes
+    only past its own computed prefix, so two writers of one slot means recovery
+    sent every sharer to recompute the same block. Witnessed by a step that
+    recomputes a failed block another request also holds."""
+    ctx.witness(ctx.oracle.shared_recomputes)
     yield from ctx.oracle.check_single_writer()

@@ -12,6 +12,8 @@ def every_request_finishes(ctx):
     leaves WAITING_FOR_REMOTE_KVS.
 
     Protects users from requests that hang forever: a load reported finished
-    that the scheduler never picks up, a waiter on a block nobody recomputes."""
+    that the scheduler never picks up, a waiter on a block nobody recomputes.
+    Witnessed by each request still live when the healed phase starts."""
+    ctx.witness(len(ctx.ghost.draining))
     for r in ctx.live():
         yield f"{r.request_id} still {r.status.name} (computed {r.num_computed_tokens}/{r.num_tokens}) after the healed phase"

@@ -63,3 +63,9 @@ def Max(a, b):
 def cdiv(a, b):
     """Ceiling division for non-negative ``a`` and positive ``b``."""
     return (a + b - 1) / b if _is_symbolic(a, b) else -(-a // b)
+
+
+def fdiv(a, b):
+    """Floor division for non-negative ``a`` and positive ``b`` (Z3's integer
+    division agrees there)."""
+    return a / b if _is_symbolic(a, b) else a // b

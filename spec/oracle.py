@@ -70,6 +70,14 @@ class ExecReport:
     garbage_readers: dict[str, int] = attrs.Factory(dict)
 
 
+def _count_holders(obs: Observation) -> dict[int, int]:
+    count: dict[int, int] = {}
+    for r in obs.requests.values():
+        for b in (r.block_ids[0] if r.block_ids else ()):
+            count[b] = count.get(b, 0) + 1
+    return count
+
+
 class KVContent:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
@@ -80,6 +88,10 @@ class KVContent:
         self.book = KeyBook()
         #: slots two requests wrote in the last step: (block, slot, first, second)
         self.double_writes: list[tuple[int, int, str, str]] = []
+        #: blocks a failed load left garbage in, until something valid is written there
+        self.failed_blocks: set[int] = set()
+        #: failed blocks held by several requests that the last step recomputed
+        self.shared_recomputes = 0
 
     # -- addressing ---------------------------------------------------------
     def _slot(self, blocks, pos: int) -> tuple[int, int]:
@@ -112,6 +124,10 @@ class KVContent:
     def pending_async_loads(self) -> list[str]:
         return [rid for rid, job in self.loads.items() if job.is_async]
 
+    def has_bad_blocks(self) -> bool:
+        """Some block holds what a failed load left, or a load is still writing."""
+        return bool(self.failed_blocks) or any(job.is_async for job in self.loads.values())
+
     def start_send(self, request_id: str, block_ids, num_tokens: int) -> None:
         self.sends[request_id] = {
             self._slot(block_ids, p): self._read(block_ids, p) for p in range(num_tokens)}
@@ -143,11 +159,15 @@ class KVContent:
             self._write(job.block_ids, pos, job.keys[pos] if ok else GARBAGE)
         if bad is not None:
             report.invalid_block_ids.add(job.block_ids[bad])
+            self.failed_blocks.add(job.block_ids[bad])
 
     def _compute(self, step: StepView, obs: Observation, report: ExecReport) -> None:
         writes = {}
         writer: dict[tuple[int, int], str] = {}
         self.double_writes = []
+        self.shared_recomputes = 0
+        holders = _count_holders(obs)
+        recomputed = set()
         for rid, n in step.num_scheduled_tokens.items():
             req = obs.requests[rid]
             spec = step.scheduled_spec_decode_tokens.get(rid, ())
@@ -158,8 +178,12 @@ class KVContent:
             for pos in range(start, start + n):
                 self._write(req.block_ids[0], pos, keys[pos])
                 slot = self._slot(req.block_ids[0], pos)
+                if slot[0] in self.failed_blocks:
+                    recomputed.add(slot[0])
                 if writer.setdefault(slot, rid) != rid:
                     self.double_writes.append((*slot, writer[slot], rid))
+        self.shared_recomputes = sum(holders.get(b, 0) >= 2 for b in recomputed)
+        self.failed_blocks -= recomputed
         changed = True
         while changed:  # garbage read -> garbage written, to a fixed point
             changed = False

@@ -1,8 +1,21 @@
-"""Z3 obligations: lemmas over unbounded integers, inductive steps of the
-per-request invariants over every action, and refutations of historical rules.
+"""Z3 obligations: lemmas of token arithmetic stated against an independent
+description and refuted for every historical rule, induction of the
+per-request invariants over every step shape of ``spec/effects.py``, and
+induction of the pool invariants (no caching of invalid blocks among them)
+over every pool action of ``spec/pool_effects.py``.
+
+No obligation can pass by accident:
+- every obligation is a list of cases (hypothesis, conclusion); before the
+  conclusion is checked, each hypothesis must be satisfiable, or the
+  obligation is *vacuous* and fails;
+- every Z3 constant is made through ``Symbols`` with a role (state, parameter,
+  position, ...), and one name can serve one role only: a parameter named like
+  a state field would *be* that field;
+- a lemma is a function of the rule it speaks about; the same statement is
+  refuted for each historical rule in ``spec/historical.py``.
 
 Every obligation evaluates the spec's own functions (``arith``, ``predicates``,
-``effects``) on Z3 terms: there is no second encoding to drift.
+``effects``, ``pool_effects``) on Z3 terms: there is no second encoding to drift.
 """
 from __future__ import annotations
 
@@ -12,18 +25,62 @@ from typing import Callable
 import attrs
 import z3
 
-from kvspec.spec import arith
-from kvspec.spec.effects import ACTIONS, Counters, request_invariants
-from kvspec.spec.logic import And, Implies
+from kvspec.spec import arith, historical
+from kvspec.spec.effects import (ALL_SHAPES, PRIMITIVES, Counters, Params, Primitive,
+                                 is_initial, is_stats_step_ok, request_invariants)
+from kvspec.spec.logic import And, Implies, Or
+from kvspec.spec.predicates import is_admissible_lowering
+
+
+class NameClash(ValueError):
+    """One Z3 name asked for in two roles."""
+
+
+class Symbols:
+    """Z3 constants by role. Z3 identifies a constant by its name, so a name may
+    serve one role only (the defect that once made eight obligations vacuous: a
+    parameter ``num_external`` that *was* the state field ``num_external``)."""
+
+    def __init__(self) -> None:
+        self.roles: dict[str, str] = {}
+        self.consts: dict[str, z3.ExprRef] = {}
+
+    def _make(self, role: str, name: str, sort: Callable):
+        if self.roles.setdefault(name, role) != role:
+            raise NameClash(f"{name!r} is used as {self.roles[name]} and as {role}")
+        if name not in self.consts:
+            self.consts[name] = sort(name)
+        return self.consts[name]
+
+    def int(self, role: str, name: str):
+        return self._make(role, name, z3.Int)
+
+    def bool(self, role: str, name: str):
+        return self._make(role, name, z3.Bool)
+
+
+@attrs.frozen
+class Goal:
+    """Under each hypothesis its conclusion holds (or, for a refutation, fails)."""
+
+    cases: tuple[tuple[object, object], ...]
+    symbols: Symbols
+
+    @property
+    def claim(self):
+        return And(*[Implies(h, c) for h, c in self.cases])
 
 
 @attrs.frozen
 class Obligation:
     name: str
     kind: str            # "lemma", "induction" or "refutation"
-    build: Callable      # -> (claim, variables dict) ; claim must be valid (or refuted)
+    build: Callable[[], Goal]
     doc: str
-    fast: bool = True
+    #: the catalogue's claims this obligation establishes (registry names)
+    establishes: tuple[str, ...] = ()
+    #: for a refutation: the lemma or induction whose historical rule it refutes
+    refutes_rule_of: str | None = None
 
 
 @attrs.define
@@ -33,254 +90,393 @@ class Result:
     status: str          # "proved", "refuted", "unknown"
     expected: str
     seconds: float
+    vacuous: bool = False
     counterexample: dict | None = None
 
     @property
     def ok(self) -> bool:
-        return self.status == self.expected
+        return self.status == self.expected and not self.vacuous
 
 
 OBLIGATIONS: dict[str, Obligation] = {}
 
+#: the design card's three headline claims: each must be established by Z3
+CARD_CLAIMS = ("cached_le_computed", "stats_set_exactly_once", "no_caching_of_invalid_blocks")
 
-def obligation(kind: str):
-    def register(fn):
-        OBLIGATIONS[fn.__name__] = Obligation(fn.__name__, kind, fn, (fn.__doc__ or "").strip())
+
+def register(name: str, kind: str, build: Callable[[], Goal], doc: str, establishes=(),
+             refutes_rule_of: str | None = None) -> None:
+    OBLIGATIONS[name] = Obligation(name, kind, build, " ".join(doc.split()),
+                                   tuple(establishes), refutes_rule_of)
+
+
+def lemma(rule_of=None, establishes=()):
+    """Register ``fn`` (building a goal from its keyword ``rule``) as a lemma
+    and, for every ``name: rule`` in ``rule_of``, a refutation of that rule."""
+    def decorate(fn):
+        register(fn.__name__, "lemma", fn, fn.__doc__ or "", establishes)
+        for name, (rule, why) in (rule_of or {}).items():
+            # bounded: one counterexample is all a refutation needs, and a small
+            # one replays as a short trace (kvspec/harness/z3_traces.py)
+            register(name, "refutation", lambda rule=rule: fn(rule=rule, bounded=True),
+                     f"{why} Expected: refuted, by the statement of {fn.__name__}.",
+                     refutes_rule_of=fn.__name__)
         return fn
-    return register
+    return decorate
 
 
-def ints(*names):
-    return {n: z3.Int(n) for n in names}
+def non_negative(*terms):
+    return And(*[t >= 0 for t in terms])
 
 
-# -- lemmas -------------------------------------------------------------------
+# -- lemmas --------------------------------------------------------------------
 
-@obligation("lemma")
-def lemma_hit_leaves_a_token():
+@lemma(rule_of={"refute_full_hit_counts_every_token": (
+    historical.hit_counting_every_token,
+    "A hit of the whole prompt counted in full leaves no token to compute (the "
+    "sync full-prompt hit of #30320).")})
+def lemma_hit_leaves_a_token(rule=arith.compute_num_computed_after_hit, bounded=False):
     """After a (sync or async) hit of ``local + external`` tokens, the computed
-    count is local + external unless that is the whole prompt, never past the
-    prompt, and at least one token is left to compute."""
-    v = ints("local", "external", "num_tokens")
-    c = arith.compute_num_computed_after_hit(v["local"], v["external"], v["num_tokens"])
-    pre = And(v["local"] >= 0, v["external"] >= 0, v["num_tokens"] >= 1,
-              v["local"] + v["external"] <= v["num_tokens"])
-    post = And(c >= 0, c <= v["num_tokens"] - 1, c <= v["local"] + v["external"],
-               Implies(v["local"] + v["external"] < v["num_tokens"],
-                       c == v["local"] + v["external"]))
-    return Implies(pre, post), v
+    count is the hits unless they are the whole prompt, and at least one token is
+    left to compute (the full-prompt-hit rule: the last token is recomputed so the
+    request can sample)."""
+    s = Symbols()
+    local, ext, n = (s.int("parameter", x) for x in ("local", "external", "num_tokens"))
+    c = rule(local, ext, n)
+    pre = And(non_negative(local, ext), n >= 1, local + ext <= n)
+    post = And(c >= 0, c <= n - 1, c <= local + ext,
+               Implies(local + ext < n, c == local + ext),
+               Implies(local + ext == n, c == n - 1))
+    return Goal(((pre, post),), s)
 
 
-@obligation("lemma")
-def lemma_full_prompt_hit():
-    """A full-prompt hit recomputes exactly the last token."""
-    v = ints("local", "external", "num_tokens")
-    c = arith.compute_num_computed_after_hit(v["local"], v["external"], v["num_tokens"])
-    pre = And(v["local"] >= 0, v["external"] >= 0, v["num_tokens"] >= 1,
-              v["local"] + v["external"] == v["num_tokens"])
-    return Implies(pre, c == v["num_tokens"] - 1), v
+def _delivered_positions_goal(s: Symbols, finish, bounded: bool) -> Goal:
+    """Issue an async load of ``external`` tokens after ``local`` hits and finish
+    it: the positions counted are exactly the delivered ones, less the last
+    token of the prompt."""
+    c = _counters(s, "state")
+    params_for = _shape_params(s, ("issue_async_load", "finish_async_load"))
+    issue = params_for(0, PRIMITIVES["issue_async_load"])
+    g1, loading = PRIMITIVES["issue_async_load"].fn(c, issue)
+    g2, done = finish(loading, params_for(1, PRIMITIVES["finish_async_load"]))
+    pos = s.int("position", "p")
+    delivered = lambda p: And(p >= 0, p < issue.num_local + issue.num_external)  # noqa: E731
+    counted = lambda p: And(p >= 0, p < done.num_computed)  # noqa: E731
+    # every counted position was delivered; every delivered one but the last
+    # token of the request is counted
+    post = And(z3.ForAll([pos], Implies(counted(pos), delivered(pos))),
+               z3.ForAll([pos], Implies(And(delivered(pos), pos < c.num_tokens - 1),
+                                        counted(pos))))
+    # what vLLM allocates for the load: just enough blocks for the hits
+    exact_blocks = issue.num_blocks == arith.cdiv(issue.num_local + issue.num_external,
+                                                  c.block_size)
+    pre = And(*request_invariants(c).values(), g1, g2, exact_blocks)
+    if bounded:  # a fresh request, no local hits, a small prompt
+        pre = And(pre, c.num_cached < 0, issue.num_local == 0, c.block_size >= 2,
+                  c.block_size <= 4, c.num_tokens <= 12)
+    return Goal(((pre, post),), s)
 
 
-@obligation("lemma")
-def lemma_async_load_counts_hits_exactly():
-    """Issuing an async load and finishing it leaves ``num_computed_tokens`` at
-    local + external hits (not a block multiple), the full-hit rule aside (#34616)."""
-    v = ints("local", "external", "num_tokens", "block_size", "prompt_len", "blocks")
-    r = Counters(0, v["prompt_len"], v["num_tokens"], 0, -1, 0, 0, v["blocks"], v["block_size"])
-    g1, loading = ACTIONS["async_allocate"][0](r, v["local"], v["external"])
-    g2, done = ACTIONS["async_finish"][0](loading)
-    want = arith.compute_num_computed_after_hit(v["local"], v["external"], v["num_tokens"])
-    pre = And(g1, g2, v["block_size"] >= 1, v["num_tokens"] >= 1)
-    return Implies(pre, done.num_computed == want), v
+@lemma(rule_of={
+    "refute_pre_34616_rounding": (
+        historical.act_finish_async_load_pre_34616,
+        "The pre-#34616 rule counts the whole allocated blocks after an async load; "
+        "it counts positions nobody delivered when the external hits end mid-block "
+        "before the prompt end (seed 000's case)."),
+    "refute_async_load_rounding_down": (
+        historical.act_finish_async_load_rounding_down,
+        "A finished async load that counts only whole blocks drops delivered tokens.")})
+def lemma_async_load_counts_delivered_tokens(rule=None, bounded=False):
+    """Issuing an async load (``issue_async_load``) and finishing it
+    (``finish_async_load``) counts as computed exactly the positions the hits
+    delivered (``[0, local + external)``), less the last token of the request:
+    stated over positions, not as the arithmetic of the rule (#34616)."""
+    s = Symbols()
+    return _delivered_positions_goal(s, rule or PRIMITIVES["finish_async_load"].fn, bounded)
 
 
-@obligation("lemma")
-def lemma_truncation_at_first_invalid_block():
-    """Recovery keeps exactly the tokens before the first invalid block: all of
-    them lie in earlier blocks, and nothing at or above that block is counted."""
-    v = ints("first_invalid", "block_size", "num_computed")
-    t = arith.compute_truncated_computed(v["first_invalid"], v["block_size"], v["num_computed"])
-    pre = And(v["first_invalid"] >= 0, v["block_size"] >= 1,
-              v["first_invalid"] * v["block_size"] < v["num_computed"])
-    post = And(t == v["first_invalid"] * v["block_size"], t >= 0, t < v["num_computed"])
-    return Implies(pre, post), v
+@lemma(rule_of={"refute_truncate_past_first_invalid": (
+    historical.truncate_after_first_invalid,
+    "Recovery that cuts after the first failed block instead of before it keeps "
+    "tokens of the failed block.")})
+def lemma_truncation_keeps_only_valid_tokens(rule=arith.compute_truncated_computed,
+                                             bounded=False):
+    """After a load failure, the tokens still counted all lie in blocks before the
+    first failed block, and (the reference's rule) every computed token before
+    it is kept. Stated over positions and block indices, for block sizes 1 to 8."""
+    s = Symbols()
+    first, computed, p, k = (s.int("parameter", "first_invalid"), s.int("parameter", "num_computed"),
+                             s.int("position", "p"), s.int("position", "k"))
+    bs = s.int("parameter", "block_size")
+    cases = []
+    for size in range(2, 5) if bounded else range(1, 9):
+        kept = rule(first, size, computed)
+        in_block = And(k * size <= p, p < (k + 1) * size)
+        post = And(kept >= 0,
+                   z3.ForAll([p, k], Implies(And(p >= 0, p < kept, in_block), k < first)),
+                   z3.ForAll([p], Implies(And(p >= 0, p < first * size, p < computed),
+                                          p < kept)))
+        pre = And(bs == size, first >= 0, first * size < computed)
+        cases.append((And(pre, computed <= 12) if bounded else pre, post))
+    return Goal(tuple(cases), s)
 
 
-@obligation("lemma")
-def lemma_shared_block_has_one_owner():
+@lemma(rule_of={"refute_sample_without_rollback": (
+    historical.act_sample_without_rollback,
+    "Rejected drafts that keep counting as computed.")})
+def lemma_spec_decode_rollback(rule=None, bounded=False):
+    """After a step that computed every known token and ``d`` drafts of which
+    ``a`` were accepted (``sample``), the computed tokens are exactly the known
+    ones: every accepted draft counts, and the new token is left to compute."""
+    s = Symbols()
+    c = _counters(s, "state")
+    drafts, accepted = s.int("parameter", "a0.num_drafts"), s.int("parameter", "a0.num_accepted")
+    guard, after = (rule or PRIMITIVES["sample"].fn)(
+        c, Params(num_drafts=drafts, num_accepted=accepted))
+    pre = And(_well_formed(c), guard)
+    post = And(after.num_computed == after.num_tokens - 1, after.num_computed >= c.num_tokens)
+    return Goal(((pre, post),), s)
+
+
+#: the lowering policies vLLM releases and the reference use (docs/spec.md)
+LOWERING_POLICIES = {
+    "both (kvspec reference)": arith.compute_lowered_stats,
+    "none": lambda cached, external, valid: (cached, external),
+    "external only": arith.compute_external_lowered,
+}
+
+
+@lemma(rule_of={"refute_lowering_cached_only": (
+    historical.lower_cached_only,
+    "Lowering the cached count to the kept prefix and not the external count "
+    "breaks the stats' order (the shape of #36859).")})
+def lemma_lowering_is_admissible(rule=None, bounded=False):
+    """Each way of lowering the stats after a failure that a correct scheduler may
+    take (the reference lowers both, local hits surviving first; a release may
+    lower only the external count, or not lower) keeps them ordered and never
+    raises them, for every number of tokens kept."""
+    s = Symbols()
+    prompt, cached, ext, valid = (s.int("parameter", x) for x in
+                                  ("prompt_len", "cached", "external", "valid"))
+    pre = And(prompt >= cached, cached >= ext, ext >= 0, valid >= 0, valid <= prompt)
+    rules = [rule] if rule is not None else list(LOWERING_POLICIES.values())
+    cases = []
+    for policy in rules:
+        new_cached, new_ext = policy(cached, ext, valid)
+        cases.append((pre, is_admissible_lowering(cached, ext, new_cached, new_ext)))
+    return Goal(tuple(cases), s)
+
+
+@lemma(rule_of={"refute_every_sharer_recomputes": (
+    historical.owners_all_affected,
+    "Every request holding a failed shared block recomputes it.")},
+    establishes=("failed_block_recomputed_once",))
+def lemma_shared_block_has_one_owner(rule=arith.compute_owner_flags, bounded=False):
     """A failed block shared by up to four requests is recomputed by exactly one
-    of them when any is affected, and by none otherwise."""
-    flags = [z3.Bool(f"affected{i}") for i in range(4)]
-    owners = arith.compute_owner_flags(flags)
+    of them when any is affected, and by none otherwise (a design rule of vLLM's
+    recovery, not a safety claim)."""
+    s = Symbols()
+    flags = [s.bool("parameter", f"affected{i}") for i in range(4)]
+    owners = rule(flags)
     count = z3.Sum([z3.If(o, 1, 0) for o in owners])
-    return count == z3.If(z3.Or(*flags), 1, 0), {str(f): f for f in flags}
+    return Goal(((Or(*flags), count == 1), (z3.Not(Or(*flags)), count == 0)), s)
 
 
-@obligation("lemma")
-def lemma_spec_decode_rollback():
-    """After drafts are partly rejected, the computed count is exactly one short
-    of the tokens (the bonus token is computed next step) and never below the
-    tokens computed before the step."""
-    v = ints("num_computed", "num_tokens", "num_new", "num_drafts", "num_accepted")
-    after = arith.compute_computed_after_rejection(v["num_computed"] + v["num_new"],
-                                                   v["num_drafts"], v["num_accepted"])
-    pre = And(v["num_drafts"] >= 0, v["num_accepted"] >= 0, v["num_accepted"] <= v["num_drafts"],
-              v["num_computed"] + v["num_new"] - v["num_drafts"] == v["num_tokens"],
-              v["num_new"] >= 1, v["num_computed"] >= 0, v["num_computed"] <= v["num_tokens"])
-    tokens_after = v["num_tokens"] + v["num_accepted"] + 1
-    return Implies(pre, And(after == tokens_after - 1, after >= v["num_computed"])), v
+# -- induction over the step shapes ---------------------------------------------
+
+FIELDS = [f.name for f in attrs.fields(Counters)]
 
 
-@obligation("lemma")
-def lemma_lowered_stats_stay_ordered():
-    """Failure recovery lowers the stats without breaking their order."""
-    v = ints("prompt_len", "cached", "external", "valid")
-    cached, external = arith.compute_lowered_stats(v["cached"], v["external"], v["valid"])
-    pre = And(v["prompt_len"] >= v["cached"], v["cached"] >= v["external"], v["external"] >= 0,
-              v["valid"] >= 0)
-    post = And(v["prompt_len"] >= cached, cached >= external, external >= 0,
-               cached <= v["cached"], external <= v["external"])
-    return Implies(pre, post), v
+def _counters(s: Symbols, role: str, prefix: str = "s.") -> Counters:
+    return Counters(**{f: s.int(role, prefix + f) for f in FIELDS})
 
 
-# -- refutations: the historical rules must come out as counterexamples --------
-
-@obligation("refutation")
-def refute_pre_34616_rounding():
-    """The pre-#34616 rule (whole allocated blocks, clipped to the prompt, minus
-    one on a full hit) differs from local + external hits. Expected: refuted,
-    with external hits ending mid-block before the prompt end (the seed's case)."""
-    v = ints("external", "num_tokens", "block_size")
-    blocks = arith.cdiv(v["external"], v["block_size"])
-    old = arith.compute_num_computed_pre_34616(blocks, v["block_size"], v["num_tokens"])
-    new = arith.compute_num_computed_after_hit(0, v["external"], v["num_tokens"])
-    pre = And(v["external"] >= 1, v["external"] <= v["num_tokens"], v["block_size"] >= 2,
-              v["block_size"] <= 4, v["num_tokens"] <= 12)
-    return Implies(pre, old == new), v
+def _well_formed(c: Counters):
+    return request_invariants(c)["well_formed"]
 
 
-@obligation("refutation")
-def refute_stats_reset_on_reschedule():
-    """Re-setting ``num_external_computed_tokens`` at a re-scheduling while
-    ``num_cached_tokens`` keeps the first value (#36859). Expected: refuted: the
-    stats leave their order."""
-    v = ints("prompt_len", "local1", "ext1", "local2", "ext2")
-    cached, _ = arith.compute_first_stats(v["local1"], v["ext1"], v["prompt_len"])
-    _, external2 = arith.compute_first_stats(v["local2"], v["ext2"], v["prompt_len"])
-    pre = And(v["prompt_len"] >= 1, v["prompt_len"] <= 3,
-              *[And(v[a] >= 0, v[b] >= 0, v[a] + v[b] <= v["prompt_len"])
-                for a, b in (("local1", "ext1"), ("local2", "ext2"))])
-    return Implies(pre, cached >= external2), v
+def _shape_params(s: Symbols, shape) -> Callable[[int, Primitive], Params]:
+    def params_for(i: int, prim: Primitive) -> Params:
+        return Params(**{p: s.int("parameter", f"a{i}.{p}") for p in prim.params})
+    return params_for
 
 
-@obligation("refutation")
-def refute_truncate_past_first_invalid():
-    """Recovery that cuts after the first invalid block instead of before it.
-    Expected: refuted: the invalid block stays counted."""
-    v = ints("first_invalid", "block_size", "num_computed")
-    cut = arith.Min(v["num_computed"], (v["first_invalid"] + 1) * v["block_size"])
-    pre = And(v["first_invalid"] >= 0, v["block_size"] >= 2, v["block_size"] <= 4,
-              v["first_invalid"] * v["block_size"] < v["num_computed"], v["num_computed"] <= 12)
-    return Implies(pre, cut <= v["first_invalid"] * v["block_size"]), v
+#: request_invariants names -> the catalogue claims they are part of
+INVARIANT_CLAIMS = {
+    "stats_are_ordered": "stats_are_ordered", "stats_set_exactly_once": "stats_set_exactly_once",
+    "cached_le_computed": "cached_le_computed", "computed_within_tokens": "computed_within_tokens",
+    "waiting_with_work": "computed_within_tokens", "blocks_cover_computed": "blocks_cover_computed",
+    "running_request_has_stats": "running_request_has_stats",
+    "unscheduled_request_has_no_output": "unscheduled_request_has_no_output",
+    "well_formed": "preempted_means_preempted",
+}
 
 
-# -- induction: each per-request invariant is preserved by every action -------
-
-def _symbolic_request(prefix: str) -> tuple[Counters, dict]:
-    names = ["status", "prompt_len", "num_tokens", "num_computed", "num_cached",
-             "num_external", "num_preemptions", "num_blocks", "block_size"]
-    v = {n: z3.Int(f"{prefix}{n}") for n in names}
-    return Counters(**v), v
+def shape_name(shape) -> str:
+    return "+".join(shape)
 
 
-def _induction(action: str, invariant: str):
-    def build():
-        fn, params = ACTIONS[action]
-        r, v = _symbolic_request("")
-        p = {n: z3.Int(n) for n in params}
-        guard, after = fn(r, *p.values())
-        before = request_invariants(r)
-        status_ok = And(r.status >= 0, r.status <= 3)
-        claim = Implies(And(status_ok, guard, *before.values()),
-                        request_invariants(after)[invariant])
-        return claim, {**v, **p}
-    return build
+def _step_goal(shape, replaced=None, bounds=None) -> Goal:
+    """Invariants before and every guard of ``shape`` imply the invariants after;
+    ``replaced`` swaps a primitive's effect for a historical one."""
+    s = Symbols()
+    before = _counters(s, "state")
+    params_for = _shape_params(s, shape)
+    guards, after = [], before
+    for i, name in enumerate(shape):
+        prim = PRIMITIVES[name]
+        effect = (replaced or {}).get(name, prim.fn)
+        guard, after = effect(after, params_for(i, prim))
+        guards.append(guard)
+    hypothesis = And(*request_invariants(before).values(), *guards,
+                     bounds(before) if bounds else True)
+    conclusion = And(*request_invariants(after).values(),
+                     is_stats_step_ok(before, after, "recover" in shape))
+    return Goal(((hypothesis, conclusion),), s)
 
 
-def _register_induction():
-    invariants = request_invariants(_symbolic_request("x")[0])
-    for action in ACTIONS:
-        for invariant in invariants:
-            name = f"inductive_{invariant}_under_{action}"
-            OBLIGATIONS[name] = Obligation(
-                name, "induction", _induction(action, invariant),
-                f"{invariant} holds after {action} whenever every per-request invariant "
-                f"held before and the action's guard holds.")
+def _register_steps() -> None:
+    claims = sorted(set(INVARIANT_CLAIMS.values()))
+    register("initial_state", "induction", _initial_goal,
+             "A request as add_request leaves it satisfies every per-request invariant.",
+             claims)
+    for shape in ALL_SHAPES:
+        register(f"step_{shape_name(shape)}", "induction", lambda shape=shape: _step_goal(shape),
+                 f"Every per-request invariant, and stats recorded once and only lowered by a "
+                 f"failure, hold after the step shape {' then '.join(shape)} whenever they "
+                 f"held before and every guard holds.", claims)
+    for name, (shape, prim, fn, why) in STEP_REFUTATIONS.items():
+        register(name, "refutation", lambda shape=shape, prim=prim, fn=fn:
+                 _step_goal(shape, {prim: fn}, _small_request),
+                 f"{why} Expected: refuted, by the induction step "
+                 f"step_{shape_name(shape)}.", refutes_rule_of=f"step_{shape_name(shape)}")
 
 
-_register_induction()
+def _small_request(c: Counters):
+    """Bounds for a refutation's counterexample, so that it replays as a short trace."""
+    return And(c.prompt_len <= 3, c.num_tokens <= 6, c.block_size == 2)
 
 
-def _pool_induction(action: str, invariant: str):
-    from kvspec.spec.pool_effects import NUM_BLOCKS, NUM_REQUESTS, POOL_ACTIONS, Pool, pool_invariants
-
-    def build():
-        holds = tuple(tuple(z3.Bool(f"holds_{r}_{b}") for b in range(NUM_BLOCKS))
-                      for r in range(NUM_REQUESTS))
-        ref = tuple(z3.Int(f"ref_{b}") for b in range(NUM_BLOCKS))
-        free = tuple(z3.Bool(f"free_{b}") for b in range(NUM_BLOCKS))
-        pool = Pool(holds, ref, free)
-        fn, params = POOL_ACTIONS[action]
-        ranges = {"r": range(NUM_REQUESTS), "b": range(NUM_BLOCKS)}
-        before = And(*pool_invariants(pool).values())
-        claims = []
-        for choice in _choices(params, ranges):
-            guard, after = fn(pool, *choice)
-            claims.append(Implies(And(before, guard), pool_invariants(after)[invariant]))
-        variables = {str(v): v for v in (*[h for row in holds for h in row], *ref, *free)}
-        return And(*claims), variables
-    return build
+def _initial_goal() -> Goal:
+    s = Symbols()
+    c = _counters(s, "state")
+    return Goal(((is_initial(c), And(*request_invariants(c).values())),), s)
 
 
-def _choices(params, ranges):
+STEP_REFUTATIONS = {
+    "refute_stats_reset_on_reschedule": (
+        ("schedule_waiting", "keep_prefilling"), "schedule_waiting",
+        historical.act_schedule_waiting_resetting_stats,
+        "#36859: a re-scheduling that re-sets the external count while the cached "
+        "count keeps its first value."),
+    "refute_recover_lowering_cached_only": (
+        ("compute", "recover"), "recover", historical.act_recover_lowering_cached_only,
+        "Recovery that lowers the cached count but not the external one."),
+}
+
+
+_register_steps()
+
+
+# -- induction over the block pool ------------------------------------------------
+
+def _symbolic_pool(s: Symbols):
+    from kvspec.spec.pool_effects import NUM_BLOCKS, NUM_REQUESTS, Pool
+    blocks = range(NUM_BLOCKS)
+    flags = {f: tuple(s.bool("state", f"{f}_{b}") for b in blocks)
+             for f in ("free", "cached", "valid", "loading")}
+    holds = tuple(tuple(s.bool("state", f"holds_{r}_{b}") for b in blocks)
+                  for r in range(NUM_REQUESTS))
+    return Pool(holds=holds, ref=tuple(s.int("state", f"ref_{b}") for b in blocks), **flags)
+
+
+def _choices(params):
+    from kvspec.spec.pool_effects import NUM_BLOCKS, NUM_REQUESTS
+    ranges = {"r": range(NUM_REQUESTS), "b": range(NUM_BLOCKS), "ok": (True, False)}
     if not params:
         return [()]
-    return [(first, *rest) for first in ranges[params[0]] for rest in _choices(params[1:], ranges)]
+    return [(first, *rest) for first in ranges[params[0]] for rest in _choices(params[1:])]
 
 
-def _register_pool_induction():
+def _pool_goal(action: str, invariant: str, effect=None) -> Goal:
+    from kvspec.spec.pool_effects import POOL_ACTIONS, pool_invariants
+    s = Symbols()
+    pool = _symbolic_pool(s)
+    fn, params = POOL_ACTIONS[action]
+    before = And(*pool_invariants(pool).values())
+    cases = []
+    for choice in _choices(params):
+        guard, after = (effect or fn)(pool, *choice)
+        cases.append((And(before, guard), pool_invariants(after)[invariant]))
+    return Goal(tuple(cases), s)
+
+
+POOL_REFUTATIONS = {
+    "refute_async_caches_before_load": (
+        "issue_async_load", "no_caching_of_invalid_blocks", historical.act_issue_async_load_caching,
+        "Review of #34616: async-load blocks cached when the load is issued."),
+    "refute_failed_block_stays_cached": (
+        "sync_load", "no_caching_of_invalid_blocks",
+        historical.act_sync_load_keeping_failed_cached,
+        "Review of #34616: a block whose load failed stays in the prefix cache."),
+    "refute_free_keeps_references": (
+        "free", "ref_count_is_holders", historical.act_free_keeping_references,
+        "A free that forgets to drop the blocks' reference counts."),
+}
+
+
+def _register_pool() -> None:
     from kvspec.spec.pool_effects import NUM_BLOCKS, NUM_REQUESTS, POOL_ACTIONS
     for action in POOL_ACTIONS:
-        for invariant in ("ref_count_is_holders", "free_queue_is_free_blocks"):
-            name = f"pool_inductive_{invariant}_under_{action}"
-            OBLIGATIONS[name] = Obligation(
-                name, "induction", _pool_induction(action, invariant),
-                f"{invariant} holds after the pool action {action} (every request, every "
-                f"block) over a symbolic pool of {NUM_REQUESTS} requests and {NUM_BLOCKS} "
-                f"blocks with unbounded counts, when both pool invariants held before.")
+        for invariant in ("ref_count_is_holders", "free_queue_is_free_blocks",
+                          "no_caching_of_invalid_blocks"):
+            register(f"pool_{invariant}_under_{action}", "induction",
+                     lambda a=action, i=invariant: _pool_goal(a, i),
+                     f"{invariant} holds after the pool action {action} (every request, "
+                     f"block and outcome) over a symbolic pool of {NUM_REQUESTS} requests and "
+                     f"{NUM_BLOCKS} blocks with unbounded counts, when the pool invariants "
+                     f"held before.", (invariant,))
+    for name, (action, invariant, effect, why) in POOL_REFUTATIONS.items():
+        register(name, "refutation", lambda a=action, i=invariant, e=effect: _pool_goal(a, i, e),
+                 f"{why} Expected: refuted, by pool_{invariant}_under_{action}.",
+                 refutes_rule_of=f"pool_{invariant}_under_{action}")
 
 
-_register_pool_induction()
+_register_pool()
 
 
 # -- running ------------------------------------------------------------------
 
+def is_vacuous(goal: Goal, timeout_ms: int) -> bool:
+    """Whether some case's hypothesis has no model (or none found in time)."""
+    for hypothesis, _ in goal.cases:
+        solver = z3.Solver()
+        solver.set("timeout", timeout_ms)
+        solver.add(hypothesis)
+        if solver.check() != z3.sat:
+            return True
+    return False
+
+
 def check(ob: Obligation, timeout_ms: int = 10_000) -> Result:
     expected = "refuted" if ob.kind == "refutation" else "proved"
     start = time.perf_counter()
-    claim, variables = ob.build()
+    goal = ob.build()
+    vacuous = is_vacuous(goal, timeout_ms)
     solver = z3.Solver()
     solver.set("timeout", timeout_ms)
-    solver.add(z3.Not(claim))
+    solver.add(z3.Not(goal.claim))
     outcome = solver.check()
     seconds = time.perf_counter() - start
     if outcome == z3.unsat:
-        return Result(ob.name, ob.kind, "proved", expected, seconds)
+        return Result(ob.name, ob.kind, "proved", expected, seconds, vacuous)
     if outcome == z3.sat:
         model = solver.model()
-        cex = {k: _value(model.eval(v, model_completion=True)) for k, v in variables.items()}
-        return Result(ob.name, ob.kind, "refuted", expected, seconds, cex)
-    return Result(ob.name, ob.kind, "unknown", expected, seconds)
+        cex = {k: _value(model.eval(v, model_completion=True))
+               for k, v in goal.symbols.consts.items()
+               if goal.symbols.roles[k] in ("state", "parameter")}
+        return Result(ob.name, ob.kind, "refuted", expected, seconds, vacuous, cex)
+    return Result(ob.name, ob.kind, "unknown", expected, seconds, vacuous)
 
 
 def _value(term):
@@ -294,3 +490,12 @@ def _value(term):
 def check_all(names=None, timeout_ms: int = 10_000) -> list[Result]:
     return [check(ob, timeout_ms) for name, ob in OBLIGATIONS.items()
             if names is None or name in names]
+
+
+def claims_established() -> dict[str, list[str]]:
+    """Catalogue claim -> the obligations (proved kinds) that establish it."""
+    found: dict[str, list[str]] = {}
+    for ob in OBLIGATIONS.values():
+        for claim in ob.establishes:
+            found.setdefault(claim, []).append(ob.name)
+    return found

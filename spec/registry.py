@@ -1,5 +1,16 @@
-"""One registry of named invariants: it feeds Hypothesis, Z3, every target and
-the generated docs. An invariant yields a message per violation it sees."""
+"""One registry of named claims: it feeds Hypothesis, Z3, every target and
+the generated docs. A claim yields a message per violation it sees, and calls
+``witness()`` on what it is given whenever its antecedent holds (a request is
+actually in the state the claim speaks about), so a summary can tell a claim
+that held from one that was never put to the test.
+
+Two roles:
+- ``safety``: what protects users (corrupt KV read or cached, a crash, wrong
+  stats, a lost or leaked request or block). Every correct scheduler keeps them.
+- ``design``: a rule of vLLM's current design (one writer per recomputed block,
+  the long-prefill cap). A different correct design may break it; check one with
+  design rules off (``kvspec check --no-design-rules``).
+"""
 from __future__ import annotations
 
 import inspect
@@ -7,21 +18,28 @@ from typing import Callable, Iterator
 
 import attrs
 
+#: what a claim needs to be evaluated, in the order the docs list them
+KINDS = ("state", "data", "relation", "model", "liveness")
+ROLES = ("safety", "design")
+
 
 @attrs.frozen
 class Invariant:
     name: str
     check: Callable[..., Iterator[str]]
     cites: str
-    #: "state": needs only the observation and ghost history;
-    #: "data": needs the data oracle's model of the KV content.
+    #: "state": the observation and ghost history; "data": the data oracle's
+    #: model of the KV content; "relation": one action's before and after;
+    #: "model": the transition model Z3 reasons about; "liveness": the healed phase
     kind: str
-    #: what establishes it: "hypothesis", and "z3" once a proof covers it
-    established_by: tuple[str, ...]
+    role: str = "safety"
+    #: why the claim may go unwitnessed in a default check (empty: it must be witnessed)
+    unwitnessed_because: str = ""
+    #: for a relation: the action it relates before and after of
+    action: str = ""
 
     def applies_to(self, action: str) -> bool:
-        """Relations are named ``<action>_relation``."""
-        return self.name == f"{action}_relation"
+        return self.action == action
 
     @property
     def doc(self) -> str:
@@ -45,18 +63,34 @@ class Violation:
 REGISTRY: dict[str, Invariant] = {}
 
 
-def invariant(cites: str, kind: str = "state", established_by=("hypothesis",)):
+def invariant(cites: str, kind: str = "state", role: str = "safety",
+              unwitnessed_because: str = "", action: str = ""):
+    """Register a claim; a relation named ``<action>_relation`` relates that action."""
+    assert kind in KINDS and role in ROLES, (kind, role)
+
     def register(fn):
-        REGISTRY[fn.__name__] = Invariant(fn.__name__, fn, cites, kind, tuple(established_by))
+        name = fn.__name__
+        if kind == "relation" and not action:
+            assert name.endswith("_relation"), name
+        REGISTRY[name] = Invariant(name, fn, cites, kind, role,
+                                   " ".join(unwitnessed_because.split()),
+                                   action or name.removesuffix("_relation") if kind == "relation"
+                                   else "")
         return fn
     return register
 
 
-def check_invariants(ctx, kinds=("state", "data")) -> list[Violation]:
-    found = []
-    for inv in REGISTRY.values():
-        if inv.kind not in kinds:
-            continue
-        for message in inv.check(ctx):
-            found.append(Violation(inv.name, message, inv.doc))
-    return found
+class Witnessing:
+    """What a claim is evaluated on counts how often the claim's antecedent held."""
+
+    witnessed: int = 0
+
+    def witness(self, times: int = 1) -> None:
+        self.witnessed += times
+
+
+def evaluate(inv: Invariant, subject: Witnessing) -> tuple[list[str], int]:
+    """Run one claim on ``subject``: its violation messages and how often it was witnessed."""
+    subject.witnessed = 0
+    messages = list(inv.check(subject))
+    return messages, subject.witnessed

@@ -68,6 +68,8 @@ class EnvConnector:
         #: the latest answer per request: (num_local, num_external); a load
         #: starts at num_local
         self.answers: dict[str, tuple[int, int]] = {}
+        #: every answer in order: (request id, num_local, num_external)
+        self.answer_log: list[tuple[str, int, int]] = []
 
     def note_computed(self, request_id: str, num_computed: int, num_tokens: int) -> None:
         """An offloading store saves a running request's computed prefix."""
@@ -90,6 +92,7 @@ class EnvConnector:
         stored = max(plan.ext, self.offloaded.get(rid, 0))
         num_external = max(0, stored - num_computed_tokens)
         self.answers[rid] = (num_computed_tokens, num_external)
+        self.answer_log.append((rid, num_computed_tokens, num_external))
         return num_external, plan.load_async and num_external > 0
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens: int) -> None:

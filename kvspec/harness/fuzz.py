@@ -31,6 +31,10 @@ class FuzzResult:
     counterexample: Counterexample | None = None
     trace_path: Path | None = None
     first_seen: float | None = None
+    #: claim -> how often its antecedent held (a request was in the state it speaks about)
+    witnessed: dict[str, int] = attrs.Factory(dict)
+    #: environment feature -> steps that exercised it (kvspec.harness.runner.FEATURES)
+    features: dict[str, int] = attrs.Factory(dict)
 
 
 def derive_seed(seed: int, batch: int) -> int:
@@ -42,7 +46,7 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
          progress: Callable[[FuzzResult], None] | None = None,
          kinds=ALL_KINDS, trace_name: str | None = None, profile=FULL,
          heartbeat: Callable[[FuzzResult], None] | None = None,
-         heartbeat_every: float = 10.0) -> FuzzResult:
+         heartbeat_every: float = 10.0, design_rules: bool = True) -> FuzzResult:
     """Fuzz ``target`` for ``budget`` seconds. ``progress`` is called after each
     batch; ``heartbeat``, if given, every ``heartbeat_every`` seconds from a
     background thread with the counts so far (runs, actions), however long a
@@ -63,7 +67,8 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
         save(exc)
         state["last"] = exc
 
-    machine = machine_for(target, on_counterexample=save_first, kinds=kinds, profile=profile)
+    machine = machine_for(target, on_counterexample=save_first, kinds=kinds, profile=profile,
+                          design_rules=design_rules)
     database = DirectoryBasedExampleDatabase(str(db_dir)) if db_dir else None
     stop = _start_heartbeat(heartbeat, heartbeat_every, machine, result, start)
     batch = 0
@@ -82,7 +87,8 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
                     raise
                 # Minimize Hypothesis' shrunk example at the trace level; the saved
                 # trace is replaced only by a smaller one that still fails.
-                result.counterexample = minimize(target, state["last"], kinds)
+                result.counterexample = minimize(target, state["last"], kinds,
+                                                 design_rules=design_rules)
                 if result.counterexample is not state["last"]:
                     save(result.counterexample)
                 result.trace_path = trace_path
@@ -118,4 +124,10 @@ def _collect(result: FuzzResult, machine, start: float) -> None:
     result.elapsed = time.monotonic() - start
     result.runs = stats["runs"]
     result.actions = stats["actions"]
-    result.checks = {k[len("check:"):]: v for k, v in stats.items() if k.startswith("check:")}
+    result.checks = _prefixed(stats, "check:")
+    result.witnessed = _prefixed(stats, "witness:")
+    result.features = _prefixed(stats, "feature:")
+
+
+def _prefixed(stats, prefix: str) -> dict[str, int]:
+    return {k[len(prefix):]: v for k, v in stats.items() if k.startswith(prefix)}

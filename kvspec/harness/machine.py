@@ -63,6 +63,7 @@ class KVSpecMachine(RuleBasedStateMachine):
     target_name = "impl"
     kinds = ALL_KINDS
     profile: EnvProfile = FULL
+    design_rules: bool = True
     #: called with the failing runner before anything else happens (save first)
     on_counterexample: Callable[[Counterexample], None] | None = None
     stats: Counter = Counter()
@@ -114,7 +115,7 @@ class KVSpecMachine(RuleBasedStateMachine):
                              max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, long_prefill_token_threshold=threshold,
                              policy=policy, kv_load_failure_policy=failure_policy)
-        self.runner = Runner(self.target_name, config, self.kinds)
+        self.runner = Runner(self.target_name, config, self.kinds, self.design_rules)
 
     @precondition(lambda self: self.next_index < MAX_REQUESTS)
     @rule(prefix=st.integers(0, 2), prefix_len=st.integers(0, 12), suffix_len=st.integers(1, 6),
@@ -178,13 +179,16 @@ class KVSpecMachine(RuleBasedStateMachine):
         if self.runner is not None and not self.failed:
             self._apply({"op": "drain"})
         if self.runner is not None:
-            type(self).stats.update({f"check:{k}": v for k, v in self.runner.checks.items()})
+            r, stats = self.runner, type(self).stats
+            stats.update({f"check:{k}": v for k, v in r.checks.items()})
+            stats.update({f"witness:{k}": v for k, v in r.witnessed.items()})
+            stats.update({f"feature:{k}": v for k, v in r.features.items()})
 
 
 def machine_for(target: str, on_counterexample=None, kinds=ALL_KINDS,
-                profile: EnvProfile = FULL) -> type[KVSpecMachine]:
+                profile: EnvProfile = FULL, design_rules: bool = True) -> type[KVSpecMachine]:
     """A fresh machine class bound to one target (class attributes are per class)."""
     return type(f"KVSpecMachine_{target.replace(':', '_')}", (KVSpecMachine,),
                 {"target_name": target, "on_counterexample": staticmethod(on_counterexample)
                  if on_counterexample else None, "stats": Counter(), "kinds": tuple(kinds),
-                 "profile": profile})
+                 "profile": profile, "design_rules": design_rules})

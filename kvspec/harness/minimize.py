@@ -26,9 +26,9 @@ ADD_FLAGS = ("priority", "none", "send", "offload", "async", "ext")
 
 
 def replay_actions(target: str, config: Config, actions: list[dict],
-                   kinds=ALL_KINDS) -> Counterexample | None:
+                   kinds=ALL_KINDS, design_rules: bool = True) -> Counterexample | None:
     """Run ``actions`` on a fresh target; the counterexample, or None if all hold."""
-    return Runner(target, config, kinds).run(actions)
+    return Runner(target, config, kinds, design_rules).run(actions)
 
 
 def _candidates(config: Config, actions: list[dict]):
@@ -80,7 +80,7 @@ def _size(failure: Counterexample) -> tuple[int, int]:
 
 
 def minimize(target: str, failure: Counterexample, kinds=ALL_KINDS,
-             time_limit: float = 20.0) -> Counterexample:
+             time_limit: float = 20.0, design_rules: bool = True) -> Counterexample:
     """The smallest trace reached greedily that still violates one of
     ``failure``'s claims (the original failure if nothing smaller does)."""
     claims = {v.invariant for v in failure.violations}
@@ -93,7 +93,7 @@ def minimize(target: str, failure: Counterexample, kinds=ALL_KINDS,
             if time.monotonic() >= deadline:
                 break
             try:
-                found = replay_actions(target, cfg, candidate, kinds)
+                found = replay_actions(target, cfg, candidate, kinds, design_rules)
             except (ValueError, TypeError):  # a configuration the target refuses
                 continue
             if (found is not None and claims & {v.invariant for v in found.violations}

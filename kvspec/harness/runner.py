@@ -10,18 +10,18 @@ from collections import Counter
 
 import attrs
 
-import kvspec.spec.actions  # noqa: F401  (registers the relations)
-import kvspec.spec.liveness  # noqa: F401
+import kvspec.spec.catalogue  # noqa: F401  (registers every claim, in one order)
 from kvspec.harness.env import (EOS_TOKEN_ID, EnvConnector, EnvironmentContractViolation,
                                 RequestSpec, draft_token, sampled_token)
 from kvspec.harness.targets import make_target
 from kvspec.impl.connector import ConnectorContractError
 from kvspec.spec.actions import Transition
-from kvspec.spec.arith import compute_lowered_stats
+from kvspec.spec.conformance import Hints, ModelBook, ModelStep
 from kvspec.spec.invariants import Context, Ghost
 from kvspec.spec.oracle import KVContent
-from kvspec.spec.registry import REGISTRY, Violation
-from kvspec.spec.state import Config, Observation, StepView, WorkerOutcome
+from kvspec.spec.predicates import is_admissible_lowering
+from kvspec.spec.registry import REGISTRY, Violation, evaluate
+from kvspec.spec.state import Config, Observation, RequestStatus, StepView, WorkerOutcome
 
 
 class Counterexample(Exception):
@@ -52,22 +52,33 @@ def describe_action(action: dict) -> str:
     return f"{action['op']}({', '.join(args)})"
 
 
-ALL_KINDS = ("state", "data", "relation", "liveness")
+ALL_KINDS = ("state", "data", "relation", "model", "liveness")
+
+#: environment features a run exercises, counted in steps (``kvspec check --json``)
+FEATURES = ("load_failures", "async_loads", "preemptions", "spec_decode",
+            "failure_policy_recompute", "failure_policy_fail", "policy_fcfs", "policy_priority",
+            "sends", "prefix_cache_resets")
 
 
 class Runner:
-    def __init__(self, target_name: str, config: Config, kinds=ALL_KINDS) -> None:
+    def __init__(self, target_name: str, config: Config, kinds=ALL_KINDS,
+                 design_rules: bool = True) -> None:
         #: which kinds of claims are checked ("data" alone: the data oracle only)
         self.kinds = tuple(kinds)
+        #: whether claims of role "design" (vLLM's design rules) are checked too
+        self.design_rules = design_rules
         self.target_name = target_name
         self.config = config
         self.content = KVContent(config.num_blocks, config.block_size)
         self.env = EnvConnector(self.content, self._observe_request)
         self.target = make_target(target_name, config, self.env)
         self.ghost = Ghost()
+        self.book = ModelBook()
         self.actions: list[dict] = []
         self.log: list[StepRecord] = []
         self.checks: Counter = Counter()
+        self.witnessed: Counter = Counter()
+        self.features: Counter = Counter()
         self.violation_counts: Counter = Counter()
         self.obs: Observation = self.target.observe()
 
@@ -111,29 +122,40 @@ class Runner:
             self.violation_counts[v.invariant] += 1
 
     # -- checking -------------------------------------------------------------
-    def _check(self, obs: Observation, kinds=("state", "data"), transition=None) -> list[Violation]:
+    def is_checked(self, inv) -> bool:
+        return inv.kind in self.kinds and (inv.role == "safety" or self.design_rules)
+
+    def _check(self, obs: Observation, kinds=("state", "data"), transition=None,
+               model_step: ModelStep | None = None) -> list[Violation]:
         ctx = Context(obs, self.ghost, self.content, synced="data" in kinds)
         found = []
         for inv in REGISTRY.values():
-            if inv.kind not in self.kinds:
+            if not self.is_checked(inv):
                 continue
             if inv.kind == "relation":
                 if transition is None or not inv.applies_to(transition.action):
                     continue
-                messages = inv.check(transition)
+                subject = transition
+            elif inv.kind == "model":
+                if model_step is None:
+                    continue
+                subject = model_step
             elif inv.kind in kinds:
-                messages = inv.check(ctx)
+                subject = ctx
             else:
                 continue
+            messages, witnessed = evaluate(inv, subject)
             self.checks[inv.name] += 1
+            self.witnessed[inv.name] += witnessed
             found += [Violation(inv.name, m, inv.doc) for m in messages]
         return found
 
-    def _settle(self, after: Observation, transition: Transition, lowered_ok=frozenset()):
+    def _settle(self, after: Observation, transition: Transition, lowered_ok=frozenset(),
+                model_step: ModelStep | None = None):
         self.content.learn(after)
         self._update_ghost(after, lowered_ok)
         self.obs = after
-        return self._check(after, transition=transition)
+        return self._check(after, transition=transition, model_step=model_step)
 
     def _update_ghost(self, obs: Observation, lowered_ok) -> None:
         for r in obs.requests.values():
@@ -144,13 +166,31 @@ class Runner:
                 if r.request_id in self.env.answers:
                     self.ghost.first_hits[r.request_id] = self.env.answers[r.request_id]
             elif (first is not None and r.request_id in lowered_ok and r.has_stats
-                  and now != first and now[0] <= first[0]
-                  and now == compute_lowered_stats(first[0], first[1], now[0])):
-                self.ghost.stats[r.request_id] = now  # lowered the one way recovery may
+                  and is_admissible_lowering(first[0], first[1], now[0], now[1])):
+                self.ghost.stats[r.request_id] = now  # recovery may lower them
         self.ghost.recovered |= lowered_ok
         for rid in [rid for rid in self.ghost.stats if rid not in obs.requests]:
             del self.ghost.stats[rid]
             self.ghost.first_hits.pop(rid, None)
+
+    def _departed(self, before: Observation, after: Observation) -> dict:
+        """Requests that left the scheduler during an action, as they ended."""
+        gone = {}
+        for rid in before.requests:
+            if rid not in after.requests:
+                view = self.target.final_view(rid)
+                if view is not None:
+                    gone[rid] = view
+        return gone
+
+    def _transition(self, action: str, before: Observation, after: Observation,
+                    **kwargs) -> Transition:
+        return Transition(action, before, after, departed=self._departed(before, after),
+                          first_hits=dict(self.ghost.first_hits), **kwargs)
+
+    def _model_step(self, action: str, before: Observation, after: Observation,
+                    hints=None, request_id=None) -> ModelStep:
+        return ModelStep(action, before, after, hints or {}, self.book, request_id)
 
     # -- actions --------------------------------------------------------------
     def _do_add(self, a: dict) -> list[Violation]:
@@ -164,16 +204,19 @@ class Runner:
         before = self.obs
         self.target.add_request(spec)
         after = self.target.observe()
-        return self._settle(after, Transition("add", before, after, request_id=spec.request_id))
+        return self._settle(after, self._transition("add", before, after,
+                                                    request_id=spec.request_id),
+                            model_step=self._model_step("add", before, after))
 
     def _do_step(self, a: dict) -> list[Violation]:
         before = self.obs
+        answers_before, asked = dict(self.env.answers), len(self.env.answer_log)
         step = self.target.schedule()
         mid = self.target.observe()
         self.content.learn(mid)
         self._update_ghost(mid, lowered_ok=frozenset())  # stats set by this schedule()
         violations = self._check(mid, kinds=("state",),
-                                 transition=Transition("schedule", before, mid, step))
+                                 transition=self._transition("schedule", before, mid, step=step))
         failing = set(a.get("fail", ()))
         if a.get("fail_all"):
             failing |= set(self.content.loads)
@@ -189,12 +232,54 @@ class Runner:
         after = self.target.observe()
         holders = {r.request_id for r in mid.requests.values()
                    if report.invalid_block_ids & set(b for t in r.block_ids for b in t)}
-        t = Transition("update_from_output", mid, after, step, outcome, report.garbage_readers)
+        t = self._transition("update_from_output", mid, after, step=step, outcome=outcome,
+                             garbage_readers=report.garbage_readers)
         for rid in after.running:
             r = after.requests[rid]
             if rid not in report.garbage_readers:
                 self.env.note_computed(rid, r.num_computed_tokens, r.num_tokens)
-        return violations + self._settle(after, t, lowered_ok=holders)
+        self._count_features(step, outcome, mid)
+        self.ghost.finished_mid_load = {
+            rid for rid, r in after.requests.items() if r.status.is_finished
+            and before.requests.get(rid) is not None and rid in self.ghost.finished_mid_load
+            and rid not in outcome.finished_recving}
+        hints = self._hints(before, mid, after, step, outcome, answers_before,
+                            self.env.answer_log[asked:])
+        return violations + self._settle(
+            after, t, lowered_ok=holders,
+            model_step=self._model_step("step", before, after, hints))
+
+    def _hints(self, before, mid, after, step: StepView, outcome: WorkerOutcome,
+               answers_before: dict, asked: list) -> dict[str, Hints]:
+        """What the observation fixes about each request's step (spec/conformance.py)."""
+        answers = {rid: (local, external) for rid, local, external in asked}
+        hints = {}
+        for rid, new in after.requests.items():
+            old, was = before.requests.get(rid), mid.requests.get(rid)
+            if old is None:
+                continue
+            table = was.block_ids[0] if was is not None and was.block_ids else ()
+            bad = next((i for i, b in enumerate(table) if b in outcome.invalid_block_ids), None)
+            hints[rid] = Hints(
+                num_new=step.num_scheduled_tokens.get(rid, 0),
+                num_drafts=len(step.scheduled_spec_decode_tokens.get(rid, ())),
+                num_appended=len(new.output_token_ids) - len(old.output_token_ids),
+                answer=answers.get(rid), load_answer=answers_before.get(rid),
+                first_invalid_block=bad, start=step.num_computed_before.get(rid),
+                scheduled_stats=None if was is None else (was.num_cached_tokens,
+                                                          was.num_external_computed_tokens))
+        return hints
+
+    def _count_features(self, step: StepView, outcome: WorkerOutcome, mid: Observation) -> None:
+        cfg, f = self.config, self.features
+        live = sum(not r.status.is_finished for r in mid.requests.values())
+        f["load_failures"] += bool(outcome.invalid_block_ids)
+        f["async_loads"] += bool(outcome.finished_recving)
+        f["preemptions"] += bool(step.preempted_req_ids)
+        f["spec_decode"] += any(step.scheduled_spec_decode_tokens.values())
+        f[f"failure_policy_{cfg.kv_load_failure_policy}"] += bool(outcome.invalid_block_ids)
+        f[f"policy_{cfg.policy}"] += live >= 2
+        f["sends"] += bool(outcome.finished_sending)
 
     def _sample(self, step: StepView, mid: Observation, a: dict) -> dict:
         eos = set(a.get("eos", ()))
@@ -232,20 +317,28 @@ class Runner:
 
     def _do_abort(self, a: dict) -> list[Violation]:
         before = self.obs
+        was = before.requests.get(a["id"])
+        if was is not None and was.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.ghost.finished_mid_load.add(a["id"])
         self.target.abort(a["id"])
         after = self.target.observe()
-        return self._settle(after, Transition("abort", before, after, request_id=a["id"]))
+        return self._settle(after, self._transition("abort", before, after, request_id=a["id"]),
+                            model_step=self._model_step("abort", before, after))
 
     def _do_reset_prefix_cache(self, a: dict) -> list[Violation]:
         before = self.obs
         ok = self.target.reset_prefix_cache()
+        self.features["prefix_cache_resets"] += bool(ok)
         after = self.target.observe()
-        return self._settle(after, Transition("reset_prefix_cache", before, after,
-                                              request_id=str(bool(ok))))
+        return self._settle(after, self._transition("reset_prefix_cache", before, after,
+                                                    request_id=str(bool(ok))),
+                            model_step=self._model_step("reset_prefix_cache", before, after))
 
     def _do_drain(self, a: dict) -> list[Violation]:
         """The healed phase: no faults, every load and send completes."""
         bound = 20 + sum(len(r.prompt_token_ids) + r.max_tokens for r in self.obs.requests.values())
+        self.ghost.draining = {r.request_id for r in self.obs.requests.values()
+                               if not r.status.is_finished}
         for _ in range(bound):
             if not self.obs.requests:
                 break
@@ -256,8 +349,9 @@ class Runner:
                 return violations
             self._record({"op": "drain.step"}, ())
         inv = REGISTRY["every_request_finishes"]
-        if inv.kind not in self.kinds:
+        if not self.is_checked(inv):
             return []
+        messages, witnessed = evaluate(inv, Context(self.obs, self.ghost, self.content))
         self.checks[inv.name] += 1
-        messages = list(inv.check(Context(self.obs, self.ghost, self.content)))
+        self.witnessed[inv.name] += witnessed
         return [Violation(inv.name, m, inv.doc) for m in messages]

@@ -20,6 +20,8 @@ class Target(Protocol):
     def reset_prefix_cache(self) -> bool: ...
     def observe(self) -> Observation: ...
     def observe_request(self, request_id: str) -> RequestView: ...
+    def final_view(self, request_id: str) -> RequestView | None:
+        """A request that left the scheduler, as it ended (None if unknown)."""
 
 
 class ImplTarget:
@@ -41,12 +43,15 @@ class ImplTarget:
             enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = (scheduler_factory or Scheduler)(sched_config, connector)
         self._last_output = None
+        self._requests: dict[str, object] = {}  # every request added, to see how it ended
 
     def add_request(self, spec: RequestSpec) -> None:
         from kvspec.impl import Request
-        self.scheduler.add_request(Request(
-            spec.request_id, list(spec.prompt), spec.max_tokens, eos_token_id=EOS_TOKEN_ID,
-            priority=spec.priority, hash_block_size=self.config.block_size))
+        request = Request(spec.request_id, list(spec.prompt), spec.max_tokens,
+                          eos_token_id=EOS_TOKEN_ID, priority=spec.priority,
+                          hash_block_size=self.config.block_size)
+        self.scheduler.add_request(request)
+        self._requests[spec.request_id] = request
 
     def schedule(self) -> StepView:
         out = self.scheduler.schedule()
@@ -76,7 +81,16 @@ class ImplTarget:
         return self.scheduler.reset_prefix_cache()
 
     def observe_request(self, request_id: str) -> RequestView:
-        r = self.scheduler.requests[request_id]
+        return self._view(self.scheduler.requests[request_id],
+                          self.scheduler.kv.get_block_ids(request_id))
+
+    def final_view(self, request_id: str) -> RequestView | None:
+        r = self._requests.get(request_id)
+        if r is None or request_id in self.scheduler.requests:
+            return None
+        return self._view(r, tuple(() for _ in self.config.groups))
+
+    def _view(self, r, block_ids) -> RequestView:
         return RequestView(
             request_id=r.request_id, status=r.status,
             prompt_token_ids=tuple(r.prompt_token_ids),
@@ -84,7 +98,7 @@ class ImplTarget:
             num_computed_tokens=r.num_computed_tokens, num_cached_tokens=r.num_cached_tokens,
             num_external_computed_tokens=r.num_external_computed_tokens,
             num_preemptions=r.num_preemptions,
-            block_ids=tuple(tuple(g) for g in self.scheduler.kv.get_block_ids(request_id)),
+            block_ids=tuple(tuple(g) for g in block_ids),
             block_hashes=tuple(r.block_hashes), spec_token_ids=tuple(r.spec_token_ids),
             num_output_placeholders=r.num_output_placeholders, priority=r.priority,
             eos_token_id=r.eos_token_id)

@@ -10,10 +10,13 @@ class UnknownTarget(ValueError):
 
 
 def available_targets() -> dict[str, str]:
+    from kvspec.impl.alternatives import ALTERNATIVES
     from kvspec.impl.mutants import MUTANTS
     names = {"impl": "the reference implementation (kvspec-reference)"}
     for name, mutant in MUTANTS.items():
         names[f"mutant:{name}"] = mutant.description
+    for name, alt in ALTERNATIVES.items():
+        names[f"alt:{name}"] = f"a correct alternative design: {alt.description}"
     names["vllm"] = "the installed vLLM's v1 Scheduler, in-process on the CPU (needs vllm)"
     return names
 
@@ -28,6 +31,13 @@ def make_target(name: str, config: Config, connector):
         target = ImplTarget(config, connector, scheduler_factory=mutant.scheduler_class())
         target.name = name
         return target
+    if name.startswith("alt:"):
+        from kvspec.impl.alternatives import ALTERNATIVES
+        alt = ALTERNATIVES.get(name[len("alt:"):])
+        if alt is not None:
+            target = ImplTarget(config, connector, scheduler_factory=alt.cls)
+            target.name = name
+            return target
     if name == "vllm":
         from kvspec.harness.vllm_target import VllmTarget  # imports vLLM: only when asked
         return VllmTarget(config, connector)

@@ -228,6 +228,7 @@ class VllmTarget:
             kv_cache_config.cache_hit_alignment_tokens = block_size
 
         self._stats: dict[str, object] = {}      # request id -> its PrefillStats object
+        self._requests: dict[str, object] = {}   # every request added, to see how it ended
         self._admitted: set[str] = set()         # stats recorded (see the module doc)
         self._cancelled_loads: set[str] = set()  # finished mid-load: report finished_recving
         self._arrivals = 0
@@ -319,6 +320,7 @@ class VllmTarget:
                 kwargs[name] = None
         request = m.Request(**{k: v for k, v in kwargs.items() if k in accepted})
         self._stats[spec.request_id] = getattr(request, "prefill_stats", None)
+        self._requests[spec.request_id] = request
         with _LocateAsserts():
             self.scheduler.add_request(request)
 
@@ -413,10 +415,18 @@ class VllmTarget:
 
     def observe_request(self, request_id: str) -> RequestView:
         s = self.scheduler
-        r = s.requests[request_id]
+        return self._view(s.requests[request_id], s.kv_cache_manager.get_block_ids(request_id))
+
+    def final_view(self, request_id: str) -> RequestView | None:
+        r = self._requests.get(request_id)
+        if r is None or request_id in self.scheduler.requests:
+            return None
+        return self._view(r, tuple(() for _ in self.config.groups))
+
+    def _view(self, r, tables) -> RequestView:
+        request_id = r.request_id
         status = self._status(r)
         cached, external = self._stats_of(r, status)
-        tables = s.kv_cache_manager.get_block_ids(request_id)
         extra = {}
         if "eos_token_id" in _VIEW_FIELDS:  # newer kvspec states carry the stop token
             params = getattr(r, "sampling_params", None)

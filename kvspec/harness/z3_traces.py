@@ -14,7 +14,7 @@ def _prompt(n: int) -> list[int]:
 
 def trace_pre_34616(cex: dict):
     """Async load of ``external`` tokens of a ``num_tokens`` prompt, block size from Z3."""
-    bs, n, ext = cex["block_size"], cex["num_tokens"], cex["external"]
+    bs, n, ext = cex["s.block_size"], cex["s.num_tokens"], cex["a0.num_external"]
     config = make_config(block_size=bs, num_blocks=-(-n // bs) + 4, max_model_len=n + 6,
                          max_num_batched_tokens=32)
     actions = [{"op": "add", "id": "r0", "prompt": _prompt(n), "max_tokens": 2, "ext": ext,
@@ -37,7 +37,7 @@ def trace_stats_reset(cex: dict):
     """First scheduling with no hits; a preemption (priority policy, small pool);
     the re-scheduling hits the offloading store, so external hits exceed the
     cached count kept from the first scheduling."""
-    n = cex["prompt_len"]
+    n = cex["s.prompt_len"]
     config = make_config(block_size=2, num_blocks=4, max_num_batched_tokens=16, max_model_len=8,
                          policy="priority")
     actions = [{"op": "add", "id": "r0", "prompt": _prompt(n), "max_tokens": 4, "priority": 1,
@@ -57,7 +57,8 @@ TRACE_BUILDERS = {
 
 def is_seed_kind(cex: dict) -> bool:
     """External hits end mid-block, before the prompt end (seed 000's case)."""
-    return cex["external"] % cex["block_size"] != 0 and cex["external"] < cex["num_tokens"]
+    external, size = cex["a0.num_external"], cex["s.block_size"]
+    return external % size != 0 and external < cex["s.num_tokens"]
 
 
 def write_trace(name: str, cex: dict, out_dir: Path) -> tuple[str, Path] | None:

@@ -1,0 +1,94 @@
+"""Where each claim lives in vLLM 0.32: the functions and fields a change would
+have to touch to break it. Paths are relative to the ``vllm`` package; line
+numbers drift between releases, function names rarely do. ``docs/spec.md``
+renders this beside each claim; a test fails when a claim has no entry.
+"""
+from __future__ import annotations
+
+S = "v1/core/sched/scheduler.py"
+KM = "v1/core/kv_cache_manager.py"
+BP = "v1/core/block_pool.py"
+
+#: claim -> the vLLM 0.32 functions and fields it constrains
+CONSTRAINS: dict[str, str] = {
+    "add_relation": f"`Scheduler.add_request` ({S}), `Request.__init__` (v1/request.py): a new "
+                    "id starts WAITING with `num_computed_tokens` 0 and an empty `PrefillStats`.",
+    "long_prefill_cap": f"`Scheduler.schedule` ({S}): `long_prefill_token_threshold`, lifted when "
+                        "`get_request_counts()` sums to one, applied to running requests and to "
+                        "admissions alike; `long_prefill_token_threshold_adaptive` (off by default).",
+    "schedule_relation": f"`Scheduler.schedule`, `_preempt_request`, `_update_after_schedule` "
+                         f"({S}): token budget, `max_model_len` clip, spec-decode padding, "
+                         "victim choice (`running[-1]` or the worst priority), "
+                         "`scheduled_new_reqs` vs `resumed_req_ids`, `preempted_req_ids`.",
+    "update_from_output_relation": f"`Scheduler.update_from_output`, "
+                                   f"`_update_request_with_output`, `_update_from_kv_xfer_finished` "
+                                   f"({S}); `check_stop` (v1/core/sched/utils.py): EOS, stop "
+                                   "tokens, `max_tokens`, `max_model_len`; draft rollback.",
+    "abort_relation": f"`Scheduler.finish_requests`, `_free_request` ({S}).",
+    "reset_prefix_cache_relation": f"`Scheduler.reset_prefix_cache` ({S}), "
+                                   f"`BlockPool.reset_prefix_cache` ({BP}).",
+    "every_request_finishes": f"`Scheduler._update_waiting_for_remote_kv`, "
+                              f"`_handle_blocked_waiting_request`, the `kv_holding_waiting` scan "
+                              f"and the in-flight-prefill block reservation in `schedule` ({S}).",
+    "transition_admitted_by_model": "every writer of `Request.num_computed_tokens`, `status`, "
+                                    f"`num_preemptions` and `prefill_stats` in {S}: admission, "
+                                    "async promotion, preemption, rollback, recovery.",
+    "stats_are_ordered": f"`PrefillStats.set` (v1/metrics/stats.py) called from `Scheduler.schedule` "
+                         f"({S}) with `num_new_local_computed_tokens` and the connector's "
+                         "`num_external_computed_tokens`.",
+    "stats_set_exactly_once": f"`Scheduler.schedule` ({S}): `PrefillStats.set` at every prefix "
+                              "lookup of a never-preempted request until `take_prefill_stats` "
+                              "(v1/request.py) hands them out with the first output.",
+    "stats_are_the_first_hits": f"`Scheduler.schedule` ({S}): the local hit passed to "
+                                "`get_num_new_matched_tokens` and the trims of the connector's "
+                                "answer before `PrefillStats.set`.",
+    "running_request_has_stats": f"`Scheduler.schedule` ({S}): `PrefillStats.set` before an "
+                                 "admission to RUNNING or WAITING_FOR_REMOTE_KVS.",
+    "unscheduled_request_has_no_output": f"`Scheduler._update_request_with_output` ({S}): "
+                                         "outputs only for scheduled requests.",
+    "cached_le_computed": f"`Scheduler.schedule` ({S}): `num_computed_tokens = local + external` "
+                          "and the stats from the same numbers; recovery lowering "
+                          "`num_computed_tokens` only.",
+    "computed_within_tokens": f"`KVCacheManager.get_computed_blocks` ({KM}), the "
+                              f"`num_new_tokens > 0` assert and the full-hit rule in "
+                              f"`_update_waiting_for_remote_kv` ({S}).",
+    "placeholders_nonnegative": "`AsyncScheduler._update_after_schedule`, "
+                                "`_update_request_with_output` (v1/core/sched/async_scheduler.py); "
+                                f"`Scheduler._preempt_request` ({S}).",
+    "idle_waiting_holds_no_blocks": f"`Scheduler._preempt_request`, `_free_request_blocks`, "
+                                    f"`_update_waiting_for_remote_kv` ({S}).",
+    "preempted_means_preempted": f"`Scheduler._preempt_request`, `_handle_blocked_waiting_request` "
+                                 f"({S}).",
+    "blocks_cover_computed": f"`KVCacheManager.allocate_slots` ({KM}), "
+                             "`SingleTypeKVCacheManager.allocate_new_blocks` and "
+                             "`allocate_external_computed_blocks` "
+                             "(v1/core/single_type_kv_cache_manager.py).",
+    "queues_match_status": f"`Scheduler._enqueue_waiting_request`, the skip and re-queue paths of "
+                           f"`schedule`, `finish_requests` ({S}); `waiting`, `kv_holding_waiting`, "
+                           "`running`.",
+    "within_limits": f"`Scheduler.schedule` ({S}): `max_num_seqs` admission stop, the "
+                     "`max_model_len` clip; `check_stop` (v1/core/sched/utils.py).",
+    "ref_count_is_holders": f"`BlockPool.get_new_blocks`, `touch`, `free_blocks` ({BP}); "
+                            "`KVCacheBlock.ref_cnt`.",
+    "free_queue_is_free_blocks": f"`FreeKVCacheBlockQueue` (v1/core/kv_cache_utils.py) and its "
+                                 f"callers in `BlockPool` ({BP}).",
+    "no_leak_when_idle": f"`Scheduler._free_request`, `_free_blocks`, "
+                         f"`_update_from_kv_xfer_finished` ({S}).",
+    "finished_request_releases_blocks": f"`Scheduler._free_request` (delayed free), "
+                                        f"`_update_from_kv_xfer_finished` ({S}): "
+                                        "`finished_sending` and `finished_recving` of finished "
+                                        "requests.",
+    "prefix_cache_is_consistent": f"`BlockPool.cache_full_blocks`, `_maybe_evict_cached_block` "
+                                  f"({BP}); `cached_block_hash_to_block`.",
+    "no_caching_of_invalid_blocks": f"`KVCacheManager.allocate_slots` caching at admission "
+                                    f"({KM}); `Scheduler._update_waiting_for_remote_kv` and "
+                                    f"`_handle_invalid_blocks` (eviction of failed blocks) ({S}).",
+    "computed_means_valid": f"`Scheduler._update_requests_with_invalid_blocks` ({S}) and every "
+                            "writer of `num_computed_tokens`.",
+    "send_source_intact": f"`Scheduler._free_request`, `_connector_finished` ({S}); "
+                          "`KVConnectorBase_V1.request_finished` "
+                          "(distributed/kv_transfer/kv_connector/v1/base.py).",
+    "failed_block_recomputed_once": f"`Scheduler._update_requests_with_invalid_blocks` ({S}): "
+                                    "`marked_invalid_block_ids`, the first request in scan order "
+                                    "owns the recompute.",
+}

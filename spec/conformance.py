@@ -1,0 +1,206 @@
+"""Conformance: every request transition a target makes is one the Z3 model
+admits.
+
+``spec/effects.py`` is the model Z3 proves the per-request invariants over. After
+every runner action, each request's counters before and after are mapped into
+``Counters``; the primitives' parameters are read off the observation (tokens
+and drafts scheduled, tokens appended, the connector's answer, the first failed
+block) or, where the model leaves a choice to the scheduler (blocks held, the
+prefix recovery keeps, lowered stats), taken from the state after and checked by
+the guard. Some step shape must then reproduce the state after exactly; if none
+does, the target did something the proofs do not cover: either a bug the other
+claims have not caught, or a gap in the model (``transition_admitted_by_model``).
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import attrs
+
+from kvspec.spec.effects import (ABORT_SHAPES, FINISHED, LOADING, OBSERVED_FIELDS, PREEMPTED,
+                                 PRIMITIVES, RUNNING, STATUS_NAMES, STEP_SHAPES, WAITING,
+                                 Counters, Params, is_initial)
+from kvspec.spec.registry import invariant
+from kvspec.spec.state import RequestStatus, RequestView
+
+_STATUS = {RequestStatus.WAITING: WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS: LOADING,
+           RequestStatus.RUNNING: RUNNING, RequestStatus.PREEMPTED: PREEMPTED}
+
+
+def get_counters(r: RequestView, block_size: int, ghost=(0, 0)) -> Counters:
+    """A request as the model sees it (``ghost``: stats sets, recoveries)."""
+    return Counters(
+        status=FINISHED if r.status.is_finished else _STATUS[r.status],
+        prompt_len=r.num_prompt_tokens, num_tokens=r.num_tokens,
+        num_computed=r.num_computed_tokens, num_cached=r.num_cached_tokens,
+        num_external=r.num_external_computed_tokens, num_preemptions=r.num_preemptions,
+        num_blocks=len(r.block_ids[0]) if r.block_ids else 0, block_size=block_size,
+        num_stats_sets=ghost[0], num_recoveries=ghost[1])
+
+
+@attrs.frozen
+class Hints:
+    """What the observation says about one request's step: the values of the
+    primitives' parameters the environment and the scheduler output fix."""
+
+    num_new: int = 0
+    num_drafts: int = 0
+    num_appended: int = 0
+    #: the connector's answer in this step (num_local, num_external), if asked
+    answer: tuple[int, int] | None = None
+    #: the answer its async load was issued on
+    load_answer: tuple[int, int] | None = None
+    #: index of the first block of its table reported invalid in this step
+    first_invalid_block: int | None = None
+    #: where its scheduling started (num_computed_tokens before the step's tokens)
+    start: int | None = None
+    #: its stats right after schedule(), before the worker's output could lower them
+    scheduled_stats: tuple[int, int] | None = None
+
+
+def get_params(name: str, hints: Hints, after: Counters, before: Counters) -> Params | None:
+    """The parameters of primitive ``name`` for this transition, or None where
+    the observation rules it out (no failed block, no answer)."""
+    answer = hints.answer or (0, 0)
+    # a finished request's counters say nothing: its stats are what schedule() left
+    stats = (after.num_cached, after.num_external) if after.status != FINISHED else \
+        hints.scheduled_stats or (before.num_cached, before.num_external)
+    if name in ("schedule_waiting", "issue_async_load"):
+        recorded = hints.scheduled_stats or stats
+        records = int(recorded[0] >= 0 and before.num_cached < 0)
+        return Params(num_local=answer[0], num_external=answer[1], num_new=hints.num_new,
+                       num_drafts=hints.num_drafts, num_blocks=after.num_blocks,
+                       num_cached=recorded[0], records=records)
+    if name == "schedule_loaded":
+        local = (hints.load_answer or (0, 0))[0]
+        return Params(num_local=local, num_new=hints.num_new, num_drafts=hints.num_drafts,
+                       num_blocks=after.num_blocks)
+    if name == "compute":
+        return Params(num_new=hints.num_new, num_drafts=hints.num_drafts,
+                       num_blocks=after.num_blocks)
+    if name == "resume_waiter":
+        valid = hints.start if hints.start is not None else after.num_computed
+        return Params(num_valid=valid)
+    if name == "sample":
+        return Params(num_drafts=hints.num_drafts, num_accepted=hints.num_appended - 1)
+    if name == "recover":
+        if hints.first_invalid_block is None:
+            return None
+        valid = after.num_computed if after.status != FINISHED else 0
+        return Params(first_invalid_block=hints.first_invalid_block, num_valid=valid,
+                       num_cached=stats[0], num_external=stats[1])
+    return Params()
+
+
+def run_shape(shape, before: Counters, after: Counters, hints: Hints) -> Counters | None:
+    """The model's counters after ``shape``, or None as soon as a guard fails."""
+    now = before
+    for name in shape:
+        params = get_params(name, hints, after, before)
+        if params is None:
+            return None
+        guard, now = PRIMITIVES[name].fn(now, params)
+        if not guard:
+            return None
+    return now
+
+
+def is_same(model: Counters, observed: Counters) -> bool:
+    if observed.status == FINISHED:
+        return model.status == FINISHED
+    return all(getattr(model, f) == getattr(observed, f) for f in OBSERVED_FIELDS)
+
+
+def find_shape(shapes, before: Counters, after: Counters, hints: Hints):
+    """The first shape admitting ``before -> after`` and the model's state after it."""
+    for shape in shapes:
+        model = run_shape(shape, before, after, hints)
+        if model is not None and is_same(model, after):
+            return shape, model
+    return None
+
+
+def describe(c: Counters) -> str:
+    stats = f" stats={c.num_cached}/{c.num_external}" if c.num_cached >= 0 else ""
+    return (f"{STATUS_NAMES[c.status]} computed={c.num_computed}/{c.num_tokens}{stats} "
+            f"blocks={c.num_blocks} preemptions={c.num_preemptions}")
+
+
+@attrs.define
+class ModelBook:
+    """The model's ghost per request (stats sets, recoveries), advanced by the
+    shape that admitted each transition."""
+
+    ghost: dict[str, tuple[int, int]] = attrs.Factory(dict)
+    #: the shape that admitted each request's last transition (for reports)
+    last_shape: dict[str, tuple[str, ...]] = attrs.Factory(dict)
+
+
+@attrs.define
+class ModelStep:
+    """One runner action as the conformance claim sees it."""
+
+    action: str                          # "add", "step", "abort", "reset_prefix_cache"
+    before: object                       # Observation
+    after: object                        # Observation
+    hints: dict[str, Hints]
+    book: ModelBook
+    request_id: str | None = None
+    witnessed: int = 0
+
+    def witness(self) -> None:
+        self.witnessed += 1
+
+
+def _shapes_for(action: str):
+    return {"step": STEP_SHAPES, "abort": ABORT_SHAPES}.get(action, ())
+
+
+@invariant(cites="docs/proofs.md (one model)", kind="model")
+def transition_admitted_by_model(m: ModelStep) -> Iterator[str]:
+    """Every request transition the target makes is admitted by a step shape of
+    the model Z3 proves the per-request invariants over (``spec/effects.py``),
+    with the parameters the observation fixes; a new request is in the model's
+    initial state.
+
+    Protects the proofs' relevance: a proof about transitions no target makes,
+    or silent about ones it does, establishes nothing about the scheduler. A
+    violation is either a scheduler bug or a gap in the model."""
+    size = m.after.config.block_size
+    for rid, new in m.after.requests.items():
+        old = m.before.requests.get(rid)
+        if old is None:
+            m.book.ghost[rid] = (0, 0)
+            if not is_initial(get_counters(new, size)):
+                yield f"{rid} arrived as {describe(get_counters(new, size))}, not the initial state"
+            continue
+        before = get_counters(old, size, m.book.ghost.get(rid, (0, 0)))
+        after = get_counters(new, size)
+        if is_same(before, after) and before.status == after.status:
+            continue
+        m.witness()
+        found = find_shape(_shapes_for(m.action), before, after, m.hints.get(rid, Hints()))
+        if found is None:
+            yield (f"{rid}: {describe(before)} -> {describe(after)} in {m.action} "
+                   f"({_hint_text(m.hints.get(rid, Hints()))}) is admitted by no shape of "
+                   f"spec/effects.py")
+            continue
+        shape, model = found
+        m.book.ghost[rid] = (model.num_stats_sets, model.num_recoveries)
+        m.book.last_shape[rid] = shape
+    for rid in [rid for rid in m.book.ghost if rid not in m.after.requests]:
+        del m.book.ghost[rid]
+        m.book.last_shape.pop(rid, None)
+
+
+def _hint_text(h: Hints) -> str:
+    parts = [f"scheduled {h.num_new}"]
+    if h.num_drafts:
+        parts.append(f"drafts {h.num_drafts}")
+    if h.num_appended:
+        parts.append(f"appended {h.num_appended}")
+    if h.answer is not None:
+        parts.append(f"connector answered local={h.answer[0]} external={h.answer[1]}")
+    if h.first_invalid_block is not None:
+        parts.append(f"first failed block index {h.first_invalid_block}")
+    return ", ".join(parts)

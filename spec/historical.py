@@ -1,0 +1,100 @@
+"""Rules vLLM (or a plausible patch) once used, written as drop-in variants of
+the model's rules and primitives. ``kvspec prove`` states each lemma once as a
+function of its rule, proves it for the spec's rule and refutes it for every
+historical variant here: a lemma that cannot tell the two apart proves nothing.
+"""
+from __future__ import annotations
+
+import attrs
+
+from kvspec.spec.arith import compute_first_external, compute_num_computed_pre_34616
+from kvspec.spec.effects import (Counters, act_finish_async_load, act_recover, act_sample,
+                                 act_schedule_waiting, has_stats)
+from kvspec.spec.logic import If, Min, fdiv
+from kvspec.spec.pool_effects import Pool, _set, act_issue_async_load, act_sync_load
+
+
+# -- token arithmetic ------------------------------------------------------------
+
+def hit_counting_every_token(num_local, num_external, num_tokens):
+    """A hit of the whole prompt counts every token: nothing is left to compute
+    (what vLLM does with a sync connector that claims the whole prompt, #30320)."""
+    return Min(num_local + num_external, num_tokens)
+
+
+def truncate_after_first_invalid(first_invalid_block, block_size, num_computed):
+    """Recovery cuts after the first failed block instead of before it."""
+    return Min(num_computed, (first_invalid_block + 1) * block_size)
+
+
+def owners_all_affected(affected):
+    """Every request holding a failed shared block recomputes it."""
+    return list(affected)
+
+
+def lower_cached_only(num_cached, num_external, num_valid):
+    """Recovery lowers ``num_cached_tokens`` to the valid prefix and leaves the
+    external count as it was."""
+    return Min(num_cached, num_valid), num_external
+
+
+# -- primitives --------------------------------------------------------------------
+
+def act_finish_async_load_pre_34616(c: Counters, p):
+    """Pre-#34616: a finished async load counts its whole allocated blocks,
+    clipped to the prompt, less one on a full hit."""
+    guard, after = act_finish_async_load(c, p)
+    computed = compute_num_computed_pre_34616(c.num_blocks, c.block_size, c.num_tokens)
+    return guard, attrs.evolve(after, num_computed=computed)
+
+
+def act_finish_async_load_rounding_down(c: Counters, p):
+    """A finished async load counts only the whole blocks it filled."""
+    guard, after = act_finish_async_load(c, p)
+    exact = Min(c.num_computed, c.num_tokens - 1)
+    return guard, attrs.evolve(after, num_computed=fdiv(exact, c.block_size) * c.block_size)
+
+
+def act_schedule_waiting_resetting_stats(c: Counters, p):
+    """#36859: a re-scheduling re-sets ``num_external_computed_tokens`` to its own
+    external hits, while ``num_cached_tokens`` keeps the first value."""
+    guard, after = act_schedule_waiting(c, p)
+    start = after.num_computed - p.num_new
+    external = compute_first_external(start, p.num_local, p.num_external)
+    return guard, attrs.evolve(after, num_external=If(has_stats(c), external,
+                                                      after.num_external))
+
+
+def act_recover_lowering_cached_only(c: Counters, p):
+    """Recovery lowers the cached count to the kept prefix, not the external one."""
+    guard, after = act_recover(c, p)
+    cached, external = lower_cached_only(c.num_cached, c.num_external, p.num_valid)
+    has = c.num_cached >= 0
+    return guard, attrs.evolve(after, num_cached=If(has, cached, c.num_cached),
+                               num_external=If(has, external, c.num_external))
+
+
+def act_sample_without_rollback(c: Counters, p):
+    """Rejected drafts keep counting as computed."""
+    guard, after = act_sample(c, p)
+    return guard, attrs.evolve(after, num_computed=c.num_computed)
+
+
+# -- the block pool ----------------------------------------------------------------
+
+def act_issue_async_load_caching(p: Pool, r: int, b: int):
+    """Review of #34616: async-load blocks cached at allocation, before the KV arrived."""
+    guard, after = act_issue_async_load(p, r, b)
+    return guard, attrs.evolve(after, cached=_set(p.cached, b, True))
+
+
+def act_sync_load_keeping_failed_cached(p: Pool, r: int, b: int, ok: bool):
+    """Review of #34616: a block whose load failed stays in the prefix cache."""
+    guard, after = act_sync_load(p, r, b, ok)
+    return guard, attrs.evolve(after, cached=_set(p.cached, b, True))
+
+
+def act_free_keeping_references(p: Pool, r: int):
+    """A free that drops the request's table but not the blocks' counts."""
+    return True, attrs.evolve(p, holds=_set(p.holds, r, tuple(False for _ in p.holds[r])))
+

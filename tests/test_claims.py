@@ -1,0 +1,142 @@
+"""Every claim earns its keep: witnessed in a default check, reported in one JSON
+object, safety apart from vLLM's design rules, and every transition the
+reference makes admitted by the model Z3 proves over."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvspec.cli import app
+from kvspec.harness.fuzz import fuzz
+from kvspec.harness.runner import FEATURES, Counterexample, Runner
+from kvspec.harness.target import make_config
+from kvspec.spec.conformance import Hints, ModelBook, ModelStep
+from kvspec.spec.registry import REGISTRY
+
+#: what `kvspec check --json` must carry (issue 9)
+JSON_KEYS = {"target", "version", "seed", "budget_s", "runs", "actions", "claims", "features",
+             "profile", "verdict"}
+REQUIRED_FEATURES = {"load_failures", "async_loads", "preemptions", "spec_decode",
+                     "failure_policy_recompute", "failure_policy_fail", "policy_fcfs",
+                     "policy_priority", "sends", "prefix_cache_resets"}
+
+
+@pytest.fixture(scope="module")
+def impl_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("check")
+    result = CliRunner().invoke(app, ["check", "--budget", "25s", "--seed", "7", "--json",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_check_json_is_one_object_with_the_promised_fields(impl_report):
+    assert JSON_KEYS <= set(impl_report)
+    assert impl_report["target"] == "impl" and impl_report["verdict"] == "hold"
+    assert impl_report["runs"] > 0 and impl_report["actions"] > 0
+    assert REQUIRED_FEATURES <= set(impl_report["features"]) == set(FEATURES)
+    names = [c["name"] for c in impl_report["claims"]]
+    assert names == list(REGISTRY)
+    for claim in impl_report["claims"]:
+        assert {"name", "kind", "checked", "witnessed", "violations"} <= set(claim)
+
+
+def test_every_claim_is_witnessed_on_the_reference_or_says_why(impl_report):
+    unwitnessed = {c["name"] for c in impl_report["claims"] if not c["witnessed"]}
+    excused = {name for name, inv in REGISTRY.items() if inv.unwitnessed_because}
+    assert unwitnessed == excused == set(impl_report["unwitnessed"])
+    assert all(impl_report["unwitnessed"].values())  # each with its reason
+
+
+def test_every_feature_is_exercised_on_the_reference(impl_report):
+    assert all(impl_report["features"][f] > 0 for f in REQUIRED_FEATURES), impl_report["features"]
+
+
+def test_a_claim_whose_antecedent_never_holds_is_not_witnessed():
+    """placeholders_nonnegative is checked on every state but witnessed by none:
+    with no async scheduling, no request ever has a placeholder."""
+    runner = Runner("impl", make_config())
+    runner.apply({"op": "add", "id": "r0", "prompt": [1, 2, 3], "max_tokens": 2})
+    runner.apply({"op": "drain"})
+    assert runner.checks["placeholders_nonnegative"] > 0
+    assert runner.witnessed["placeholders_nonnegative"] == 0
+    assert runner.witnessed["running_request_has_stats"] > 0
+
+
+def test_claims_have_a_role_and_design_rules_are_named():
+    design = {name for name, inv in REGISTRY.items() if inv.role == "design"}
+    assert design == {"failed_block_recomputed_once", "long_prefill_cap"}
+
+
+def test_conservative_recovery_passes_every_safety_claim(tmp_path):
+    """Every request a load failure affects recomputes from block 0: correct, and
+    admitted by the spec; only vLLM's one-writer design rule objects."""
+    safe = fuzz("alt:conservative_recovery", budget=20, seed=1, out_dir=tmp_path,
+                design_rules=False)
+    assert safe.counterexample is None, [str(v) for v in safe.counterexample.violations]
+    assert safe.features["load_failures"] > 0
+    ruled = fuzz("alt:conservative_recovery", budget=30, seed=1, out_dir=tmp_path)
+    assert ruled.counterexample is not None
+    assert {v.invariant for v in ruled.counterexample.violations} == {
+        "failed_block_recomputed_once"}
+
+
+def test_stats_lowering_is_a_choice():
+    """Recovery that keeps the stats (vLLM 0.32) or lowers only the external count
+    passes; raising them does not."""
+    from kvspec.spec.predicates import is_admissible_lowering
+    assert is_admissible_lowering(6, 4, 6, 4)      # kept
+    assert is_admissible_lowering(6, 4, 6, 1)      # external only
+    assert is_admissible_lowering(6, 4, 2, 0)      # both (the reference)
+    assert not is_admissible_lowering(6, 4, 2, 4)  # cached below external
+    assert not is_admissible_lowering(6, 4, 7, 4)  # raised
+
+
+# -- conformance to the model ------------------------------------------------
+
+def _step(before_computed: int, after_computed: int, scheduled: int) -> list[str]:
+    runner = Runner("impl", make_config(block_size=2))
+    runner.apply({"op": "add", "id": "r0", "prompt": [1, 2, 3, 4, 5, 6, 7], "max_tokens": 3})
+    before = runner.obs
+    view = before.requests["r0"]
+    import attrs
+    from kvspec.spec.state import RequestStatus
+    running = attrs.evolve(view, status=RequestStatus.RUNNING, num_computed_tokens=before_computed,
+                           num_cached_tokens=0, num_external_computed_tokens=0,
+                           block_ids=((0, 1, 2, 3),))
+    moved = attrs.evolve(running, num_computed_tokens=after_computed)
+    book = ModelBook({"r0": (1, 0)})
+    step = ModelStep("step", attrs.evolve(before, requests={"r0": running}),
+                     attrs.evolve(before, requests={"r0": moved}),
+                     {"r0": Hints(num_new=scheduled, start=before_computed)}, book)
+    return list(REGISTRY["transition_admitted_by_model"].check(step))
+
+
+def test_conformance_admits_a_chunk_and_rejects_a_jump():
+    assert _step(2, 4, scheduled=2) == []          # a chunk of 2: compute + keep_prefilling
+    assert _step(2, 5, scheduled=2)                # grew by 3 with 2 scheduled: no shape
+
+
+def test_async_load_counted_short_breaks_conformance(tmp_path):
+    result = fuzz("mutant:async_load_counted_short", budget=30, seed=0, out_dir=tmp_path)
+    assert result.counterexample is not None
+    assert "transition_admitted_by_model" in {v.invariant for v in result.counterexample.violations}
+
+
+def test_the_reference_makes_only_admitted_transitions_in_a_long_trace():
+    runner = Runner("impl", make_config(block_size=2, num_blocks=10, max_num_batched_tokens=6,
+                                        long_prefill_token_threshold=3))
+    actions = [{"op": "add", "id": "r0", "prompt": list(range(1, 10)), "max_tokens": 3, "ext": 5,
+                "async": True},
+               {"op": "add", "id": "r1", "prompt": list(range(1, 8)), "max_tokens": 2, "ext": 4},
+               {"op": "step", "fail": ["r1"]}, {"op": "step", "finish_loads": ["r0"]},
+               {"op": "step", "drafts": 2}, {"op": "step", "accept": 1}, {"op": "drain"}]
+    try:
+        for action in actions:
+            runner.apply(action)
+    except Counterexample as exc:
+        pytest.fail("; ".join(map(str, exc.violations)))
+    assert runner.features["load_failures"] == 1 and runner.features["async_loads"] == 1
+    assert runner.witnessed["transition_admitted_by_model"] >= 6
