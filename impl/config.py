@@ -1,32 +1,50 @@
-"""Configuration of the reference scheduler."""
+"""Configuration of the reference scheduler, validated when built with the same
+bounds as the spec's ``Config`` (``kvspec.spec.state.LIMITS``)."""
 from __future__ import annotations
 
 import attrs
 
-
-def _int_at_least(least: int):
-    def check(instance, attribute, value):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{attribute.name} must be an integer, got {value!r:.60}")
-        if value < least:
-            raise ValueError(f"{attribute.name} must be >= {least}, got {value}")
-    return check
+from kvspec.spec.state import FAILURE_POLICIES, LIMITS, MAX_KV_TOKENS, POLICIES
 
 
-_positive = _int_at_least(1)
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _within_limits(instance, attribute, value):
+    """An integer within ``LIMITS[attribute.name]`` (inclusive)."""
+    lo, hi = LIMITS[attribute.name]
+    if not _is_int(value):
+        raise TypeError(f"{attribute.name} must be an integer, got {value!r:.60}")
+    if value < lo:
+        raise ValueError(f"{attribute.name} must be >= {lo}, got {value}")
+    if value > hi:
+        raise ValueError(f"{attribute.name} must be <= {hi}, got {value}")
 
 
 def _block_sizes(instance, attribute, value):
+    lo, hi = LIMITS["block_size"]
     if not isinstance(value, tuple):
         raise TypeError(f"block_sizes must be a tuple of integers, got {value!r:.60}")
     if not value:
         raise ValueError("block_sizes must name at least one block size, got ()")
+    if len(value) > LIMITS["groups"][1]:
+        raise ValueError(f"block_sizes names {len(value)} KV cache groups, at most "
+                         f"{LIMITS['groups'][1]}")
     for size in value:
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"block_sizes must be positive integers, got {value!r:.60}")
+        if not _is_int(size) or not lo <= size <= hi:
+            raise ValueError(f"block_sizes must be integers in {lo}..{hi}, got {value!r:.60}")
     if len(set(value)) != 1:
         raise ValueError(f"block_sizes {value!r:.60}: groups of different block sizes need "
                          "hybrid groups, which the reference scheduler does not have")
+
+
+def _one_of(options: tuple[str, ...]):
+    def check(instance, attribute, value):
+        if not isinstance(value, str) or value not in options:
+            raise ValueError(f"{attribute.name} must be one of {', '.join(map(repr, options))}, "
+                             f"got {value!r:.60}")
+    return check
 
 
 def _boolean(instance, attribute, value):
@@ -37,15 +55,21 @@ def _boolean(instance, attribute, value):
 @attrs.frozen
 class SchedulerConfig:
     block_sizes: tuple[int, ...] = attrs.field(default=(4,), validator=_block_sizes)
-    num_blocks: int = attrs.field(default=64, validator=_positive)
-    max_num_batched_tokens: int = attrs.field(default=64, validator=_positive)
-    max_num_seqs: int = attrs.field(default=8, validator=_positive)
-    max_model_len: int = attrs.field(default=64, validator=_positive)
-    long_prefill_token_threshold: int = attrs.field(default=0, validator=_int_at_least(0))
-    policy: str = attrs.field(default="fcfs", validator=attrs.validators.in_(("fcfs", "priority")))
-    kv_load_failure_policy: str = attrs.field(
-        default="recompute", validator=attrs.validators.in_(("recompute", "fail")))
+    num_blocks: int = attrs.field(default=64, validator=_within_limits)
+    max_num_batched_tokens: int = attrs.field(default=64, validator=_within_limits)
+    max_num_seqs: int = attrs.field(default=8, validator=_within_limits)
+    max_model_len: int = attrs.field(default=64, validator=_within_limits)
+    long_prefill_token_threshold: int = attrs.field(default=0, validator=_within_limits)
+    policy: str = attrs.field(default="fcfs", validator=_one_of(POLICIES))
+    kv_load_failure_policy: str = attrs.field(default="recompute",
+                                              validator=_one_of(FAILURE_POLICIES))
     enable_prefix_caching: bool = attrs.field(default=True, validator=_boolean)
+
+    def __attrs_post_init__(self) -> None:
+        slots = self.num_blocks * self.block_size
+        if slots > MAX_KV_TOKENS:
+            raise ValueError(f"num_blocks * block_size = {slots} KV token slots, more than "
+                             f"the {MAX_KV_TOKENS} kvspec allows")
 
     @property
     def block_size(self) -> int:

@@ -24,6 +24,8 @@ def _check_types(request_id, prompt, max_tokens, eos_token_id, priority,
     that does not fit) are the scheduler's to check in ``add_request``."""
     if not isinstance(request_id, str):
         raise TypeError(f"request_id must be a str, got {request_id!r:.60}")
+    if not request_id:
+        raise ValueError("request_id must not be empty")
     if not isinstance(prompt, (list, tuple)):
         raise TypeError(f"request {request_id!r:.40}: prompt_token_ids must be a list of "
                         f"integers, got {prompt!r:.60}")

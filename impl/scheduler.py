@@ -47,6 +47,9 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, connector: KVConnector | None = None) -> None:
+        if not isinstance(config, SchedulerConfig):
+            raise TypeError(f"Scheduler needs a kvspec.impl.SchedulerConfig, got "
+                            f"{type(config).__name__} {config!r:.60}")
         self.config = config
         self.connector = connector or NoConnector()
         self.kv = KVCacheManager(config.block_sizes, config.num_blocks,
@@ -74,6 +77,16 @@ class Scheduler:
         self.waiting.add(request)
 
     def _validate_new_request(self, request: Request) -> None:
+        if not isinstance(request, Request):
+            raise TypeError(f"add_request needs a kvspec.impl.Request, got "
+                            f"{type(request).__name__} {request!r:.60}")
+        if request.hash_block_size != self.block_size:
+            # its block hashes would cover other token spans than the pool's blocks:
+            # a cached block would be matched by a request with different tokens
+            raise ValueError(f"request {request.request_id!r:.40}: hash_block_size "
+                             f"{request.hash_block_size} differs from the scheduler's block "
+                             f"size {self.block_size}; build it with "
+                             f"Request(..., hash_block_size={self.block_size})")
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if request.num_prompt_tokens == 0:
@@ -87,8 +100,16 @@ class Scheduler:
                              f"max_model_len={self.config.max_model_len}")
 
     def finish_requests(self, request_ids, status: RequestStatus) -> None:
-        assert status.is_finished, "finish_requests needs a FINISHED_* status"
-        for req_id in ([request_ids] if isinstance(request_ids, str) else list(request_ids)):
+        if not isinstance(status, RequestStatus):
+            raise TypeError(f"finish_requests needs a RequestStatus, got {status!r:.60}")
+        if not status.is_finished:
+            raise ValueError(f"finish_requests needs a FINISHED_* status, got {status.name}")
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        elif request_ids is None or not hasattr(request_ids, "__iter__"):
+            raise TypeError(f"finish_requests needs a request id or an iterable of ids, got "
+                            f"{request_ids!r:.60}")
+        for req_id in list(request_ids):
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue

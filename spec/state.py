@@ -40,11 +40,14 @@ class RequestStatus(enum.Enum):
                         RequestStatus.PREEMPTED)
 
 
-#: Bounds on a configuration (inclusive): wide enough for every run kvspec makes,
-#: narrow enough that no configuration allocates gigabytes or steps for hours.
-LIMITS = {"block_size": (1, 1024), "num_blocks": (1, 100_000), "groups": (1, 8),
+#: Bounds on a configuration (inclusive): wide enough for every run kvspec makes
+#: (the benchmarks' largest pool, N=256, has 3,328 blocks), narrow enough that no
+#: configuration allocates gigabytes or steps for hours (a step observes the whole
+#: pool: about 2 µs a block). max_model_len is at least 2: a prompt of one token
+#: and room for one output token, or no request could ever be added.
+LIMITS = {"block_size": (1, 1024), "num_blocks": (1, 16_384), "groups": (1, 8),
           "max_num_batched_tokens": (1, 1 << 20), "max_num_seqs": (1, 4096),
-          "max_model_len": (1, 1 << 16), "long_prefill_token_threshold": (0, 1 << 20)}
+          "max_model_len": (2, 8192), "long_prefill_token_threshold": (0, 1 << 20)}
 #: the most KV token slots (num_blocks * block_size) a configuration may have
 MAX_KV_TOKENS = 1 << 22
 GROUP_KINDS = ("full_attention",)

@@ -231,19 +231,23 @@ TRACES = {
     "num-blocks-zero": (config(num_blocks=0), "num_blocks: must be >= 1"),
     "num-blocks-negative": (config(num_blocks=-1), "num_blocks: must be >= 1"),
     "num-blocks-1e9-float": (config(num_blocks=1e9), "num_blocks: expected an integer"),
-    "num-blocks-1e9": (config(num_blocks=10 ** 9), "num_blocks: must be <= 100000"),
+    "num-blocks-1e9": (config(num_blocks=10 ** 9), "num_blocks: must be <= 16384"),
+    "num-blocks-100k": (config(num_blocks=100_000), "num_blocks: must be <= 16384"),
     "num-blocks-string": (config(num_blocks="7"), "num_blocks: expected an integer"),
     "num-blocks-bool": (config(num_blocks=True), "num_blocks: expected an integer"),
     "num-blocks-null": (config(num_blocks=None), "num_blocks: expected an integer"),
     "num-blocks-fraction": (config(num_blocks=7.5), "num_blocks: expected an integer"),
-    "kv-slots-too-many": (lambda t: (config(num_blocks=100_000)(t),
+    "kv-slots-too-many": (lambda t: (config(num_blocks=16_384)(t),
                                      group(block_size=1024)(t)), "KV token slots"),
     "batched-tokens-zero": (config(max_num_batched_tokens=0), "max_num_batched_tokens"),
     "batched-tokens-negative": (config(max_num_batched_tokens=-4), "max_num_batched_tokens"),
     "max-num-seqs-zero": (config(max_num_seqs=0), "max_num_seqs: must be >= 1"),
     "max-num-seqs-huge": (config(max_num_seqs=10 ** 6), "max_num_seqs: must be <= 4096"),
-    "max-model-len-zero": (config(max_model_len=0), "max_model_len: must be >= 1"),
+    "max-model-len-zero": (config(max_model_len=0), "max_model_len: must be >= 2"),
+    "max-model-len-one": (lambda t: (config(max_model_len=1)(t), edit(actions=[])(t)),
+                          "max_model_len: must be >= 2"),
     "max-model-len-huge": (config(max_model_len=10 ** 7), "max_model_len: must be <="),
+    "max-model-len-65536": (config(max_model_len=65536), "max_model_len: must be <= 8192"),
     "max-model-len-string": (config(max_model_len="12"), "max_model_len: expected an integer"),
     "threshold-negative": (config(long_prefill_token_threshold=-1),
                            "long_prefill_token_threshold: must be >= 0"),
@@ -593,10 +597,98 @@ def _config(**kwargs):
     (lambda: _config(num_blocks=1e9), TypeError, "num_blocks"),
     (lambda: _config(max_num_seqs="4"), TypeError, "max_num_seqs"),
     (lambda: _config(policy="lifo"), ValueError, "policy"),
+    (lambda: _config(max_model_len=1), ValueError, "max_model_len must be in 2..8192"),
+    (lambda: _request("", [1], 2), ValueError, "request_id must not be empty"),
+    (lambda: _scheduler(None), TypeError, "Scheduler needs a kvspec.impl.SchedulerConfig"),
+    (lambda: _scheduler({"num_blocks": 8}), TypeError, "needs a kvspec.impl.SchedulerConfig"),
+    (lambda: _scheduler(_config()), TypeError, "needs a kvspec.impl.SchedulerConfig, got Config"),
+    (lambda: _scheduler_config(policy="FCFS"), ValueError,
+     r"^policy must be one of 'fcfs', 'priority', got 'FCFS'$"),
+    (lambda: _scheduler_config(kv_load_failure_policy="recomput"), ValueError,
+     r"^kv_load_failure_policy must be one of 'recompute', 'fail', got 'recomput'$"),
+    (lambda: _scheduler_config(num_blocks=10 ** 9), ValueError, "num_blocks must be <= 16384"),
+    (lambda: _scheduler_config(max_num_seqs=10 ** 9), ValueError, "max_num_seqs must be <= 4096"),
+    (lambda: _scheduler_config(max_model_len=10 ** 12), ValueError, "max_model_len must be <="),
+    (lambda: _scheduler_config(max_model_len=1), ValueError, "max_model_len must be >= 2"),
+    (lambda: _scheduler_config(block_sizes=(2 ** 40,)), ValueError, r"block_sizes must be .* 1\.\.1024"),
+    (lambda: _scheduler_config(block_sizes=(4,) * 9), ValueError, "at most 8"),
+    (lambda: _scheduler_config(num_blocks=16_384, block_sizes=(1024,)), ValueError,
+     "KV token slots"),
 ])
 def test_python_api_rejects_with_a_clear_error(build, error, match):
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=match) as info:
         build()
+    assert "\n" not in str(info.value)
+
+
+def _scheduler(config):
+    from kvspec.impl import Scheduler
+    return Scheduler(config)
+
+
+def _scheduler_with_a():
+    from kvspec.impl import Request, Scheduler, SchedulerConfig
+    s = Scheduler(SchedulerConfig(block_sizes=(8,), num_blocks=16, max_num_batched_tokens=64,
+                                  max_model_len=64))
+    s.add_request(Request("a", list(range(1, 18)), 2, hash_block_size=8))
+    return s
+
+
+def _state(s):
+    return (list(s.requests), [r.request_id for r in s.waiting], [r.request_id for r in s.running],
+            [b.ref_cnt for b in s.kv.pool.blocks])
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda s: s.add_request("a"), TypeError, "add_request needs a kvspec.impl.Request, got str"),
+    (lambda s: s.add_request(None), TypeError, "add_request needs a kvspec.impl.Request"),
+    (lambda s: s.add_request({"request_id": "b"}), TypeError, "needs a kvspec.impl.Request"),
+    # hash_block_size left at its default (4) on a scheduler of block size 8: it would
+    # share a's cached block 0 with different tokens
+    (lambda s: s.add_request(_request("b", [1, 2, 3, 4, 90, 91, 92, 93, 5], 2)), ValueError,
+     r"hash_block_size 4 differs from the scheduler's block size 8"),
+    (lambda s: s.finish_requests("a", _status("RUNNING")), ValueError,
+     "needs a FINISHED_\\* status, got RUNNING"),
+    (lambda s: s.finish_requests("a", _status("WAITING")), ValueError, "got WAITING"),
+    (lambda s: s.finish_requests("a", "FINISHED_ABORTED"), TypeError,
+     "needs a RequestStatus, got 'FINISHED_ABORTED'"),
+    (lambda s: s.finish_requests(None, _status("FINISHED_ABORTED")), TypeError,
+     "needs a request id or an iterable of ids, got None"),
+])
+def test_scheduler_calls_reject_bad_arguments_and_change_nothing(call, error, match):
+    s = _scheduler_with_a()
+    s.schedule()
+    before = _state(s)
+    with pytest.raises(error, match=match):
+        call(s)
+    assert _state(s) == before
+
+
+def _status(name):
+    from kvspec.spec.state import RequestStatus
+    return RequestStatus[name]
+
+
+def test_finish_requests_checks_the_status_without_assert():
+    """The check holds under ``python -O`` too (it is not an assert)."""
+    code = ("from kvspec.impl import Request, Scheduler, SchedulerConfig\n"
+            "from kvspec.spec.state import RequestStatus\n"
+            "s = Scheduler(SchedulerConfig()); s.add_request(Request('a', [1, 2], 2))\n"
+            "try:\n    s.finish_requests('a', RequestStatus.RUNNING)\n"
+            "except ValueError as e:\n    print('rejected:', e)\n")
+    proc = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.stdout.startswith("rejected: finish_requests needs a FINISHED_* status"), proc
+
+
+def test_matching_hash_block_size_shares_only_equal_blocks():
+    from kvspec.impl import Request
+    s = _scheduler_with_a()
+    s.schedule()
+    b = Request("b", [1, 2, 3, 4, 90, 91, 92, 93, 5], 2, hash_block_size=8)
+    s.add_request(b)
+    out = s.schedule()
+    assert out.num_computed_before.get("b") == 0  # a's block 0 holds other tokens
 
 
 def test_add_request_type_errors_leave_the_scheduler_unchanged():
