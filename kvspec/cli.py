@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvspec.harness.accepted_findings import installed_vllm_version
+from kvspec.text import clip, printable, shown
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   help="kvspec: an executable spec of vLLM's KV-cache request lifecycle.")
@@ -49,8 +50,13 @@ def parse_budget(text: str) -> float:
     return seconds
 
 
+#: the longest error line (the user's strings in it are shortened with ``shown``)
+ERROR_LINE = 300
+
+
 def fail(message: str) -> None:
-    print(f"kvspec: error: {message}", file=sys.stderr)
+    """Bad input: one line on stderr (user strings quoted by ``shown``), exit 2."""
+    print(f"kvspec: error: {clip(message, ERROR_LINE)}", file=sys.stderr)
     raise typer.Exit(2)
 
 
@@ -59,13 +65,13 @@ def check_writable_dir(path: Path, option: str) -> None:
     (and made) before a run starts, so that no counterexample is found and lost."""
     try:
         if path.exists() and not path.is_dir():
-            fail(f"{option} {path}: exists and is not a directory")
+            fail(f"{option} {shown(path)}: exists and is not a directory")
         path.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=path, prefix=".kvspec-probe-")
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        fail(f"{option} {path}: cannot write there ({exc.strerror or exc})")
+        fail(f"{option} {shown(path)}: cannot write there ({exc.strerror or exc})")
 
 
 def check_at_least(value: int, least: int, option: str, most: int | None = None) -> None:
@@ -140,7 +146,7 @@ def progress_line(what: str, seconds: float, named: bool = False):
 
 
 def report(result, design_rules: bool = True) -> int:
-    from kvspec.report import print_counterexample, summary_table, unwitnessed
+    from kvspec.report import summary_table, unwitnessed
     violations = {}
     if result.counterexample is not None:
         for v in result.counterexample.violations:
@@ -154,8 +160,21 @@ def report(result, design_rules: bool = True) -> int:
         console.print("[green]all invariants hold[/]")
         return 0
     ce = result.counterexample
-    print_counterexample(console, ce.runner.log, ce.violations, result.trace_path)
+    show_counterexample(ce.runner.log, ce.violations, result.trace_path)
     return 1
+
+
+def show_counterexample(steps, violations, trace_path=None) -> None:
+    """Print a finding. If printing itself fails (an encoding the terminal lacks,
+    a closed pipe), one line on stderr says so: the finding stands (exit 1) and
+    its trace is saved; it is never reported as bad input."""
+    from kvspec.report import print_counterexample
+    try:
+        print_counterexample(console, steps, violations, trace_path)
+    except Exception as exc:
+        saved = f"; trace saved: {shown(trace_path)}" if trace_path else ""
+        print(f"kvspec: the counterexample could not be printed ({type(exc).__name__}){saved}",
+              file=sys.stderr)
 
 
 DESIGN_RULES_HELP = ("check vLLM's design rules (one writer per recomputed block, the "
@@ -223,18 +242,17 @@ def replay(trace: Path = typer.Argument(..., help="a trace file written by kvspe
     """Replay a saved trace deterministically; exit 1 if it still fails."""
     from kvspec.harness.replay import replay_trace
     from kvspec.harness.trace import TraceError, load_trace
-    from kvspec.report import print_counterexample
     try:
         if target is not None:
             check_target(target)
         else:  # the trace's own target: known, and installed (vllm)
-            check_target(load_trace(trace)["target"], f" (named by {trace})")
+            check_target(load_trace(trace)["target"], f" (named by {shown(trace)})")
         outcome = replay_trace(trace, target)
     except TraceError as exc:
         fail(str(exc))
     console.print(f"replayed {len(outcome.actions_run)} actions on {outcome.target}")
     if outcome.violations:
-        print_counterexample(console, outcome.steps, outcome.violations)
+        show_counterexample(outcome.steps, outcome.violations)
         same = "same verdict as recorded" if outcome.same_as_recorded else "verdict differs from the recording"
         console.print(f"[red]still fails[/] ({same})")
         raise typer.Exit(1)
@@ -290,6 +308,7 @@ def prove(as_json: bool = typer.Option(False, "--json", help="machine-readable o
     import time as _time
 
     from rich.table import Table
+    from rich.text import Text
 
     from kvspec.harness.replay import replay_trace
     from kvspec.harness.z3_traces import write_trace
@@ -338,7 +357,7 @@ def prove(as_json: bool = typer.Option(False, "--json", help="machine-readable o
             if "trace" in row:
                 cex += f" -> {row['trace']} (mutant fails: {row['replays_on_mutant']}, impl passes: {row['passes_on_impl']})"
             table.add_row(row["name"], row["kind"], f"{mark} {row['status']}",
-                          f"{row['seconds']:.3f}s", cex)
+                          f"{row['seconds']:.3f}s", Text(printable(cex)))
         console.print(table)
         for claim in CARD_CLAIMS:
             proved_by = established.get(claim, [])
@@ -356,7 +375,6 @@ def bmc_cmd(target: str = typer.Option("impl", help="target to check"),
     """Bounded model checking: every action sequence up to --depth on a small configuration."""
     from kvspec.harness.bmc import ALPHABET, bmc
     from kvspec.harness.trace import save_trace
-    from kvspec.report import print_counterexample
     check_target(target)
     check_at_least(depth, 1, "--depth")
     check_at_least(max_states, 1, "--max-states")
@@ -372,7 +390,7 @@ def bmc_cmd(target: str = typer.Option("impl", help="target to check"),
     path = save_trace(out / f"{target.replace(':', '_')}.json", target=target,
                       config=ce.runner.config, actions=ce.runner.actions,
                       violations=ce.violations, steps=ce.runner.log)
-    print_counterexample(console, ce.runner.log, ce.violations, path)
+    show_counterexample(ce.runner.log, ce.violations, path)
     raise typer.Exit(1)
 
 
@@ -415,15 +433,14 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def _os_error(exc: OSError) -> str:
-    where = f": {exc.filename}" if exc.filename else ""
+    where = f": {shown(exc.filename)}" if exc.filename else ""
     return f"{exc.strerror or exc}{where}"
 
 
 def _error(message: str, exc: BaseException) -> int:
     if os.environ.get("KVSPEC_DEBUG"):
         raise exc
-    line = " ".join(str(message).split())
-    print(f"kvspec: error: {line[:300]}", file=sys.stderr)
+    print(f"kvspec: error: {clip(message, ERROR_LINE)}", file=sys.stderr)
     return 2
 
 

@@ -3,8 +3,13 @@ from __future__ import annotations
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kvspec.spec.catalogue import REGISTRY
+from kvspec.text import command_arg, printable
+
+# Request ids, messages that quote them and paths come from the user: they are shown
+# as Text (never parsed as rich markup) and made printable first.
 
 
 def step_table(steps, violations) -> Table:
@@ -13,19 +18,22 @@ def step_table(steps, violations) -> Table:
     table.add_column("action")
     table.add_column("requests after it (status c=computed/tokens hit=cached/external b=blocks)")
     for s in steps:
-        table.add_row(str(s.index), s.action, s.requests.replace(" r", "\nr"))
+        table.add_row(str(s.index), Text(printable(s.action)),
+                      Text(printable(s.requests).replace(" r", "\nr")))
     return table
 
 
 def print_counterexample(console: Console, steps, violations, trace_path=None) -> None:
     console.print(step_table(steps, violations))
     for v in violations:
-        console.print(f"[bold red]violated:[/] {v.invariant}: {v.message}")
+        console.print(Text.assemble(("violated:", "bold red"),
+                                    f" {printable(v.invariant)}: {printable(v.message)}"))
         doc = v.doc or (REGISTRY[v.invariant].doc if v.invariant in REGISTRY else "")
         if doc:
-            console.print(f"  [dim]{doc}[/]")
+            console.print(Text(f"  {doc}", style="dim"))
     if trace_path:
-        console.print(f"trace saved: {trace_path}  (replay: kvspec replay {trace_path})")
+        console.print(Text(f"trace saved: {printable(trace_path)}  "
+                           f"(replay: kvspec replay {command_arg(trace_path)})"))
 
 
 def is_checked_claim(inv, design_rules: bool) -> bool:
@@ -107,7 +115,8 @@ def zoo_table(rows) -> Table:
                    "oracle alone: caught by", "time", "steps"):
         table.add_column(column)
     for r in rows:
-        status = {"caught": "[green]caught[/]", "survived": "[red]survived[/]"}.get(r.status, r.status)
-        table.add_row(r.name, r.upstream, status, *_fmt_detection(r.full),
-                      *_fmt_detection(r.oracle_alone))
+        status = {"caught": "[green]caught[/]", "survived": "[red]survived[/]"}.get(
+            r.status, Text(printable(r.status)))
+        table.add_row(Text(printable(r.name)), Text(printable(r.upstream)), status,
+                      *_fmt_detection(r.full), *_fmt_detection(r.oracle_alone))
     return table

@@ -63,6 +63,7 @@ def assert_one_line(code: int, out: str, err: str, needle: str) -> None:
     lines = err.strip().splitlines()
     assert code == 2, (code, out, err)
     assert len(lines) == 1, err
+    assert lines[0].isprintable(), repr(lines[0])  # no terminal escapes, no surrogates
     assert lines[0].startswith("kvspec: error: "), err
     assert needle.lower() in lines[0].lower(), (needle, lines[0])
     assert len(lines[0]) <= 400, f"{len(lines[0])} characters: {lines[0][:120]}..."
@@ -126,7 +127,19 @@ FILES = {
     "fifo": (_fifo, "not a regular file"),
     "device": (lambda d: Path("/dev/null"), "not a regular file"),
     "too-large": (_sparse, "not a kvspec trace"),
+    # the path itself is quoted, escaped and shortened in the line
+    "missing-newline-in-name": (lambda d: d / "no\nsuch.json", r"no such trace file: '"),
+    "escape-sequence-in-name": (lambda d: _named(d, "\x1b[2Jt.json", "hello"), r"\x1b[2jt.json'"),
+    "undecodable-name": (lambda d: _named(d, os.fsdecode(b"\xff.json"), "hello"), r"/\udcff.json'"),
+    "markup-in-name": (lambda d: _named(d, "[red]t[.json", "hello"), "[red]t[.json': not a kvspec"),
+    "name-over-4096-characters": (lambda d: d / ("/".join(["d" * 200] * 25) + ".json"),
+                                  "'…dddd"),
 }
+
+
+def _named(d: Path, name: str, content: str) -> Path:
+    (d / name).write_text(content)
+    return d / name
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -305,6 +318,18 @@ TRACES = {
     "add-offload-number": (action(0, offload=0), "offload: expected true or false"),
     "add-overclaim-string": (action(0, overclaim_ok="y"), "overclaim_ok: expected true"),
     "add-unknown-field": (action(0, prio=1), "unknown field 'prio' for op 'add'"),
+    # request ids are printed in step tables: printable, at most 64 characters
+    "add-id-newline": (action(0, id="r\n0"), "actions[0].id: must be printable"),
+    "add-id-escape-sequence": (action(0, id="\x1b[2J\x1b[31mr0"), "must be printable"),
+    "add-id-bell": (action(0, id="r0\x07"), "must be printable"),
+    "add-id-lone-surrogate": (action(0, id="\ud800"), "must be printable"),
+    "add-id-right-to-left-override": (action(0, id="r\u202e0"), "must be printable"),
+    "add-id-nul": (action(0, id="r\x000"), "must be printable"),
+    "add-id-65-characters": (action(0, id="x" * 65), "takes at most 64 characters, got 65"),
+    "abort-id-tab": (insert(1, {"op": "abort", "id": "r\t0"}), "actions[1].id: must be printable"),
+    "step-eos-id-carriage-return": (action(1, eos=["r0\r"]), "eos[0]: must be printable"),
+    "verdict-invariant-newline": (edit(verdict=[{"invariant": "a\nb", "message": "m"}]),
+                                  "verdict[0].invariant: must be printable"),
     # step
     "step-finish-loads-string": (action(1, finish_loads="abc"), "finish_loads: expected a list"),
     "step-finish-loads-numbers": (action(1, finish_loads=[5]), "finish_loads[0]: expected a str"),
@@ -450,6 +475,9 @@ PATHS = {
     "in-proc": (lambda d: Path("/proc/kvspec-out"), "cannot write there"),
     "under-dev-null": (lambda d: Path("/dev/null/out"), "cannot write there"),
     "symlink-loop": (_symlink_loop, "cannot write there"),
+    "newline-in-name": (lambda d: _named(d, "x\ny", "x"), r"/x\ny': exists and is not a"),
+    "undecodable-name": (lambda d: _named(d, os.fsdecode(b"x\xff"), "x"), r"x\udcff'"),
+    "over-4096-characters": (lambda d: d / "/".join(["d" * 200] * 25), "'…dddd"),
 }
 OPTIONS = {
     "check-out": ("check", "--budget", "1s", "--out"),
@@ -462,7 +490,8 @@ OPTIONS = {
     "prove-traces": ("prove", "--traces"),
 }
 PATH_CASES = [(o, p) for o in OPTIONS for p in PATHS
-              if p in ("a-file", "under-a-file", "in-proc") or o in ("check-out", "fuzz-db")]
+              if p in ("a-file", "under-a-file", "in-proc", "newline-in-name",
+                       "over-4096-characters") or o in ("check-out", "fuzz-db")]
 
 
 @pytest.mark.parametrize("option, where", PATH_CASES, ids=[f"{o}-{p}" for o, p in PATH_CASES])
@@ -472,6 +501,84 @@ def test_output_path(guarded, capsys, option, where):
     code, out, err = invoke(capsys, *args, make(guarded))
     assert_one_line(code, out, err, needle)
     assert args[-1] in err
+
+
+# -- a finding is a finding, whatever its request ids and paths --------------------------
+
+def _trace_with(tmp_path: Path, change) -> Path:
+    trace = copy.deepcopy(BASE)
+    change(trace)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(trace))
+    return path
+
+
+@pytest.mark.parametrize("rid", ["[/]", "[r0]", "[bold red]r0", "[link=file:///etc/passwd]r0",
+                                 "r0\\", "é😀", "r 0"])
+def test_a_finding_with_an_odd_request_id_exits_1_and_shows_it(tmp_path, monkeypatch, capsys,
+                                                                  rid):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = invoke(capsys, "replay", _trace_with(tmp_path, action(0, id=rid)))
+    assert code == 1, out + err
+    assert f"add(id={rid}, " in out  # as given: not read as markup, not dropped
+    assert "violated: no_caching_of_invalid_blocks" in out and err == ""
+
+
+def test_a_message_quoting_an_odd_id_is_shown_as_given(tmp_path, monkeypatch, capsys):
+    def overclaim(trace):
+        trace.update(target="impl", verdict=[], steps=[])
+        trace["actions"] = [{"op": "add", "id": "[/]", "prompt": [1, 2, 3, 4, 10],
+                             "max_tokens": 2, "ext": 9, "overclaim_ok": True}, {"op": "step"}]
+    monkeypatch.chdir(tmp_path)
+    code, out, err = invoke(capsys, "replay", _trace_with(tmp_path, overclaim))
+    assert code == 1, out + err
+    assert "connector answered 9 external tokens for request '[/]'" in out
+
+
+@pytest.mark.parametrize("out_dir", ["runs[ci]", "o[/]x", "[bold]y", os.fsdecode(b"o\xff"),
+                                     "sp ace"])
+def test_a_finding_under_an_odd_out_path_exits_1_saved_and_named(tmp_path, monkeypatch, capsys,
+                                                                  out_dir):
+    from kvspec.text import command_arg, printable
+    monkeypatch.chdir(tmp_path)
+    code, out, err = invoke(capsys, "bmc", "--target", "mutant:cache_failed_block",
+                            "--depth", "4", "--out", out_dir)
+    assert code == 1, out + err
+    saved = f"{out_dir}/mutant_cache_failed_block.json"
+    assert (tmp_path / saved).is_file()
+    assert f"trace saved: {printable(saved)}  (replay: kvspec replay {command_arg(saved)})" in out
+    assert out.isprintable() or "\n" in out and all(line.isprintable()
+                                                     for line in out.splitlines())
+
+
+def test_fuzz_finding_under_a_markup_out_path_exits_1(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = invoke(capsys, "fuzz", "--target", "mutant:cache_failed_block",
+                            "--budget", "1s", "--out", "o[/]x")
+    assert code == 1, out + err
+    assert "trace saved: o[/]x/mutant_cache_failed_block-seed0.json" in out
+    assert (tmp_path / "o[/]x" / "mutant_cache_failed_block-seed0.json").is_file()
+
+
+def test_a_finding_that_cannot_be_printed_still_exits_1(tmp_path, monkeypatch, capsys):
+    import kvspec.report
+
+    def broken(*args, **kwargs):
+        raise UnicodeEncodeError("ascii", "é", 0, 1, "ordinal not in range(128)")
+    monkeypatch.setattr(kvspec.report, "print_counterexample", broken)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = invoke(capsys, "bmc", "--target", "mutant:cache_failed_block",
+                            "--depth", "4", "--out", "b")
+    assert code == 1, out + err
+    assert err.strip() == ("kvspec: the counterexample could not be printed (UnicodeEncodeError); "
+                           "trace saved: 'b/mutant_cache_failed_block.json'")
+
+
+def test_a_finding_with_an_odd_id_as_a_real_process(tmp_path):
+    path = _trace_with(tmp_path, action(0, id="[/]é"))
+    proc = _subprocess("replay", str(path), cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "add(id=[/]é, " in proc.stdout and proc.stderr == ""
 
 
 # -- the counts the issue asks for -----------------------------------------------------
@@ -490,7 +597,7 @@ def test_unwritable_out_is_rejected_before_the_run(tmp_path, monkeypatch, capsys
     _file(tmp_path)
     code, out, err = invoke(capsys, "fuzz", "--target", "mutant:cache_failed_block",
                             "--budget", "30s", "--out", "a-file/failures")
-    assert_one_line(code, out, err, "--out a-file/failures: cannot write there")
+    assert_one_line(code, out, err, "--out 'a-file/failures': cannot write there")
     assert calls == [] and out == ""  # not even the banner: nothing started
 
 

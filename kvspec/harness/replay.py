@@ -7,7 +7,8 @@ import attrs
 
 from kvspec.harness.runner import Runner
 from kvspec.harness.targets import UnknownTarget
-from kvspec.harness.trace import TraceError, load_trace
+from kvspec.harness.trace import TraceError, load_trace, short
+from kvspec.text import clip, shown
 
 
 @attrs.define
@@ -29,13 +30,13 @@ def replay_trace(path: Path, target: str | None = None) -> ReplayOutcome:
     except (ValueError, TypeError, RuntimeError) as exc:
         # the target refuses the configuration (vLLM's own checks), or cannot be
         # built at all (vLLM not installed): the trace's problem, not a finding
-        detail = " ".join(str(exc).split())
-        raise TraceError(f"{path}: target {name!r} cannot run this trace: "
-                         f"{detail[:200]}") from None
+        raise TraceError(f"{shown(path)}: target {name!r} cannot run this trace: "
+                         f"{clip(str(exc), 200)}") from None
     try:
         failure = runner.run(data["actions"])
     except (KeyError, TypeError, ValueError) as exc:  # apply() records the action first
-        raise TraceError(f"{path}: malformed action {runner.actions[-1]!r}: {exc}") from None
+        raise TraceError(f"{shown(path)}: malformed action {short(runner.actions[-1])}: "
+                         f"{clip(str(exc), 200)}") from None
     violations = failure.violations if failure else []
     recorded = [(v["invariant"], v["message"]) for v in data.get("verdict", [])]
     got = [(v.invariant, v.message) for v in violations]

@@ -28,6 +28,7 @@ import jsonschema
 from jsonschema import validators
 
 from kvspec.harness.vllm_target import MAX_DRAFTS
+from kvspec.text import shown
 from kvspec.spec.state import (FAILURE_POLICIES, GROUP_KINDS, LIMITS, POLICIES, Config,
                                GroupSpec)
 
@@ -49,7 +50,12 @@ def _int(lo: int, hi: int) -> dict:
     return {"type": "integer", "minimum": lo, "maximum": hi}
 
 
-_ID = {"type": "string", "minLength": 1, "maxLength": 200}
+#: the longest request id a trace may carry
+MAX_ID_LENGTH = 64
+#: request ids are printed in step tables: printable characters only (no control or
+#: format characters, line breaks or lone surrogates, which act on a terminal or
+#: cannot be encoded)
+_ID = {"type": "string", "minLength": 1, "maxLength": MAX_ID_LENGTH, "format": "printable"}
 _IDS = {"type": "array", "items": _ID, "uniqueItems": True}
 _BOOL = {"type": "boolean"}
 _INT32 = 2 ** 31 - 1
@@ -129,7 +135,8 @@ TRACE_SCHEMA = {
         "verdict": {"type": "array", "items": {
             "type": "object", "required": ["invariant", "message"],
             "additionalProperties": False,
-            "properties": {"invariant": {"type": "string", "minLength": 1},
+            "properties": {"invariant": {"type": "string", "minLength": 1, "maxLength": 200,
+                                         "format": "printable"},
                            "message": {"type": "string"}}}},
         "steps": {"type": "array", "items": {
             "type": "object", "required": ["index", "action", "requests"],
@@ -144,7 +151,16 @@ _TYPES = validators.Draft202012Validator.TYPE_CHECKER.redefine(
     "integer", lambda checker, value: isinstance(value, int) and not isinstance(value, bool))
 TraceValidator = validators.extend(validators.Draft202012Validator, type_checker=_TYPES)
 TraceValidator.check_schema(TRACE_SCHEMA)
-_VALIDATOR = TraceValidator(TRACE_SCHEMA)
+#: "format" is asserted, and only kvspec's own format is known
+FORMATS = jsonschema.FormatChecker(formats=())
+
+
+@FORMATS.checks("printable")
+def _printable(value) -> bool:
+    return not isinstance(value, str) or value.isprintable()
+
+
+_VALIDATOR = TraceValidator(TRACE_SCHEMA, format_checker=FORMATS)
 
 
 # -- one line per error ----------------------------------------------------------
@@ -201,6 +217,9 @@ def describe(error: jsonschema.ValidationError) -> str:
         return f"takes at most {expected} items, got {len(value)}"
     if kind == "maxLength":
         return f"takes at most {expected} characters, got {len(value)}"
+    if kind == "format" and expected == "printable":
+        return ("must be printable characters (no control or format characters, line "
+                f"breaks or lone surrogates), got {short(value)}")
     if kind == "uniqueItems":
         return f"names an item twice: {short(value)}"
     return short(error.message, 2 * SHOWN)
@@ -318,31 +337,32 @@ def save_trace(path: Path, *, target: str, config: Config, actions: list[dict],
 
 
 def _read_json(path: Path):
+    where = shown(path)
     try:
         info = path.stat()
     except FileNotFoundError:
-        raise TraceError(f"no such trace file: {path}") from None
+        raise TraceError(f"no such trace file: {where}") from None
     except OSError as exc:  # a symlink loop, a name too long, a directory we may not enter
-        raise TraceError(f"{path}: cannot read trace ({exc.strerror or exc})") from None
+        raise TraceError(f"{where}: cannot read trace ({exc.strerror or exc})") from None
     if stat.S_ISDIR(info.st_mode):
-        raise TraceError(f"{path}: is a directory, not a trace file")
+        raise TraceError(f"{where}: is a directory, not a trace file")
     if not stat.S_ISREG(info.st_mode):
-        raise TraceError(f"{path}: not a regular file")
+        raise TraceError(f"{where}: not a regular file")
     if info.st_size > MAX_TRACE_BYTES:
-        raise TraceError(f"{path}: not a kvspec trace ({info.st_size} bytes; traces are "
+        raise TraceError(f"{where}: not a kvspec trace ({info.st_size} bytes; traces are "
                          f"under {MAX_TRACE_BYTES >> 20} MiB)")
     try:
         text = path.read_bytes().decode("utf-8")
     except OSError as exc:
-        raise TraceError(f"{path}: cannot read trace ({exc.strerror or exc})") from None
+        raise TraceError(f"{where}: cannot read trace ({exc.strerror or exc})") from None
     except UnicodeDecodeError as exc:
-        raise TraceError(f"{path}: not a kvspec trace (not UTF-8 text: {exc.reason})") from None
+        raise TraceError(f"{where}: not a kvspec trace (not UTF-8 text: {exc.reason})") from None
     try:
         return json.loads(text)
     except RecursionError:
-        raise TraceError(f"{path}: not a kvspec trace (JSON nested too deeply)") from None
+        raise TraceError(f"{where}: not a kvspec trace (JSON nested too deeply)") from None
     except ValueError as exc:  # JSONDecodeError, or an integer of thousands of digits
-        raise TraceError(f"{path}: not a kvspec trace "
+        raise TraceError(f"{where}: not a kvspec trace "
                          f"(invalid JSON: {short(str(exc), 100)})") from None
 
 
@@ -350,23 +370,24 @@ def load_trace(path: Path) -> dict:
     """The trace at ``path``, checked (see the module doc); ``config`` is a
     :class:`Config`. Raises :class:`TraceError` with one line otherwise."""
     path = Path(path)
+    where = shown(path)
     data = _read_json(path)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise TraceError(f"{path}: not a kvspec trace (expected format {FORMAT!r})")
+        raise TraceError(f"{where}: not a kvspec trace (expected format {FORMAT!r})")
     try:
         problem = schema_error(data)
     except RecursionError:
         problem = "trace: nested too deeply"
     if problem:
         kind = "malformed action" if problem.startswith("actions[") else "malformed trace"
-        raise TraceError(f"{path}: {kind} {problem}" if kind == "malformed action"
-                         else f"{path}: {kind}: {problem}")
+        raise TraceError(f"{where}: {kind} {problem}" if kind == "malformed action"
+                         else f"{where}: {kind}: {problem}")
     try:
         data["config"] = config_from_dict(data["config"])
     except TraceError as exc:
-        raise TraceError(f"{path}: {exc}") from None
+        raise TraceError(f"{where}: {exc}") from None
     problem = check_semantics(data["config"], data["actions"])
     if problem:
         kind = "impossible action" if problem.startswith("actions[") else "impossible trace:"
-        raise TraceError(f"{path}: {kind} {problem}")
+        raise TraceError(f"{where}: {kind} {problem}")
     return data
