@@ -145,6 +145,13 @@ def progress_line(what: str, seconds: float, named: bool = False):
     return line
 
 
+def replay_progress_line(progress) -> None:
+    """A heartbeat for replay_trace(): ``kvspec: replaying 20s: action 2/3, 1412 steps``
+    on stderr."""
+    print(f"kvspec: replaying {progress.elapsed:.0f}s: action {progress.actions_done}/"
+          f"{progress.actions_total}, {progress.steps} steps", file=sys.stderr, flush=True)
+
+
 def report(result, design_rules: bool = True) -> int:
     from kvspec.report import summary_table, unwitnessed
     violations = {}
@@ -247,7 +254,9 @@ def replay(trace: Path = typer.Argument(..., help="a trace file written by kvspe
             check_target(target)
         else:  # the trace's own target: known, and installed (vllm)
             check_target(load_trace(trace)["target"], f" (named by {shown(trace)})")
-        outcome = replay_trace(trace, target)
+        heartbeat = None if console.is_terminal else replay_progress_line
+        outcome = replay_trace(trace, target, heartbeat=heartbeat,
+                               heartbeat_every=PROGRESS_EVERY)
     except TraceError as exc:
         fail(str(exc))
     console.print(f"replayed {len(outcome.actions_run)} actions on {outcome.target}")

@@ -137,6 +137,13 @@ FILES = {
 }
 
 
+def _large_pool(trace) -> None:
+    """The reviewer's configuration: a large pool, one token a step."""
+    trace["config"].update(groups=[{"block_size": 16}], num_blocks=16_384,
+                           max_num_batched_tokens=1, max_num_seqs=1, max_model_len=8192)
+    trace.pop("verdict", None)
+
+
 def _named(d: Path, name: str, content: str) -> Path:
     (d / name).write_text(content)
     return d / name
@@ -373,6 +380,22 @@ TRACES = {
     "impossible-pool-too-small": (lambda t: (config(num_blocks=2)(t),
                                              action(0, max_tokens=6)(t)),
                                   "needs 5 blocks to finish alone"),
+    # too large: every accepted trace replays in minutes
+    "too-many-tokens": (lambda t: (_large_pool(t), edit(actions=[
+        {"op": "add", "id": f"r{i}", "prompt": [1] * 1000, "max_tokens": 7000}
+        for i in range(26)])(t)), "too large a trace: its arrivals carry 208000 tokens"),
+    "replay-of-hours": (lambda t: (_large_pool(t), edit(actions=[
+        {"op": "add", "id": "r0", "prompt": [1] * 3000, "max_tokens": 5000},
+        {"op": "drain"}])(t)), "too large a trace: replaying it could take"),
+    "300k-drains": (edit(actions=[{"op": "drain"}] * 300_000),
+                    "actions: takes at most 10000 items, got 300000"),
+    "9000-drains-on-a-large-pool": (lambda t: (_large_pool(t), edit(
+        actions=[{"op": "drain"}] * 9000)(t)), "up to 189000 scheduler calls"),
+    "many-requests-every-step": (lambda t: (_large_pool(t), config(num_blocks=64)(t), edit(
+        actions=[{"op": "add", "id": f"r{i}", "prompt": [i], "max_tokens": 100}
+                 for i in range(1500)] + [{"op": "drain"}])(t)), "up to 1500 requests"),
+    "prompt-of-a-million-strings": (action(0, prompt=["a"] * 1_000_000),
+                                    "prompt: takes at most 8191 items"),
     # verdict and step table
     "verdict-string": (edit(verdict="boom"), "verdict: expected a list"),
     "verdict-number": (edit(verdict=5), "verdict: expected a list"),
@@ -579,6 +602,55 @@ def test_a_finding_with_an_odd_id_as_a_real_process(tmp_path):
     proc = _subprocess("replay", str(path), cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "add(id=[/]é, " in proc.stdout and proc.stderr == ""
+
+
+# -- size: rejected fast, replayed in minutes -------------------------------------------
+
+@pytest.mark.parametrize("change", [
+    edit(verdict=[5] * 300_000),                                   # 300k errors, one reported
+    action(1, eos=[f"x{i}" for i in range(100_000)] + [[1], 5]),   # unsortable: no O(n^2)
+    action(1, eos=[[1]] + [f"x{i}" for i in range(300_000)]),
+], ids=["300k-bad-verdicts", "bad-ids-after-100k", "bad-id-before-300k"])
+def test_a_huge_malformed_trace_is_rejected_in_a_second(guarded, capsys, change):
+    import time
+    path = _trace_with(guarded, change)
+    start = time.perf_counter()
+    code, out, err = invoke(capsys, "replay", path)
+    assert_one_line(code, out, err, "expected")
+    assert time.perf_counter() - start < 3.0  # was 27 s and 3.5 GB for a million items
+
+
+def test_replay_work_bounds_the_scheduler_calls(tmp_path):
+    """``replay_work``'s call count is an upper bound: checked on every committed
+    regression trace and on drains that run to their bound."""
+    from kvspec.harness.replay import replay_trace
+    from kvspec.harness.trace import load_trace, replay_work
+    traces = sorted((ROOT / "model_tests" / "regressions").glob("*.json"))
+    slow = copy.deepcopy(BASE)
+    slow.update(target="impl", verdict=[], steps=[])
+    slow["config"].update(max_num_batched_tokens=1, num_blocks=12)
+    slow["actions"] = [{"op": "add", "id": f"r{i}", "prompt": [i, 2, 3, 4, 5], "max_tokens": 6}
+                       for i in range(3)] + [{"op": "drain"}, {"op": "step"}, {"op": "drain"}]
+    (tmp_path / "slow.json").write_text(json.dumps(slow))
+    for path in [*traces, tmp_path / "slow.json"]:
+        data = load_trace(path)
+        _, calls, _ = replay_work(data["config"], data["actions"])
+        assert len(replay_trace(path).steps) <= calls, path.name
+
+
+def test_replay_progress_lines_when_not_on_a_terminal(tmp_path, monkeypatch, capsys):
+    trace = copy.deepcopy(BASE)
+    trace.update(target="impl", verdict=[], steps=[])
+    trace["config"].update(num_blocks=1024, max_num_batched_tokens=1, max_model_len=400)
+    trace["actions"] = [{"op": "add", "id": "r0", "prompt": [1] * 300, "max_tokens": 60},
+                        {"op": "drain"}]
+    monkeypatch.setattr(cli, "PROGRESS_EVERY", 0.1)
+    code, out, err = invoke(capsys, "replay", _trace_with(tmp_path, lambda t: t.update(trace)))
+    assert code == 0, out + err
+    lines = err.splitlines()
+    assert len(lines) >= 2, err
+    line = re.compile(r"kvspec: replaying \d+s: action [12]/2, \d+ steps")
+    assert all(line.fullmatch(text) for text in lines), lines
 
 
 # -- the counts the issue asks for -----------------------------------------------------

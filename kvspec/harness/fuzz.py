@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.stateful import run_state_machine_as_test
 
+from kvspec.harness.heartbeat import periodic
 from kvspec.harness.machine import machine_for
 from kvspec.harness.minimize import minimize
 from kvspec.harness.profiles import FULL
@@ -105,18 +106,14 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
 def _start_heartbeat(heartbeat, every: float, machine, result: FuzzResult,
                      start: float) -> threading.Event:
     """Call ``heartbeat`` every ``every`` seconds until the returned event is set."""
-    stop = threading.Event()
     if heartbeat is None:
-        return stop
+        return periodic(None, every)
 
     def beat() -> None:
-        while not stop.wait(every):
-            stats = machine.stats  # the fuzzing thread's Counter; single reads are atomic
-            heartbeat(FuzzResult(result.target, result.seed, time.monotonic() - start,
-                                 stats["runs"], stats["actions"], {}))
-
-    threading.Thread(target=beat, name="kvspec-heartbeat", daemon=True).start()
-    return stop
+        stats = machine.stats  # the fuzzing thread's Counter; single reads are atomic
+        heartbeat(FuzzResult(result.target, result.seed, time.monotonic() - start,
+                             stats["runs"], stats["actions"], {}))
+    return periodic(beat, every)
 
 
 def _collect(result: FuzzResult, machine, start: float) -> None:

@@ -1,10 +1,13 @@
 """Deterministic replay of a saved trace against any target."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Callable
 
 import attrs
 
+from kvspec.harness.heartbeat import periodic
 from kvspec.harness.runner import Runner
 from kvspec.harness.targets import UnknownTarget
 from kvspec.harness.trace import TraceError, load_trace, short
@@ -20,7 +23,23 @@ class ReplayOutcome:
     same_as_recorded: bool
 
 
-def replay_trace(path: Path, target: str | None = None) -> ReplayOutcome:
+@attrs.frozen
+class ReplayProgress:
+    """How far a replay is, for a heartbeat."""
+
+    elapsed: float
+    actions_done: int     # the action running now included
+    actions_total: int
+    steps: int            # scheduler steps so far (a drain takes many)
+
+
+def replay_trace(path: Path, target: str | None = None,
+                 heartbeat: Callable[[ReplayProgress], None] | None = None,
+                 heartbeat_every: float = 10.0) -> ReplayOutcome:
+    """Replay the trace at ``path`` on its own target or on ``target``;
+    ``heartbeat``, if given, is called every ``heartbeat_every`` seconds from a
+    background thread while the replay runs."""
+    start = time.monotonic()
     data = load_trace(path)
     name = target or data.get("target", "impl")
     try:
@@ -32,11 +51,17 @@ def replay_trace(path: Path, target: str | None = None) -> ReplayOutcome:
         # built at all (vLLM not installed): the trace's problem, not a finding
         raise TraceError(f"{shown(path)}: target {name!r} cannot run this trace: "
                          f"{clip(str(exc), 200)}") from None
+    total = len(data["actions"])
+    beat = heartbeat and (lambda: heartbeat(ReplayProgress(
+        time.monotonic() - start, len(runner.actions), total, len(runner.log))))
+    stop = periodic(beat, heartbeat_every)
     try:
         failure = runner.run(data["actions"])
     except (KeyError, TypeError, ValueError) as exc:  # apply() records the action first
         raise TraceError(f"{shown(path)}: malformed action {short(runner.actions[-1])}: "
                          f"{clip(str(exc), 200)}") from None
+    finally:
+        stop.set()
     violations = failure.violations if failure else []
     recorded = [(v["invariant"], v["message"]) for v in data.get("verdict", [])]
     got = [(v.invariant, v.message) for v in violations]

@@ -1,7 +1,7 @@
 """Traces are data: one self-contained JSON format that the fuzzer writes, that
 Z3 counterexamples will write, and that ``kvspec replay`` runs on any target.
 
-A trace is checked when it is loaded, in two passes, before anything runs:
+A trace is checked when it is loaded, in three passes, before anything runs:
 
 1. its shape, against one JSON Schema (``TRACE_SCHEMA``): the format, the
    configuration, each action with the fields its op may carry and their
@@ -10,9 +10,11 @@ A trace is checked when it is loaded, in two passes, before anything runs:
 2. what the environment could produce (``check_semantics``): an arrival has a
    fresh id, a prompt that fits under ``max_model_len`` and a store that holds
    at most the prompt (unless ``overclaim_ok`` asks for a contract violation
-   on purpose); steps, aborts and faults name requests added before them.
+   on purpose); steps, aborts and faults name requests added before them;
+3. its size (``check_size``): at most ``MAX_TRACE_TOKENS`` tokens over its
+   arrivals, and a replay that takes minutes, not hours.
 
-A trace that fails either is malformed (:class:`TraceError`, one line naming
+A trace that fails any is malformed (:class:`TraceError`, one line naming
 the field and its value), never a finding of the target it is replayed on.
 """
 from __future__ import annotations
@@ -34,8 +36,11 @@ from kvspec.spec.state import (FAILURE_POLICIES, GROUP_KINDS, LIMITS, POLICIES, 
 
 FORMAT = "kvspec-trace/1"
 OPS = ("add", "step", "abort", "reset_prefix_cache", "drain")
-#: larger than any trace kvspec writes by orders of magnitude; a bigger file is not a trace
-MAX_TRACE_BYTES = 64 << 20
+#: larger than any trace kvspec writes by orders of magnitude (they are kilobytes); a
+#: bigger file is not a trace, and parsing one stays within a few hundred MB
+MAX_TRACE_BYTES = 16 << 20
+#: the most actions a trace may hold (kvspec writes tens; checking one takes ~50 µs)
+MAX_ACTIONS = 10_000
 #: how much of an offending value an error line shows
 SHOWN = 60
 
@@ -65,7 +70,8 @@ _INT32 = 2 ** 31 - 1
 ACTION_FIELDS: dict[str, tuple[dict, tuple[str, ...]]] = {
     "add": ({
         "id": _ID,
-        "prompt": {"type": "array", "minItems": 1, "items": _int(0, _INT32)},
+        "prompt": {"type": "array", "minItems": 1, "maxItems": LIMITS["max_model_len"][1] - 1,
+                   "items": _int(0, _INT32)},
         "max_tokens": _int(1, LIMITS["max_model_len"][1]),
         "priority": _int(-_INT32 - 1, _INT32),
         "ext": _int(0, LIMITS["max_model_len"][1]),   # prompt tokens the store holds
@@ -131,7 +137,7 @@ TRACE_SCHEMA = {
         "target": {"type": "string", "minLength": 1, "maxLength": 200},
         "seed": {"type": ["integer", "null"]},
         "config": _CONFIG_SCHEMA,
-        "actions": {"type": "array", "items": _action_schema()},
+        "actions": {"type": "array", "maxItems": MAX_ACTIONS, "items": _action_schema()},
         "verdict": {"type": "array", "items": {
             "type": "object", "required": ["invariant", "message"],
             "additionalProperties": False,
@@ -225,22 +231,14 @@ def describe(error: jsonschema.ValidationError) -> str:
     return short(error.message, 2 * SHOWN)
 
 
-_TOP_ORDER = ("format", "target", "seed", "config", "actions", "verdict", "steps")
-
-
-def _position(error: jsonschema.ValidationError):
-    """Document order: the first field at fault is the one reported."""
-    path = list(error.absolute_path)
-    head = _TOP_ORDER.index(path[0]) if path and path[0] in _TOP_ORDER else -1
-    return (head, [(0, p, "") if isinstance(p, int) else (1, 0, str(p)) for p in path[1:]])
-
-
 def schema_error(data) -> str | None:
-    """The first schema violation of ``data`` as ``where: what``, or None."""
-    errors = list(_VALIDATOR.iter_errors(data))
-    if not errors:
+    """The first schema violation of ``data`` as ``where: what``, or None: the
+    first error the validator meets (top-level fields in the schema's order,
+    list items in order), and it stops there: a trace with a million bad items
+    costs one error, not a million."""
+    error = next(_VALIDATOR.iter_errors(data), None)
+    if error is None:
         return None
-    error = min(errors, key=_position)
     where = field_path(error.absolute_path) or "trace"
     return f"{where}: {describe(error)}"
 
@@ -288,6 +286,50 @@ def check_semantics(config: Config, actions: list[dict]) -> str | None:
                 unknown = [rid for rid in action.get(key, ()) if rid not in added]
                 if unknown:
                     return f"{where}.{key}: {short(unknown[0])} names no request added before it"
+    return None
+
+
+# -- how much a replay may cost ----------------------------------------------------
+
+#: the most tokens a trace's arrivals may carry (each prompt plus its max_tokens)
+MAX_TRACE_TOKENS = 200_000
+#: the most work a replay may take, in units of about 2 µs of the reference target on
+#: one core (measured: a call observes the whole pool, ~2 µs a block, and every
+#: request, ~0.1 ms each): 10^8 units is some ``REPLAY_MINUTES`` minutes
+MAX_REPLAY_WORK = 100_000_000
+REPLAY_MINUTES = 3
+#: work units of one call besides its pool blocks, and of one request it observes
+CALL_UNITS, REQUEST_UNITS = 150, 64
+#: the steps a drain takes beyond its requests' tokens (``Runner._do_drain``)
+DRAIN_SLACK = 20
+
+
+def replay_work(config: Config, actions: list[dict]) -> tuple[int, int, int]:
+    """``(tokens, calls, work)``: the tokens of the trace's arrivals, an upper bound
+    on the scheduler calls a replay makes (one per action, and a drain steps at
+    most its live requests' tokens plus ``DRAIN_SLACK``; a request still live
+    after a drain is a violation that ends the replay, so no request is drained
+    twice), and that bound times what each call observes."""
+    adds = [a for a in actions if a["op"] == "add"]
+    tokens = sum(len(a["prompt"]) + a["max_tokens"] for a in adds)
+    drains = sum(1 for a in actions if a["op"] == "drain")
+    calls = len(actions) + DRAIN_SLACK * drains + tokens
+    return tokens, calls, calls * (CALL_UNITS + config.num_blocks + REQUEST_UNITS * len(adds))
+
+
+def check_size(config: Config, actions: list[dict]) -> str | None:
+    """Why replaying the trace could take more than minutes, or None."""
+    tokens, calls, work = replay_work(config, actions)
+    if tokens > MAX_TRACE_TOKENS:
+        return (f"its arrivals carry {tokens} tokens (prompts plus max_tokens), at most "
+                f"{MAX_TRACE_TOKENS}")
+    if work > MAX_REPLAY_WORK:
+        minutes = work / MAX_REPLAY_WORK * REPLAY_MINUTES
+        requests = sum(1 for a in actions if a["op"] == "add")
+        return (f"replaying it could take {minutes:.{1 if minutes < 10 else 0}f} minutes: up "
+                f"to {calls} scheduler calls, each observing {config.num_blocks} blocks and "
+                f"up to {requests} request{'s' * (requests != 1)}; the limit is about "
+                f"{REPLAY_MINUTES} minutes: use fewer or shorter requests or a smaller pool")
     return None
 
 
@@ -390,4 +432,7 @@ def load_trace(path: Path) -> dict:
     if problem:
         kind = "impossible action" if problem.startswith("actions[") else "impossible trace:"
         raise TraceError(f"{where}: {kind} {problem}")
+    problem = check_size(data["config"], data["actions"])
+    if problem:
+        raise TraceError(f"{where}: too large a trace: {problem}")
     return data
