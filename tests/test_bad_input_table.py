@@ -127,6 +127,13 @@ FILES = {
     "fifo": (_fifo, "not a regular file"),
     "device": (lambda d: Path("/dev/null"), "not a regular file"),
     "too-large": (_sparse, "not a kvspec trace"),
+    # a key twice in one object: json keeps the last one silently, a trace does not
+    "duplicate-key-target": (_text(json.dumps(BASE).replace(
+        '"target": "', '"target": "impl", "target": "', 1)), "key 'target' appears twice"),
+    "duplicate-key-op": (_text(json.dumps(BASE).replace(
+        '"op": "step"', '"op": "abort", "op": "step"', 1)), "key 'op' appears twice"),
+    "duplicate-key-config": (_text(json.dumps(BASE).replace(
+        '"num_blocks": ', '"num_blocks": 99, "num_blocks": ', 1)), "key 'num_blocks' appears"),
     # the path itself is quoted, escaped and shortened in the line
     "missing-newline-in-name": (lambda d: d / "no\nsuch.json", r"no such trace file: '"),
     "escape-sequence-in-name": (lambda d: _named(d, "\x1b[2Jt.json", "hello"), r"\x1b[2jt.json'"),
@@ -448,6 +455,12 @@ ARGS = {
     "bmc-max-states-zero": (("bmc", "--max-states", "0"), "invalid --max-states 0"),
     "bmc-max-states-negative": (("bmc", "--max-states", "-5"), "invalid --max-states -5"),
     "bmc-max-states-float": (("bmc", "--max-states", "1.5"), "--max-states"),
+    "bmc-max-states-one": (("bmc", "--target", "mutant:cache_failed_block", "--max-states", "1"),
+                           "invalid --max-states 1: depth 1 alone may reach 9 states"),
+    "bmc-max-states-eight": (("bmc", "--max-states", "8"), "use 9 or more"),
+    "zoo-budget-overflows": (("zoo", "--budget", "9" * 400 + "m"), "more than a week"),
+    "check-kvspec-is-a-file": (("check", "--budget", "1s", "--out", "elsewhere"),
+                               "the example database '.kvspec/examples': cannot write there"),
     "bmc-unknown-target": (("bmc", "--target", "nope"), "unknown target"),
     "prove-timeout-zero": (("prove", "--timeout", "0"), "invalid --timeout 0"),
     "prove-timeout-negative": (("prove", "--timeout", "-1"), "invalid --timeout -1"),
@@ -475,12 +488,21 @@ for command in ("check", "fuzz"):
                                              "unknown target"),
         f"{command}-long-target": ((command, "--target", "x" * 5000), "unknown target"),
         f"{command}-budget-missing-value": ((command, "--budget"), "requires an argument"),
+        f"{command}-budget-overflows": ((command, "--budget", "9" * 400), "more than a week"),
+        f"{command}-budget-over-a-week": ((command, "--budget", "169h"), "use at most 168h"),
+        f"{command}-json-budget-overflows": ((command, "--json", "--budget", "9" * 400 + "s"),
+                                             "more than a week"),
     })
+
+
+#: what a case needs in its working directory first
+ARG_SETUP = {"check-kvspec-is-a-file": lambda d: (d / ".kvspec").write_text("x")}
 
 
 @pytest.mark.parametrize("name", ARGS)
 def test_argument(guarded, capsys, name):
     args, needle = ARGS[name]
+    ARG_SETUP.get(name, lambda d: None)(guarded)
     assert_one_line(*invoke(capsys, *args), needle)
 
 
@@ -651,6 +673,95 @@ def test_replay_progress_lines_when_not_on_a_terminal(tmp_path, monkeypatch, cap
     assert len(lines) >= 2, err
     line = re.compile(r"kvspec: replaying \d+s: action [12]/2, \d+ steps")
     assert all(line.fullmatch(text) for text in lines), lines
+
+
+# -- verdicts, vLLM that cannot be used, long messages -----------------------------------
+
+def test_a_passing_replay_notes_a_recorded_failure_and_unknown_claims(tmp_path, monkeypatch,
+                                                                       capsys):
+    def passing(trace):
+        trace.update(target="impl", verdict=[{"invariant": "no_such_claim", "message": "x"}])
+    monkeypatch.chdir(tmp_path)
+    code, out, err = invoke(capsys, "replay", _trace_with(tmp_path, passing))
+    assert code == 0, out + err
+    assert ("note: the recorded verdict names 'no_such_claim', which is no claim of this kvspec"
+            in out)
+    assert "passes: no invariant violated (verdict differs from the recording, which failed)" in out
+    assert err == ""
+
+
+def test_a_failing_replay_notes_unknown_claims_and_keeps_exit_1(tmp_path, monkeypatch, capsys):
+    def renamed(trace):
+        trace["verdict"] = [{"invariant": "old_name", "message": "m"}, *trace["verdict"]]
+    monkeypatch.chdir(tmp_path)
+    code, out, err = invoke(capsys, "replay", _trace_with(tmp_path, renamed))
+    assert code == 1, out + err
+    assert "names 'old_name', which is no claim" in out
+    assert "still fails (verdict differs from the recording)" in out
+
+
+def test_a_replay_of_a_trace_without_a_verdict_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = invoke(capsys, "replay", _trace_with(tmp_path, edit(verdict=None)))
+    assert code == 1 and "still fails (the trace records no verdict)" in out, out + err
+
+
+def _broken_vllm(monkeypatch):
+    """vLLM found, but importing it fails (a torch it does not match)."""
+    import importlib.util
+
+    import kvspec.harness.vllm_target as vllm_target
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else real(name, *a))
+
+    def modules():
+        try:
+            raise ImportError("cannot import name 'X' from 'torch'")
+        except ImportError as exc:
+            raise RuntimeError(f"vLLM is not installed: {exc}") from exc
+    monkeypatch.setattr(vllm_target, "modules", modules)
+
+
+@pytest.mark.parametrize("args", [("check", "--target", "vllm", "--budget", "1s"),
+                                  ("fuzz", "--target", "vllm", "--budget", "1s"),
+                                  ("bmc", "--target", "vllm"), ("replay", FINDING)])
+def test_vllm_that_cannot_be_imported_is_one_line_before_anything(guarded, monkeypatch, capsys,
+                                                                  args):
+    _broken_vllm(monkeypatch)
+    code, out, err = invoke(capsys, *args)
+    assert_one_line(code, out, err, "target 'vllm'")
+    assert ("cannot be used: importing vLLM" in err
+            and "failed: ImportError: cannot import name 'X' from 'torch'" in err)
+    assert out == ""  # not even the banner
+
+
+def test_vllm_that_cannot_be_imported_as_a_real_process(tmp_path):
+    fake = tmp_path / "fake" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(  # vLLM's import-time chatter, then a failure
+        "import sys\n"
+        "print(\"Triton is installed, but doesn't include CPU backend.\", file=sys.stderr)\n"
+        "print('INFO: chatter on stdout')\n"
+        "raise ImportError('cannot import name X from torch')\n")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(tmp_path / "fake")}
+    proc = subprocess.run([sys.executable, "-m", "kvspec", "check", "--target", "vllm",
+                           "--budget", "1s"], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=120)
+    assert_one_line(proc.returncode, proc.stdout, proc.stderr,
+                    "target 'vllm' cannot be used: importing vLLM")
+    assert proc.stdout == "" and "Triton" not in proc.stderr
+
+
+def test_a_target_that_refuses_the_config_is_cut_at_a_word(guarded, monkeypatch, capsys):
+    import kvspec.harness.replay
+
+    def refuses(*args, **kwargs):
+        raise ValueError("1 validation error for ModelConfig " + "derived_max_model_len " * 30)
+    monkeypatch.setattr(kvspec.harness.replay, "Runner", refuses)
+    code, out, err = invoke(capsys, "replay", REGRESSION)
+    assert_one_line(code, out, err, "cannot run this trace: 1 validation error for ModelConfig")
+    assert err.rstrip().endswith("derived_max_model_len…"), err
 
 
 # -- the counts the issue asks for -----------------------------------------------------

