@@ -30,8 +30,20 @@ class ConservativeRecovery(Scheduler):
         self._truncate(request, 0)
 
 
+class LargestVictim(Scheduler):
+    """Preemption frees the most memory at once: the running request holding the
+    most blocks gives way (ties: the latest arrival), whatever the policy."""
+
+    def _pick_victim(self):
+        return max(self.running, key=lambda r: (len(self.kv.get_block_ids(r.request_id)[0]),
+                                                r.arrival_time))
+
+
 ALTERNATIVES: dict[str, Alternative] = {a.name: a for a in [
     Alternative("conservative_recovery",
                 "every request a load failure affects recomputes from block 0",
                 ("failed_block_recomputed_once",), ConservativeRecovery),
+    Alternative("largest_victim",
+                "preemption takes the running request holding the most blocks",
+                ("preemption_victim_follows_policy",), LargestVictim),
 ]}

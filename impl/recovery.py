@@ -13,6 +13,7 @@ from __future__ import annotations
 import attrs
 
 from kvspec.impl.request import Request
+from kvspec.spec.arith import compute_lowered_stats
 
 
 @attrs.define
@@ -40,9 +41,10 @@ def first_invalid_index(block_ids: list[int], num_tokens: int, block_size: int,
 
 
 def lower_stats(request: Request, valid_tokens: int) -> None:
-    """Failure recovery is the one place cache-hit stats may go down."""
+    """Failure recovery is the one place cache-hit stats may go down; the
+    reference lowers both, local hits surviving first (``compute_lowered_stats``,
+    one of the lowerings the spec admits)."""
     if request.num_cached_tokens < 0 or request.num_cached_tokens <= valid_tokens:
         return
-    local = request.num_cached_tokens - request.num_external_computed_tokens
-    request.num_cached_tokens = valid_tokens
-    request.num_external_computed_tokens = max(0, valid_tokens - local)
+    request.num_cached_tokens, request.num_external_computed_tokens = compute_lowered_stats(
+        request.num_cached_tokens, request.num_external_computed_tokens, valid_tokens)

@@ -16,6 +16,7 @@ from kvspec.impl.outputs import ModelRunnerOutput, SchedulerOutput
 from kvspec.impl.recovery import RecoveryBook, Waiter, first_invalid_index, lower_stats
 from kvspec.impl.request import Request
 from kvspec.impl.request_queue import RequestQueue
+from kvspec.spec.arith import compute_truncated_computed
 from kvspec.spec.state import STATS_UNSET, RequestStatus
 
 
@@ -511,7 +512,8 @@ class Scheduler:
         if owner != request.request_id:
             self.recovery.waiters[request.request_id] = Waiter(block_id,
                                                                request.num_computed_tokens)
-        self._truncate(request, idx * self.block_size)
+        self._truncate(request, compute_truncated_computed(idx, self.block_size,
+                                                           request.num_computed_tokens))
 
     def _truncate(self, request: Request, num_valid: int) -> None:
         request.num_computed_tokens = num_valid

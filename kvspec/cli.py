@@ -168,7 +168,7 @@ def replay_progress_line(progress) -> None:
           f"{progress.actions_total}, {progress.steps} steps", file=sys.stderr, flush=True)
 
 
-def report(result, design_rules: bool = True) -> int:
+def report(result, design_rules: bool = True, profile=None) -> int:
     from kvspec.report import summary_table, unwitnessed
     violations = {}
     if result.counterexample is not None:
@@ -177,7 +177,7 @@ def report(result, design_rules: bool = True) -> int:
     console.print(summary_table(result.checks, result.witnessed, violations, design_rules))
     console.print(f"{result.runs} runs, {result.actions} actions in {result.elapsed:.1f}s "
                   f"({rate(result)})")
-    for name, why in unwitnessed(result.checks, result.witnessed, design_rules).items():
+    for name, why in unwitnessed(result.checks, result.witnessed, design_rules, profile).items():
         console.print(f"[yellow]never witnessed:[/] {name}" + (f" ({why})" if why else ""))
     if result.counterexample is None:
         console.print("[green]all invariants hold[/]")
@@ -243,14 +243,14 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
         result = run_fuzz(target, budget, seed, out, db, strict, design_rules, db_option)
     except UsageError as exc:
         fail(str(exc))
-    code = report(result, design_rules)
+    profile = target_profile(target, strict, quiet=True)
+    code = report(result, design_rules, profile)
     if as_json:
         import json
 
         from kvspec.report import json_summary
         print(json.dumps(json_summary(result, target_version(target), parse_budget(budget),
-                                      target_profile(target, strict, quiet=True),
-                                      design_rules), indent=1))
+                                      profile, design_rules), indent=1))
     raise typer.Exit(code)
 
 

@@ -216,7 +216,7 @@ fields, not version numbers, so one adapter serves every supported release.
 | spec | vLLM 0.32 | note |
 | --- | --- | --- |
 | block `b` | vLLM block `b + 1` | block 0 is vLLM's null block (no maintained ref count, never free); the target gives vLLM one block more and renumbers everywhere, invalid block ids included |
-| `num_cached_tokens`, `num_external_computed_tokens` | `Request.prefill_stats.num_cached_tokens`, `.num_external_cached_tokens` | older releases: `Request.num_cached_tokens` / `num_external_computed_tokens`. vLLM fills `PrefillStats` at every lookup of a never-preempted request and hands it out with the first output; the target keeps the object and reports the stats from the moment the request is admitted (RUNNING or WAITING_FOR_REMOTE_KVS): a lookup whose allocation fails is provisional |
+| `num_cached_tokens`, `num_external_computed_tokens` | `Request.prefill_stats.num_cached_tokens`, `.num_external_cached_tokens` | older releases: `Request.num_cached_tokens` / `num_external_computed_tokens`. vLLM fills `PrefillStats` at every lookup of a never-preempted request and hands it out with the first output; the target keeps the object and reports the stats from the moment the request first runs: before that a lookup is provisional (a failed allocation, or an async load that failed outright, is retried with a new lookup) |
 | `waiting` | `Scheduler.waiting` + `kv_holding_waiting` | 0.32 keeps waiting requests that hold blocks (a finished load) apart; `deferred_waiting` is a set of members of the two |
 | `running` | `Scheduler.running` | |
 | `status` | `Request.status` | `FINISHED_IGNORED` maps to LENGTH_CAPPED, `FINISHED_REPETITION` to STOPPED, the grammar and streaming waits to WAITING |

@@ -57,10 +57,15 @@ def summary_table(checks: dict[str, int], witnessed: dict[str, int],
 
 
 def unwitnessed(checks: dict[str, int], witnessed: dict[str, int],
-                design_rules: bool = True) -> dict[str, str]:
-    """Claims checked but never witnessed in a run: name -> the registry's reason
-    why that may be expected (empty when it should have been witnessed)."""
-    return {name: inv.unwitnessed_because for name, inv in REGISTRY.items()
+                design_rules: bool = True, profile=None) -> dict[str, str]:
+    """Claims checked but never witnessed in a run: name -> why that may be
+    expected (the registry's reason, or the run's restricted profile; empty when
+    it should have been witnessed)."""
+    restricted = ""
+    if profile is not None and profile.because:
+        restricted = (f"this run's profile {profile.name} restricts the environment to step "
+                      f"around {', '.join(profile.because)}")
+    return {name: inv.unwitnessed_because or restricted for name, inv in REGISTRY.items()
             if is_checked_claim(inv, design_rules) and not witnessed.get(name)}
 
 
@@ -90,7 +95,7 @@ def json_summary(result, version: str, budget_s: float, profile, design_rules: b
         "elapsed_s": round(result.elapsed, 3), "runs": result.runs, "actions": result.actions,
         "actions_per_s": round(result.actions / result.elapsed, 1) if result.elapsed else 0.0,
         "design_rules": design_rules, "claims": claims,
-        "unwitnessed": unwitnessed(result.checks, result.witnessed, design_rules),
+        "unwitnessed": unwitnessed(result.checks, result.witnessed, design_rules, profile),
         "features": {f: result.features.get(f, 0) for f in FEATURES},
         "profile": {"name": profile.name, "restrictions": restrictions,
                     "because": list(profile.because)},

@@ -16,10 +16,15 @@ CONSTRAINS: dict[str, str] = {
     "long_prefill_cap": f"`Scheduler.schedule` ({S}): `long_prefill_token_threshold`, lifted when "
                         "`get_request_counts()` sums to one, applied to running requests and to "
                         "admissions alike; `long_prefill_token_threshold_adaptive` (off by default).",
+    "preemption_victim_follows_policy": f"`Scheduler.schedule` ({S}): the victim of a failed "
+                                        "allocation, `running[-1]` under FCFS, "
+                                        "`max(running, key=(priority, arrival_time))` under "
+                                        "PRIORITY; `_preempt_request`.",
     "schedule_relation": f"`Scheduler.schedule`, `_preempt_request`, `_update_after_schedule` "
                          f"({S}): token budget, `max_model_len` clip, spec-decode padding, "
                          "victim choice (`running[-1]` or the worst priority), "
-                         "`scheduled_new_reqs` vs `resumed_req_ids`, `preempted_req_ids`.",
+                         "`scheduled_new_reqs` vs `resumed_req_ids`, `preempted_req_ids`, "
+                         "`num_computed_tokens` at the start of a running request's step.",
     "update_from_output_relation": f"`Scheduler.update_from_output`, "
                                    f"`_update_request_with_output`, `_update_from_kv_xfer_finished` "
                                    f"({S}); `check_stop` (v1/core/sched/utils.py): EOS, stop "
@@ -83,6 +88,10 @@ CONSTRAINS: dict[str, str] = {
     "no_caching_of_invalid_blocks": f"`KVCacheManager.allocate_slots` caching at admission "
                                     f"({KM}); `Scheduler._update_waiting_for_remote_kv` and "
                                     f"`_handle_invalid_blocks` (eviction of failed blocks) ({S}).",
+    "no_load_into_free_blocks": f"`Scheduler.finish_requests`, `_free_request` and "
+                                f"`_update_from_kv_xfer_finished` ({S}): an aborted "
+                                "WAITING_FOR_REMOTE_KVS request keeps its blocks until "
+                                "`finished_recving` (`failed_recving_kv_req_ids`).",
     "computed_means_valid": f"`Scheduler._update_requests_with_invalid_blocks` ({S}) and every "
                             "writer of `num_computed_tokens`.",
     "send_source_intact": f"`Scheduler._free_request`, `_connector_finished` ({S}); "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import attrs
 
 from kvspec.spec.arith import compute_computed_after_rejection
+from kvspec.spec.predicates import is_first_cached_count
 from kvspec.spec.registry import Witnessing, invariant
 from kvspec.spec.state import Observation, RequestStatus, RequestView, StepView, WorkerOutcome
 
@@ -29,6 +30,8 @@ class Transition(Witnessing):
     departed: dict[str, RequestView] = attrs.Factory(dict)
     #: request id -> the connector's answer (num_local, num_external) its stats came from
     first_hits: dict[str, tuple[int, int]] = attrs.Factory(dict)
+    #: requests a load failure has cut back (they may resume over recomputed blocks)
+    recovered: frozenset[str] = frozenset()
     witnessed: int = 0
 
     def ended(self, rid: str) -> RequestView | None:
@@ -82,13 +85,15 @@ def long_prefill_cap(t: Transition):
     A tuning rule of vLLM's default scheduler (vLLM 0.32 applies it to running
     and waiting requests alike and lifts it when only one request is eligible;
     the adaptive fair share is off by default), not a safety claim: it keeps a
-    long prefill from starving the others. Witnessed by a step that scheduled a
-    request while the cap applied."""
+    long prefill from starving the others. Witnessed by a request the cap cut
+    short."""
     cap = get_prefill_cap(t.before)
     if cap <= 0:
         return
     for rid, n in t.step.num_scheduled_tokens.items():
-        t.witness()
+        r = t.after.requests.get(rid)
+        left = (r.num_tokens - t.step.num_computed_before.get(rid, 0)) if r else 0
+        t.witness(n == cap and left > cap)  # the cap decided this chunk
         if n > cap:
             yield f"{rid}: {n} tokens scheduled > long-prefill cap {cap}"
 
@@ -118,30 +123,49 @@ def _check_admissions(t: Transition, step: StepView):
 
 def _check_first_cached(t: Transition, r, start: int):
     """Stats recorded at a first scheduling count the prefix it starts from; on
-    a full-prompt hit the whole prompt may count (vLLM counts the last token,
-    which is recomputed to sample, the reference does not)."""
+    a full-prompt hit the whole prompt may count (``is_first_cached_count``)."""
     local, external = t.first_hits.get(r.request_id, (0, 0))
-    full_hit = start == r.num_tokens - 1 and local + external == r.num_tokens
-    if r.num_cached_tokens != start and not (full_hit and r.num_cached_tokens == r.num_tokens):
+    # the hits the scheduling started from: the connector's answer, unless the
+    # scheduler did not use it (a released load recomputes from 0)
+    hits = local + external if min(local + external, r.num_tokens - 1) == start else start
+    if not is_first_cached_count(r.num_cached_tokens, hits, r.num_tokens):
         yield (f"{r.request_id}: first scheduled at {start} computed, but "
                f"num_cached={r.num_cached_tokens}")
 
 
-def _check_victims(before: Observation, preempted):
+def _is_continuation(t: Transition, rid: str, start: int) -> bool:
+    """A request running before the step starts where it stopped, or, cut back by
+    a load failure, past it (resuming over blocks another request recomputed)."""
+    old = t.before.requests.get(rid)
+    if old is None or old.status != RequestStatus.RUNNING:
+        return True
+    computed = old.num_computed_tokens
+    return start == computed or (start > computed and rid in t.recovered)
+
+
+@invariant(cites="seed 004 (_preempt_request); scheduler.py schedule()", kind="relation",
+           role="design", action="schedule")
+def preemption_victim_follows_policy(t: Transition):
     """Preemption takes the victim the policy names: FCFS the tail of the running
     queue, PRIORITY never a request with a better (lower) priority value than one
-    left running."""
+    left running.
+
+    A rule of vLLM's design, not a safety claim: which request gives way decides
+    latency and fairness, and any victim keeps the KV correct. Witnessed by a
+    step that preempted."""
+    preempted = t.step.preempted_req_ids
     if not preempted:
         return
-    running = before.running
-    if before.config.policy == "fcfs":
+    t.witness()
+    running = t.before.running
+    if t.before.config.policy == "fcfs":
         if set(running[len(running) - len(preempted):]) != set(preempted):
             yield f"FCFS preempted {sorted(preempted)}, not the tail of running {list(running)}"
         return
-    kept = [before.requests[r].priority for r in running if r not in preempted]
+    kept = [t.before.requests[r].priority for r in running if r not in preempted]
     for rid in preempted:
-        if kept and before.requests[rid].priority < max(kept):
-            yield f"PRIORITY preempted {rid} (priority {before.requests[rid].priority}) " \
+        if kept and t.before.requests[rid].priority < max(kept):
+            yield f"PRIORITY preempted {rid} (priority {t.before.requests[rid].priority}) " \
                   f"while a request of priority {max(kept)} kept running"
 
 
@@ -154,8 +178,11 @@ def schedule_relation(t: Transition):
     positions past its known tokens; the total is within the token budget; a
     request that starts running is reported new or resumed (resumed only after a
     preemption); a preempted request has nothing computed and one more
-    preemption, and is the victim its policy names. (How long a chunk may be is
-    the design rule ``long_prefill_cap``.) Unchanged:
+    preemption; a request already running continues from its computed prefix
+    (one a load failure cut back may resume past it, over blocks another request
+    recomputed). Which request is preempted and how long a chunk may be are the
+    design rules ``preemption_victim_follows_policy`` and ``long_prefill_cap``.
+    Unchanged:
     tokens of every request, and ``num_computed_tokens`` of requests neither
     scheduled, preempted, nor moving through an external load."""
     if t.action != "schedule":
@@ -178,7 +205,9 @@ def schedule_relation(t: Transition):
             yield f"{rid}: scheduled positions up to {start + n} past max_model_len - 1 = {cfg.max_model_len - 1}"
         elif spec != max(0, start + n - r.num_tokens):
             yield f"{rid}: {spec} drafts scheduled for {max(0, start + n - r.num_tokens)} positions past its tokens"
-    yield from _check_victims(t.before, step.preempted_req_ids)
+        elif not _is_continuation(t, rid, start):
+            yield (f"{rid} was running with {t.before.requests[rid].num_computed_tokens} computed "
+                   f"but was scheduled from {start}")
     yield from _check_admissions(t, step)
     for rid in step.preempted_req_ids:
         r = t.after.requests[rid]

@@ -65,14 +65,3 @@ def compute_first_external(num_cached, num_local, num_external):
     """The external part of the first scheduling's hits: the connector's answer,
     less whatever of it the scheduling did not count as computed."""
     return Max(0, Min(num_external, num_cached - num_local))
-
-
-def compute_owner_flags(affected):
-    """Shared failed block: the first affected request in scan order owns the
-    recompute; returns one flag per request."""
-    from kvspec.spec.logic import And, Not, Or
-    flags, seen = [], False
-    for a in affected:
-        flags.append(And(a, Not(seen)))
-        seen = Or(seen, a)
-    return flags

@@ -17,9 +17,9 @@ from typing import Iterator
 
 import attrs
 
-from kvspec.spec.effects import (ABORT_SHAPES, FINISHED, LOADING, OBSERVED_FIELDS, PREEMPTED,
-                                 PRIMITIVES, RUNNING, STATUS_NAMES, STEP_SHAPES, WAITING,
-                                 Counters, Params, is_initial)
+from kvspec.spec.effects import (ABORT_SHAPES, FINISHED, GHOST_FIELDS, LOADING, OBSERVED_FIELDS,
+                                 PREEMPTED, PRIMITIVES, RUNNING, STATUS_NAMES, STEP_SHAPES,
+                                 WAITING, Counters, Params, is_initial)
 from kvspec.spec.registry import invariant
 from kvspec.spec.state import RequestStatus, RequestView
 
@@ -27,15 +27,18 @@ _STATUS = {RequestStatus.WAITING: WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS:
            RequestStatus.RUNNING: RUNNING, RequestStatus.PREEMPTED: PREEMPTED}
 
 
-def get_counters(r: RequestView, block_size: int, ghost=(0, 0)) -> Counters:
-    """A request as the model sees it (``ghost``: stats sets, recoveries)."""
+INITIAL_GHOST = {f: 0 for f in GHOST_FIELDS}
+
+
+def get_counters(r: RequestView, block_size: int, ghost=None) -> Counters:
+    """A request as the model sees it; ``ghost``: the model's ghost fields."""
     return Counters(
         status=FINISHED if r.status.is_finished else _STATUS[r.status],
         prompt_len=r.num_prompt_tokens, num_tokens=r.num_tokens,
         num_computed=r.num_computed_tokens, num_cached=r.num_cached_tokens,
         num_external=r.num_external_computed_tokens, num_preemptions=r.num_preemptions,
         num_blocks=len(r.block_ids[0]) if r.block_ids else 0, block_size=block_size,
-        num_stats_sets=ghost[0], num_recoveries=ghost[1])
+        **(ghost or INITIAL_GHOST))
 
 
 @attrs.frozen
@@ -56,28 +59,35 @@ class Hints:
     start: int | None = None
     #: its stats right after schedule(), before the worker's output could lower them
     scheduled_stats: tuple[int, int] | None = None
+    #: the blocks it held right after schedule() (a request that ends gives them back)
+    scheduled_blocks: int | None = None
 
 
 def get_params(name: str, hints: Hints, after: Counters, before: Counters) -> Params | None:
     """The parameters of primitive ``name`` for this transition, or None where
     the observation rules it out (no failed block, no answer)."""
     answer = hints.answer or (0, 0)
-    # a finished request's counters say nothing: its stats are what schedule() left
-    stats = (after.num_cached, after.num_external) if after.status != FINISHED else \
+    # a finished request's counters say little: its stats and blocks are what
+    # schedule() left
+    ended = after.status == FINISHED
+    stats = (after.num_cached, after.num_external) if not ended else \
         hints.scheduled_stats or (before.num_cached, before.num_external)
+    blocks = hints.scheduled_blocks if ended and hints.scheduled_blocks is not None \
+        else after.num_blocks
     if name in ("schedule_waiting", "issue_async_load"):
         recorded = hints.scheduled_stats or stats
         records = int(recorded[0] >= 0 and before.num_cached < 0)
         return Params(num_local=answer[0], num_external=answer[1], num_new=hints.num_new,
-                       num_drafts=hints.num_drafts, num_blocks=after.num_blocks,
-                       num_cached=recorded[0], records=records)
+                      num_drafts=hints.num_drafts, num_blocks=blocks,
+                      num_cached=recorded[0], records=records)
     if name == "schedule_loaded":
         local = (hints.load_answer or (0, 0))[0]
+        recorded = hints.scheduled_stats or stats
         return Params(num_local=local, num_new=hints.num_new, num_drafts=hints.num_drafts,
-                       num_blocks=after.num_blocks)
+                      num_blocks=blocks, num_cached=recorded[0])
     if name == "compute":
         return Params(num_new=hints.num_new, num_drafts=hints.num_drafts,
-                       num_blocks=after.num_blocks)
+                      num_blocks=blocks)
     if name == "resume_waiter":
         valid = hints.start if hints.start is not None else after.num_computed
         return Params(num_valid=valid)
@@ -88,7 +98,7 @@ def get_params(name: str, hints: Hints, after: Counters, before: Counters) -> Pa
             return None
         valid = after.num_computed if after.status != FINISHED else 0
         return Params(first_invalid_block=hints.first_invalid_block, num_valid=valid,
-                       num_cached=stats[0], num_external=stats[1])
+                      num_cached=stats[0], num_external=stats[1])
     return Params()
 
 
@@ -111,8 +121,19 @@ def is_same(model: Counters, observed: Counters) -> bool:
     return all(getattr(model, f) == getattr(observed, f) for f in OBSERVED_FIELDS)
 
 
+def must_recover(before: Counters, hints: Hints) -> bool:
+    """A block reported failed lies under the prefix the request counted before
+    its tokens of this step: it must be cut back (or ended by the "fail" policy)."""
+    if hints.first_invalid_block is None:
+        return False
+    counted = hints.start if hints.start is not None else before.num_computed
+    return hints.first_invalid_block * before.block_size < counted
+
+
 def find_shape(shapes, before: Counters, after: Counters, hints: Hints):
     """The first shape admitting ``before -> after`` and the model's state after it."""
+    if must_recover(before, hints):
+        shapes = [s for s in shapes if "recover" in s]
     for shape in shapes:
         model = run_shape(shape, before, after, hints)
         if model is not None and is_same(model, after):
@@ -131,7 +152,7 @@ class ModelBook:
     """The model's ghost per request (stats sets, recoveries), advanced by the
     shape that admitted each transition."""
 
-    ghost: dict[str, tuple[int, int]] = attrs.Factory(dict)
+    ghost: dict[str, dict[str, int]] = attrs.Factory(dict)
     #: the shape that admitted each request's last transition (for reports)
     last_shape: dict[str, tuple[str, ...]] = attrs.Factory(dict)
 
@@ -146,6 +167,8 @@ class ModelStep:
     hints: dict[str, Hints]
     book: ModelBook
     request_id: str | None = None
+    #: requests that left the scheduler during the action, as they ended
+    departed: dict = attrs.Factory(dict)
     witnessed: int = 0
 
     def witness(self) -> None:
@@ -167,26 +190,26 @@ def transition_admitted_by_model(m: ModelStep) -> Iterator[str]:
     or silent about ones it does, establishes nothing about the scheduler. A
     violation is either a scheduler bug or a gap in the model."""
     size = m.after.config.block_size
-    for rid, new in m.after.requests.items():
+    for rid, new in (m.after.requests | m.departed).items():
         old = m.before.requests.get(rid)
         if old is None:
-            m.book.ghost[rid] = (0, 0)
+            m.book.ghost[rid] = dict(INITIAL_GHOST)
             if not is_initial(get_counters(new, size)):
                 yield f"{rid} arrived as {describe(get_counters(new, size))}, not the initial state"
             continue
-        before = get_counters(old, size, m.book.ghost.get(rid, (0, 0)))
+        before = get_counters(old, size, m.book.ghost.get(rid))
         after = get_counters(new, size)
-        if is_same(before, after) and before.status == after.status:
+        hints = m.hints.get(rid, Hints())
+        if is_same(before, after) and not must_recover(before, hints):
             continue
         m.witness()
-        found = find_shape(_shapes_for(m.action), before, after, m.hints.get(rid, Hints()))
+        found = find_shape(_shapes_for(m.action), before, after, hints)
         if found is None:
             yield (f"{rid}: {describe(before)} -> {describe(after)} in {m.action} "
-                   f"({_hint_text(m.hints.get(rid, Hints()))}) is admitted by no shape of "
-                   f"spec/effects.py")
+                   f"({_hint_text(hints)}) is admitted by no shape of spec/effects.py")
             continue
         shape, model = found
-        m.book.ghost[rid] = (model.num_stats_sets, model.num_recoveries)
+        m.book.ghost[rid] = {f: getattr(model, f) for f in GHOST_FIELDS}
         m.book.last_shape[rid] = shape
     for rid in [rid for rid in m.book.ghost if rid not in m.after.requests]:
         del m.book.ghost[rid]

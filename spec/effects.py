@@ -20,9 +20,15 @@ The model is loose where a correct scheduler may choose: how many blocks it
 holds (at least enough for what it counts), how far recovery cuts back (to at
 most the first failed block: recomputing from zero is correct too), how it
 lowers the stats after a failure (any lowering that keeps them ordered), and a
-waiter resuming over blocks another request recomputed. It is tight where
-correctness lives: where a scheduling starts, what a finished load counts, what
-rejected drafts give back, and that stats are recorded once.
+waiter resuming over blocks another request recomputed (never past what it had
+computed before the failure). It is tight where correctness lives: what rejected
+drafts give back, that stats are recorded once, that a failed block under the
+counted prefix is cut back. It is also tight where vLLM's contract with the
+connector lives, which is not KV safety: a scheduling starts at the hits the
+connector was asked for, and a finished load counts what it delivered. A
+scheduler that counted less would corrupt no KV, but would throw away transfers
+the connector made (and may have freed its copy after) and report hits it did
+not use; the review of issue 9 asked for both to be caught.
 """
 from __future__ import annotations
 
@@ -59,8 +65,14 @@ class Counters:
     num_stats_sets: object = 0
     #: ghost: how many load failures cut the request back
     num_recoveries: object = 0
+    #: ghost: the hits (local + external) its async load was issued for
+    num_hits: object = 0
+    #: ghost: the computed prefix before its last recovery (a waiter never resumes past it)
+    num_resume_limit: object = 0
 
 
+#: the ghost fields: the model keeps them, no target shows them
+GHOST_FIELDS = ("num_stats_sets", "num_recoveries", "num_hits", "num_resume_limit")
 OBSERVED_FIELDS = ("status", "prompt_len", "num_tokens", "num_computed", "num_cached",
                    "num_external", "num_preemptions", "num_blocks")
 
@@ -106,13 +118,20 @@ def request_invariants(r: Counters) -> dict:
         "unscheduled_request_has_no_output": is_unscheduled_without_output(
             stats, And(Or(is_waiting(r), r.status == LOADING), r.num_preemptions == 0),
             r.num_tokens, r.prompt_len),
+        # an untouched load holds exactly its hits (the last token aside once finished)
+        "loaded_prefix_is_the_hits": Implies(
+            r.num_recoveries == 0,
+            And(Implies(r.status == LOADING, r.num_computed == r.num_hits),
+                Implies(And(is_waiting(r), r.num_computed >= 1),
+                        r.num_computed == Min(r.num_hits, r.num_tokens - 1)))),
     }
     claims = {name: Implies(live, claim) for name, claim in claims.items()}
     # shape facts the invariants above need to be inductive
     claims["well_formed"] = And(
         r.status >= WAITING, r.status <= FINISHED, r.prompt_len >= 1,
         r.num_tokens >= r.prompt_len, r.block_size >= 1, r.num_preemptions >= 0,
-        r.num_blocks >= 0, r.num_recoveries >= 0,
+        r.num_blocks >= 0, r.num_recoveries >= 0, r.num_hits >= 0, r.num_resume_limit >= 0,
+        r.num_hits <= r.num_tokens, r.num_resume_limit <= r.num_tokens,
         Implies(r.status == PREEMPTED, r.num_preemptions >= 1),
         Implies(r.num_preemptions >= 1, stats))
     return claims
@@ -123,18 +142,21 @@ def is_initial(r: Counters):
     return And(r.status == WAITING, r.num_tokens == r.prompt_len, r.prompt_len >= 1,
                r.num_computed == 0, r.num_cached == -1, r.num_external == 0,
                r.num_preemptions == 0, r.num_blocks == 0, r.block_size >= 1,
-               r.num_stats_sets == 0, r.num_recoveries == 0)
+               r.num_stats_sets == 0, r.num_recoveries == 0, r.num_hits == 0,
+               r.num_resume_limit == 0)
 
 
 def is_stats_step_ok(before: Counters, after: Counters, may_lower):
     """Stats, once recorded, stay as they are; only a load failure (``may_lower``)
-    may lower them, in any way that keeps them ordered. The two-state form of
-    ``stats_set_exactly_once``, shared with the runtime claim."""
+    may change them, and only downwards. The two-state form of
+    ``stats_set_exactly_once``, shared with the runtime claim; stated apart from
+    the recover primitive's own guard (``is_admissible_lowering``), so a guard
+    that let stats rise would be refuted here."""
     unchanged = And(after.num_cached == before.num_cached,
                     after.num_external == before.num_external)
-    lowered = is_admissible_lowering(before.num_cached, before.num_external,
-                                     after.num_cached, after.num_external)
-    return If(has_stats(before), If(may_lower, Or(unchanged, lowered), unchanged), True)
+    never_raised = And(after.num_cached <= before.num_cached,
+                       after.num_external <= before.num_external, after.num_cached >= 0)
+    return If(has_stats(before), If(may_lower, never_raised, unchanged), True)
 
 
 # -- primitives ----------------------------------------------------------------
@@ -195,18 +217,22 @@ def act_schedule_waiting(c: Counters, p):
                                **stats)
 
 
-@primitive("num_local", "num_new", "num_drafts", "num_blocks")
+@primitive("num_local", "num_new", "num_drafts", "num_blocks", "num_cached")
 def act_schedule_loaded(c: Counters, p):
     """A waiting request whose async load finished is scheduled from the loaded
-    prefix; if it has no stats yet, it records the loaded prefix as its hits:
-    ``num_local`` local, the rest external."""
+    prefix; if it has no stats yet, it records the load's hits (``num_local``
+    local, the rest of ``num_hits`` external): the hits it was issued for
+    (vLLM), or the prefix the load delivered (the reference; a failure may have
+    cut it)."""
     end = c.num_computed + p.num_new
-    stats_guard, stats = record_stats(c, True, p.num_local, c.num_computed - p.num_local,
-                                      c.num_computed)
-    guard = And(is_waiting(c), c.num_computed >= 1, p.num_local >= 0,
-                p.num_local <= c.num_computed,
+    stats_guard, stats = record_stats(c, True, p.num_local, c.num_hits - p.num_local,
+                                      p.num_cached)
+    delivered = And(Not(has_stats(c)), p.num_cached == c.num_computed)
+    # (a failure may have cut the loaded prefix below the local hits it started from)
+    guard = And(is_waiting(c), c.num_computed >= 1, p.num_local >= 0, p.num_local <= c.num_hits,
                 is_chunk(c.num_tokens, end, p.num_new, p.num_drafts),
-                is_blocks_cover_computed(p.num_blocks, c.block_size, end), stats_guard)
+                is_blocks_cover_computed(p.num_blocks, c.block_size, end),
+                Or(stats_guard, delivered))
     return guard, attrs.evolve(c, status=RUNNING, num_computed=end, num_blocks=p.num_blocks,
                                **stats)
 
@@ -224,10 +250,12 @@ def act_compute(c: Counters, p):
 @primitive("num_valid")
 def act_resume_waiter(c: Counters, p):
     """A request cut back by a load failure resumes over blocks another request
-    has recomputed since: its computed prefix grows without computing. (Whether
-    that KV is really there is the data oracle's to check.)"""
+    has recomputed since: its computed prefix grows without computing, never past
+    what it had computed before the failure. (Whether that KV is really there is
+    the data oracle's to check.)"""
     guard = And(Or(c.status == RUNNING, is_waiting(c)), c.num_recoveries >= 1,
-                p.num_valid > c.num_computed, p.num_valid <= c.num_tokens - 1,
+                p.num_valid > c.num_computed, p.num_valid <= c.num_resume_limit,
+                p.num_valid <= c.num_tokens - 1,
                 is_blocks_cover_computed(c.num_blocks, c.block_size, p.num_valid))
     return guard, attrs.evolve(c, num_computed=p.num_valid)
 
@@ -246,7 +274,7 @@ def act_issue_async_load(c: Counters, p):
                 target <= c.num_tokens, Or(p.records == 0, p.records == 1),
                 is_blocks_cover_computed(p.num_blocks, c.block_size, target), stats_guard)
     return guard, attrs.evolve(c, status=LOADING, num_computed=target, num_blocks=p.num_blocks,
-                               **stats)
+                               num_hits=target, **stats)
 
 
 @primitive()
@@ -313,7 +341,8 @@ def act_recover(c: Counters, p):
                 p.num_valid <= first_bad, stats_ok)
     return guard, attrs.evolve(c, num_computed=p.num_valid, num_cached=p.num_cached,
                                num_external=p.num_external,
-                               num_recoveries=c.num_recoveries + 1)
+                               num_recoveries=c.num_recoveries + 1,
+                               num_resume_limit=Min(c.num_computed, c.num_tokens - 1))
 
 
 @primitive()

@@ -8,10 +8,10 @@ from __future__ import annotations
 import attrs
 
 from kvspec.spec.arith import compute_first_external, compute_num_computed_pre_34616
-from kvspec.spec.effects import (Counters, act_finish_async_load, act_recover, act_sample,
-                                 act_schedule_waiting, has_stats)
-from kvspec.spec.logic import If, Min, fdiv
-from kvspec.spec.pool_effects import Pool, _set, act_issue_async_load, act_sync_load
+from kvspec.spec.effects import (Counters, Params, act_finish_async_load, act_recover,
+                                 act_sample, act_schedule_waiting, has_stats)
+from kvspec.spec.logic import And, If, Min, Or, fdiv
+from kvspec.spec.pool_effects import Pool, _set, act_free, act_issue_async_load, act_sync_load
 
 
 # -- token arithmetic ------------------------------------------------------------
@@ -27,9 +27,20 @@ def truncate_after_first_invalid(first_invalid_block, block_size, num_computed):
     return Min(num_computed, (first_invalid_block + 1) * block_size)
 
 
-def owners_all_affected(affected):
-    """Every request holding a failed shared block recomputes it."""
-    return list(affected)
+def first_external_uncapped(num_cached, num_local, num_external):
+    """The connector's whole answer recorded as external hits."""
+    return num_external
+
+
+def first_external_zero(num_cached, num_local, num_external):
+    """No external hits ever recorded."""
+    return 0
+
+
+def first_cached_count_past_hits(num_cached, num_hits, num_tokens):
+    """A full-prompt count admitted for hits one short of the prompt."""
+    return Or(num_cached == Min(num_hits, num_tokens - 1),
+              And(num_hits >= num_tokens - 1, num_cached == num_tokens))
 
 
 def lower_cached_only(num_cached, num_external, num_valid):
@@ -53,6 +64,27 @@ def act_finish_async_load_rounding_down(c: Counters, p):
     guard, after = act_finish_async_load(c, p)
     exact = Min(c.num_computed, c.num_tokens - 1)
     return guard, attrs.evolve(after, num_computed=fdiv(exact, c.block_size) * c.block_size)
+
+
+def act_finish_async_load_counting_every_token(c: Counters, p):
+    """A finished async load counts every loaded token, the last one included."""
+    guard, after = act_finish_async_load(c, p)
+    return guard, attrs.evolve(after, num_computed=c.num_computed)
+
+
+def act_recover_keeping_failed_block(c: Counters, p):
+    """Recovery whose cut may land after the failed block instead of before it."""
+    rest, _ = act_recover(c, Params(first_invalid_block=p.first_invalid_block, num_valid=0,
+                                    num_cached=p.num_cached, num_external=p.num_external))
+    _, after = act_recover(c, p)
+    return And(rest, p.num_valid <= (p.first_invalid_block + 1) * c.block_size,
+               p.num_valid <= c.num_computed), after
+
+
+def act_recover_raising_stats(c: Counters, p):
+    """Recovery that raises the external count by one."""
+    guard, after = act_recover(c, p)
+    return guard, attrs.evolve(after, num_external=c.num_external + 1)
 
 
 def act_schedule_waiting_resetting_stats(c: Counters, p):
@@ -92,6 +124,12 @@ def act_sync_load_keeping_failed_cached(p: Pool, r: int, b: int, ok: bool):
     """Review of #34616: a block whose load failed stays in the prefix cache."""
     guard, after = act_sync_load(p, r, b, ok)
     return guard, attrs.evolve(after, cached=_set(p.cached, b, True))
+
+
+def act_free_under_load(p: Pool, r: int):
+    """Blocks freed while a load still writes them (abort mid-load, #46240)."""
+    _, after = act_free(p, r)
+    return True, after
 
 
 def act_free_keeping_references(p: Pool, r: int):

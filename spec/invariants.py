@@ -17,6 +17,7 @@ import attrs
 from kvspec.spec.arith import compute_first_external
 from kvspec.spec.predicates import (is_blocks_cover_computed, is_cached_le_computed,
                                     is_computed_within_tokens, is_free_iff_unreferenced,
+                                    is_load_target_held,
                                     is_ref_count_of_holders, is_stats_ordered,
                                     is_unscheduled_without_output, is_waiting_with_work)
 from kvspec.spec.registry import Witnessing, invariant
@@ -48,6 +49,9 @@ class Context(Witnessing):
     #: False between schedule() and update_from_output(): computed counts then
     #: include the tokens (and drafts) of the step in flight
     synced: bool = True
+    #: True right after a step's update_from_output: what the worker did in that
+    #: step (double writes, recomputes) is this state's news, not an older step's
+    after_step: bool = False
 
     witnessed: int = 0
 
@@ -127,7 +131,7 @@ def stats_are_the_first_hits(ctx: Context):
         first, hits = ctx.ghost.stats.get(r.request_id), ctx.ghost.first_hits.get(r.request_id)
         if first is None or hits is None or r.request_id in ctx.ghost.recovered:
             continue
-        ctx.witness()
+        ctx.witness(hits[1] > 0)  # the connector had hits to report
         expected = compute_first_external(first[0], hits[0], hits[1])
         if first[1] != expected:
             yield (f"{r.request_id}: {first[1]} external hits recorded, but the connector "
@@ -405,6 +409,22 @@ def no_caching_of_invalid_blocks(ctx: Context):
     yield from ctx.oracle.check_cache(ctx.obs)
 
 
+@invariant(cites="#46240, #43226", kind="data")
+def no_load_into_free_blocks(ctx: Context):
+    """Every block an async load in flight is writing is held by a request
+    (``is_load_target_held``): a scheduler keeps a loading request's blocks until
+    the worker reports the load, even when the request ends first.
+
+    Protects the next owner of the block: a block freed under a running load is
+    handed out while the load still overwrites it. Witnessed by a load in flight."""
+    free = set(ctx.obs.pool.free_queue)
+    loading = ctx.oracle.loading_blocks()
+    ctx.witness(len(loading))
+    for block in sorted(loading):
+        if not is_load_target_held(True, block in free):
+            yield f"block {block} is free while an async load is still writing it"
+
+
 @invariant(cites="#34616, seed 003", kind="data")
 def computed_means_valid(ctx: Context):
     """Every token counted in ``num_computed_tokens`` of a request that is not
@@ -445,5 +465,5 @@ def failed_block_recomputed_once(ctx: Context):
     only past its own computed prefix, so two writers of one slot means recovery
     sent every sharer to recompute the same block. Witnessed by a step that
     recomputes a failed block another request also holds."""
-    ctx.witness(ctx.oracle.shared_recomputes)
+    ctx.witness(ctx.oracle.shared_recomputes if ctx.after_step else 0)
     yield from ctx.oracle.check_single_writer()

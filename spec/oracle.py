@@ -20,6 +20,7 @@ from typing import Hashable, Iterator
 
 import attrs
 
+from kvspec.spec.predicates import is_cached_block_valid
 from kvspec.spec.state import Observation, RequestView, StepView
 
 GARBAGE = None
@@ -208,11 +209,28 @@ class KVContent:
                 if h not in self.expected_by_hash and (i + 1) * size <= len(keys):
                     self.expected_by_hash[h] = tuple(keys[i * size:(i + 1) * size])
 
+    def loading_blocks(self) -> set[int]:
+        """Blocks an async load in flight is still writing."""
+        size, found = self.block_size, set()
+        for job in self.loads.values():
+            if job.is_async and job.num_tokens > 0:
+                first, last = job.start // size, (job.start + job.num_tokens - 1) // size
+                found.update(job.block_ids[first:last + 1])
+        return found
+
     def check_cache(self, obs: Observation) -> Iterator[str]:
+        """``is_cached_block_valid`` on every prefix-cache entry, with the valid and
+        loading bits the pool proof reasons about."""
+        loading = self.loading_blocks()
         for block_hash, block in obs.pool.cached:
             expected = self.expected_by_hash.get(block_hash)
-            if expected is not None and tuple(self.slots[block]) != expected:
-                yield f"block {block} is in the prefix cache but does not hold the content its hash names"
+            if expected is None:
+                continue
+            valid = tuple(self.slots[block]) == expected
+            if not is_cached_block_valid(True, valid, block in loading):
+                why = "an async load is still writing it" if valid else \
+                    "it does not hold the content its hash names"
+                yield f"block {block} is in the prefix cache but {why}"
 
     def check_request(self, obs: Observation, r: RequestView) -> Iterator[str]:
         keys = self.book.keys(r.request_id, r.all_token_ids)

@@ -5,9 +5,10 @@ its hash names), and whether a load is still writing it.
 
 Z3 proves the pool invariants inductive over every action, for every request
 and block: ``ref_count_is_holders`` and ``free_queue_is_free_blocks`` with the
-predicates the concrete invariants use, and ``no_caching_of_invalid_blocks``
-with ``is_cached_block_valid``, the predicate the data oracle applies to every
-prefix-cache entry. Each action is one code path of the scheduler's pool use
+predicates the concrete invariants use, ``no_caching_of_invalid_blocks`` with
+``is_cached_block_valid``, the predicate the data oracle applies to every
+prefix-cache entry, and ``no_load_into_free_blocks`` with
+``is_load_target_held``, which the oracle applies to every load in flight. Each action is one code path of the scheduler's pool use
 (allocation, a prefix hit, a free, eviction, computing a block, a sync or async
 load that succeeds or fails); its historical mutants are in ``spec/historical.py``.
 """
@@ -15,9 +16,9 @@ from __future__ import annotations
 
 import attrs
 
-from kvspec.spec.logic import And, If, Not
+from kvspec.spec.logic import And, If, Implies, Not
 from kvspec.spec.predicates import (is_cached_block_valid, is_free_iff_unreferenced,
-                                    is_ref_count_of_holders)
+                                    is_load_target_held, is_ref_count_of_holders)
 
 NUM_REQUESTS, NUM_BLOCKS = 3, 6
 
@@ -42,6 +43,8 @@ def pool_invariants(p: Pool) -> dict:
         "no_caching_of_invalid_blocks": And(*[is_cached_block_valid(p.cached[b], p.valid[b],
                                                                     p.loading[b])
                                               for b in blocks]),
+        "no_load_into_free_blocks": And(*[is_load_target_held(p.loading[b], p.free[b])
+                                          for b in blocks]),
     }
 
 
@@ -71,15 +74,24 @@ def act_touch(p: Pool, r: int, b: int):
 
 
 def act_free(p: Pool, r: int):
-    """A request frees its table: every block it held loses one reference; a load
-    still writing a block nobody holds any more is cancelled with its request."""
+    """A request frees its table: every block it held loses one reference. Not
+    while a load is still writing a block it alone holds: the blocks wait until
+    the worker reports the load (``cancel_load``), as vLLM keeps an aborted
+    request's blocks until ``finished_recving``."""
     ref = tuple(If(p.holds[r][b], p.ref[b] - 1, p.ref[b]) for b in range(len(p.ref)))
-    gone = tuple(And(p.holds[r][b], ref[b] == 0) for b in range(len(p.ref)))
-    return True, attrs.evolve(
+    guard = And(*[Implies(And(p.holds[r][b], p.ref[b] == 1), Not(p.loading[b]))
+                  for b in range(len(p.ref))])
+    return guard, attrs.evolve(
         p, holds=_set(p.holds, r, tuple(False for _ in p.holds[r])), ref=ref,
-        free=tuple(If(gone[b], True, p.free[b]) for b in range(len(p.ref))),
-        valid=tuple(If(And(gone[b], p.loading[b]), False, p.valid[b]) for b in range(len(p.ref))),
-        loading=tuple(If(gone[b], False, p.loading[b]) for b in range(len(p.ref))))
+        free=tuple(If(And(p.holds[r][b], ref[b] == 0), True, p.free[b])
+                   for b in range(len(p.ref))))
+
+
+def act_cancel_load(p: Pool, b: int):
+    """The worker reports a load whose request ended: what it wrote is garbage,
+    and it was never cached."""
+    return p.loading[b], attrs.evolve(p, loading=_set(p.loading, b, False),
+                                      valid=_set(p.valid, b, False))
 
 
 def act_evict(p: Pool, b: int):
@@ -131,6 +143,7 @@ POOL_ACTIONS = {
     "allocate": (act_allocate, ("r", "b")),
     "touch": (act_touch, ("r", "b")),
     "free": (act_free, ("r",)),
+    "cancel_load": (act_cancel_load, ("b",)),
     "evict": (act_evict, ("b",)),
     "compute": (act_compute, ("r", "b")),
     "compute_over_failure": (act_compute_over_failure, ("r", "b")),

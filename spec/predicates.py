@@ -68,6 +68,12 @@ def is_cached_block_valid(is_cached, is_valid, is_loading):
     return Implies(is_cached, And(is_valid, Not(is_loading)))
 
 
+def is_load_target_held(is_loading, is_free):
+    """A block a load is still writing is held by a request, never free: a free
+    block is handed to the next request while the load overwrites it."""
+    return Implies(is_loading, Not(is_free))
+
+
 def is_ref_count_of_holders(ref_cnt, holds):
     """A block's reference count is the number of block tables holding it."""
     return ref_cnt == sum(If(h, 1, 0) for h in holds)

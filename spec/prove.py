@@ -29,7 +29,7 @@ from kvspec.spec import arith, historical
 from kvspec.spec.effects import (ALL_SHAPES, PRIMITIVES, Counters, Params, Primitive,
                                  is_initial, is_stats_step_ok, request_invariants)
 from kvspec.spec.logic import And, Implies, Or
-from kvspec.spec.predicates import is_admissible_lowering
+from kvspec.spec.predicates import is_admissible_lowering, is_first_cached_count
 
 
 class NameClash(ValueError):
@@ -136,17 +136,20 @@ def non_negative(*terms):
     "A hit of the whole prompt counted in full leaves no token to compute (the "
     "sync full-prompt hit of #30320).")})
 def lemma_hit_leaves_a_token(rule=arith.compute_num_computed_after_hit, bounded=False):
-    """After a (sync or async) hit of ``local + external`` tokens, the computed
-    count is the hits unless they are the whole prompt, and at least one token is
-    left to compute (the full-prompt-hit rule: the last token is recomputed so the
-    request can sample)."""
+    """After a (sync or async) hit of ``local + external`` tokens, stated over
+    positions: every position counted as computed was a hit, every hit but the
+    request's last token is counted, and the last token never is (it is
+    recomputed so the request can sample)."""
     s = Symbols()
     local, ext, n = (s.int("parameter", x) for x in ("local", "external", "num_tokens"))
+    pos = s.int("position", "p")
     c = rule(local, ext, n)
+    hit = lambda p: And(p >= 0, p < local + ext)  # noqa: E731
+    counted = lambda p: And(p >= 0, p < c)  # noqa: E731
     pre = And(non_negative(local, ext), n >= 1, local + ext <= n)
-    post = And(c >= 0, c <= n - 1, c <= local + ext,
-               Implies(local + ext < n, c == local + ext),
-               Implies(local + ext == n, c == n - 1))
+    post = And(c >= 0,
+               z3.ForAll([pos], Implies(counted(pos), And(hit(pos), pos < n - 1))),
+               z3.ForAll([pos], Implies(And(hit(pos), pos < n - 1), counted(pos))))
     return Goal(((pre, post),), s)
 
 
@@ -162,9 +165,10 @@ def _delivered_positions_goal(s: Symbols, finish, bounded: bool) -> Goal:
     pos = s.int("position", "p")
     delivered = lambda p: And(p >= 0, p < issue.num_local + issue.num_external)  # noqa: E731
     counted = lambda p: And(p >= 0, p < done.num_computed)  # noqa: E731
-    # every counted position was delivered; every delivered one but the last
-    # token of the request is counted
-    post = And(z3.ForAll([pos], Implies(counted(pos), delivered(pos))),
+    # every counted position was delivered, and is not the request's last token;
+    # every delivered one but the last token is counted
+    post = And(z3.ForAll([pos], Implies(counted(pos), And(delivered(pos),
+                                                          pos < c.num_tokens - 1))),
                z3.ForAll([pos], Implies(And(delivered(pos), pos < c.num_tokens - 1),
                                         counted(pos))))
     # what vLLM allocates for the load: just enough blocks for the hits
@@ -185,7 +189,11 @@ def _delivered_positions_goal(s: Symbols, finish, bounded: bool) -> Goal:
         "before the prompt end (seed 000's case)."),
     "refute_async_load_rounding_down": (
         historical.act_finish_async_load_rounding_down,
-        "A finished async load that counts only whole blocks drops delivered tokens.")})
+        "A finished async load that counts only whole blocks drops delivered tokens."),
+    "refute_async_load_counting_every_token": (
+        historical.act_finish_async_load_counting_every_token,
+        "A finished async load of the whole prompt that counts every token leaves "
+        "nothing to compute and nothing to sample from.")})
 def lemma_async_load_counts_delivered_tokens(rule=None, bounded=False):
     """Issuing an async load (``issue_async_load``) and finishing it
     (``finish_async_load``) counts as computed exactly the positions the hits
@@ -196,29 +204,86 @@ def lemma_async_load_counts_delivered_tokens(rule=None, bounded=False):
 
 
 @lemma(rule_of={"refute_truncate_past_first_invalid": (
-    historical.truncate_after_first_invalid,
-    "Recovery that cuts after the first failed block instead of before it keeps "
-    "tokens of the failed block.")})
-def lemma_truncation_keeps_only_valid_tokens(rule=arith.compute_truncated_computed,
-                                             bounded=False):
-    """After a load failure, the tokens still counted all lie in blocks before the
-    first failed block, and (the reference's rule) every computed token before
-    it is kept. Stated over positions and block indices, for block sizes 1 to 8."""
+    historical.act_recover_keeping_failed_block,
+    "Recovery that keeps the failed block counted (cuts after it instead of before).")})
+def lemma_recovery_keeps_only_valid_tokens(rule=None, bounded=False):
+    """After ``recover`` for a load failure at ``first_invalid_block``, every
+    position still counted lies in a block before the failed one. Stated over
+    positions and block indices (for block sizes 1 to 8), about the model's own
+    recover primitive, the one the runtime conformance check holds targets to."""
     s = Symbols()
-    first, computed, p, k = (s.int("parameter", "first_invalid"), s.int("parameter", "num_computed"),
-                             s.int("position", "p"), s.int("position", "k"))
-    bs = s.int("parameter", "block_size")
+    c = _counters(s, "state")
+    params = _shape_params(s, ("recover",))(0, PRIMITIVES["recover"])
+    p, k = s.int("position", "p"), s.int("position", "k")
+    guard, after = (rule or PRIMITIVES["recover"].fn)(c, params)
     cases = []
     for size in range(2, 5) if bounded else range(1, 9):
-        kept = rule(first, size, computed)
         in_block = And(k * size <= p, p < (k + 1) * size)
-        post = And(kept >= 0,
-                   z3.ForAll([p, k], Implies(And(p >= 0, p < kept, in_block), k < first)),
-                   z3.ForAll([p], Implies(And(p >= 0, p < first * size, p < computed),
-                                          p < kept)))
-        pre = And(bs == size, first >= 0, first * size < computed)
-        cases.append((And(pre, computed <= 12) if bounded else pre, post))
+        post = z3.ForAll([p, k], Implies(And(p >= 0, p < after.num_computed, in_block),
+                                         k < params.first_invalid_block))
+        pre = And(*request_invariants(c).values(), guard, c.block_size == size)
+        cases.append((And(pre, c.num_computed <= 12) if bounded else pre, post))
     return Goal(tuple(cases), s)
+
+
+@lemma(rule_of={"refute_reference_truncation_past_first_invalid": (
+    historical.truncate_after_first_invalid,
+    "The reference's truncation rule cutting after the first failed block.")})
+def lemma_reference_truncation_is_admitted(rule=arith.compute_truncated_computed,
+                                           bounded=False):
+    """The reference's truncation (``compute_truncated_computed``, which
+    impl/scheduler.py applies) is a choice the recover primitive admits, and it
+    keeps every computed token before the failed block (nothing valid is
+    recomputed needlessly)."""
+    s = Symbols()
+    c = _counters(s, "state")
+    first = s.int("parameter", "first_invalid")
+    kept = rule(first, c.block_size, c.num_computed)
+    guard, _ = PRIMITIVES["recover"].fn(c, Params(first_invalid_block=first, num_valid=kept,
+                                                  num_cached=c.num_cached,
+                                                  num_external=c.num_external))
+    pre = And(*request_invariants(c).values(), Or(c.status == 2, c.status == 1), first >= 0,
+              first * c.block_size < c.num_computed, first * c.block_size < c.num_tokens)
+    if bounded:
+        pre = And(pre, c.block_size >= 2, c.block_size <= 4, c.num_computed <= 12)
+    return Goal(((pre, And(guard, kept == first * c.block_size)),), s)
+
+
+@lemma(rule_of={"refute_first_external_uncapped": (
+    historical.first_external_uncapped,
+    "The external count recorded as the connector's whole answer, even where the "
+    "scheduling did not count all of it (a full-prompt hit)."),
+    "refute_first_external_zero": (
+    historical.first_external_zero,
+    "The external count never recorded.")})
+def lemma_first_external_counts_external_positions(rule=arith.compute_first_external,
+                                                   bounded=False):
+    """The external part of the first stats is the number of counted positions
+    the connector delivered: the positions of ``[local, local + external)`` under
+    the cached count, stated over positions."""
+    s = Symbols()
+    local, ext, cached, p = (s.int("parameter", "local"), s.int("parameter", "external"),
+                             s.int("parameter", "cached"), s.int("position", "p"))
+    recorded = rule(cached, local, ext)
+    from_connector = lambda q: And(q >= local, q < local + ext, q < cached)  # noqa: E731
+    post = And(recorded >= 0, z3.ForAll([p], from_connector(p) == And(p >= local,
+                                                                     p < local + recorded)))
+    pre = And(non_negative(local, ext), cached >= local, cached <= local + ext)
+    return Goal(((pre, post),), s)
+
+
+@lemma(rule_of={"refute_first_cached_count_past_hits": (
+    historical.first_cached_count_past_hits,
+    "A full-prompt count recorded for hits one short of the prompt.")})
+def lemma_first_cached_count_is_the_hits(rule=None, bounded=False):
+    """The cached count a first scheduling may record (``is_first_cached_count``)
+    never exceeds the hits and never falls below the prefix the scheduling starts
+    from."""
+    s = Symbols()
+    cached, hits, n = (s.int("parameter", x) for x in ("cached", "hits", "num_tokens"))
+    admitted = (rule or is_first_cached_count)(cached, hits, n)
+    pre = And(hits >= 0, n >= 1, hits <= n, admitted)
+    return Goal(((pre, And(cached <= hits, cached >= arith.Min(hits, n - 1))),), s)
 
 
 @lemma(rule_of={"refute_sample_without_rollback": (
@@ -267,21 +332,6 @@ def lemma_lowering_is_admissible(rule=None, bounded=False):
     return Goal(tuple(cases), s)
 
 
-@lemma(rule_of={"refute_every_sharer_recomputes": (
-    historical.owners_all_affected,
-    "Every request holding a failed shared block recomputes it.")},
-    establishes=("failed_block_recomputed_once",))
-def lemma_shared_block_has_one_owner(rule=arith.compute_owner_flags, bounded=False):
-    """A failed block shared by up to four requests is recomputed by exactly one
-    of them when any is affected, and by none otherwise (a design rule of vLLM's
-    recovery, not a safety claim)."""
-    s = Symbols()
-    flags = [s.bool("parameter", f"affected{i}") for i in range(4)]
-    owners = rule(flags)
-    count = z3.Sum([z3.If(o, 1, 0) for o in owners])
-    return Goal(((Or(*flags), count == 1), (z3.Not(Or(*flags)), count == 0)), s)
-
-
 # -- induction over the step shapes ---------------------------------------------
 
 FIELDS = [f.name for f in attrs.fields(Counters)]
@@ -309,6 +359,7 @@ INVARIANT_CLAIMS = {
     "running_request_has_stats": "running_request_has_stats",
     "unscheduled_request_has_no_output": "unscheduled_request_has_no_output",
     "well_formed": "preempted_means_preempted",
+    "loaded_prefix_is_the_hits": "cached_le_computed",
 }
 
 
@@ -372,6 +423,9 @@ STEP_REFUTATIONS = {
     "refute_recover_lowering_cached_only": (
         ("compute", "recover"), "recover", historical.act_recover_lowering_cached_only,
         "Recovery that lowers the cached count but not the external one."),
+    "refute_recover_raising_stats": (
+        ("compute", "recover"), "recover", historical.act_recover_raising_stats,
+        "Recovery that raises the external count (a guard that admits any ordered pair)."),
 }
 
 
@@ -422,6 +476,9 @@ POOL_REFUTATIONS = {
     "refute_free_keeps_references": (
         "free", "ref_count_is_holders", historical.act_free_keeping_references,
         "A free that forgets to drop the blocks' reference counts."),
+    "refute_free_under_load": (
+        "free", "no_load_into_free_blocks", historical.act_free_under_load,
+        "#46240: an aborted request's blocks freed while its load still writes them."),
 }
 
 
@@ -429,7 +486,7 @@ def _register_pool() -> None:
     from kvspec.spec.pool_effects import NUM_BLOCKS, NUM_REQUESTS, POOL_ACTIONS
     for action in POOL_ACTIONS:
         for invariant in ("ref_count_is_holders", "free_queue_is_free_blocks",
-                          "no_caching_of_invalid_blocks"):
+                          "no_caching_of_invalid_blocks", "no_load_into_free_blocks"):
             register(f"pool_{invariant}_under_{action}", "induction",
                      lambda a=action, i=invariant: _pool_goal(a, i),
                      f"{invariant} holds after the pool action {action} (every request, "

@@ -67,20 +67,29 @@ def test_a_claim_whose_antecedent_never_holds_is_not_witnessed():
 
 def test_claims_have_a_role_and_design_rules_are_named():
     design = {name for name, inv in REGISTRY.items() if inv.role == "design"}
-    assert design == {"failed_block_recomputed_once", "long_prefill_cap"}
+    assert design == {"failed_block_recomputed_once", "long_prefill_cap",
+                      "preemption_victim_follows_policy"}
 
 
-def test_conservative_recovery_passes_every_safety_claim(tmp_path):
-    """Every request a load failure affects recomputes from block 0: correct, and
-    admitted by the spec; only vLLM's one-writer design rule objects."""
-    safe = fuzz("alt:conservative_recovery", budget=20, seed=1, out_dir=tmp_path,
-                design_rules=False)
+@pytest.mark.parametrize("name", ["conservative_recovery", "largest_victim"])
+def test_alternative_designs_pass_every_safety_claim(name, tmp_path):
+    """A correct scheduler that chooses differently from vLLM (recover from block
+    0; preempt the request holding the most blocks) passes the safety claims;
+    with design rules on, only the rule it breaks on purpose objects."""
+    from kvspec.impl.alternatives import ALTERNATIVES
+    target = f"alt:{name}"
+    safe = fuzz(target, budget=20, seed=1, out_dir=tmp_path, design_rules=False)
     assert safe.counterexample is None, [str(v) for v in safe.counterexample.violations]
-    assert safe.features["load_failures"] > 0
-    ruled = fuzz("alt:conservative_recovery", budget=30, seed=1, out_dir=tmp_path)
-    assert ruled.counterexample is not None
-    assert {v.invariant for v in ruled.counterexample.violations} == {
-        "failed_block_recomputed_once"}
+    ruled = fuzz(target, budget=40, seed=1, out_dir=tmp_path)
+    assert ruled.counterexample is not None, f"{target} never broke {ALTERNATIVES[name].breaks}"
+    assert {v.invariant for v in ruled.counterexample.violations} <= set(
+        ALTERNATIVES[name].breaks)
+
+
+def test_conservative_recovery_exercises_failures(tmp_path):
+    safe = fuzz("alt:conservative_recovery", budget=10, seed=2, out_dir=tmp_path,
+                design_rules=False)
+    assert safe.features["load_failures"] > 0 and safe.counterexample is None
 
 
 def test_stats_lowering_is_a_choice():
@@ -96,27 +105,45 @@ def test_stats_lowering_is_a_choice():
 
 # -- conformance to the model ------------------------------------------------
 
-def _step(before_computed: int, after_computed: int, scheduled: int) -> list[str]:
+def _step(before_computed: int, after_computed: int, scheduled: int, start=None,
+          failed_block=None, recoveries: int = 0) -> list[str]:
+    """One RUNNING request's step as the conformance claim sees it."""
+    import attrs
+    from kvspec.spec.conformance import INITIAL_GHOST
+    from kvspec.spec.state import RequestStatus
     runner = Runner("impl", make_config(block_size=2))
     runner.apply({"op": "add", "id": "r0", "prompt": [1, 2, 3, 4, 5, 6, 7], "max_tokens": 3})
     before = runner.obs
-    view = before.requests["r0"]
-    import attrs
-    from kvspec.spec.state import RequestStatus
-    running = attrs.evolve(view, status=RequestStatus.RUNNING, num_computed_tokens=before_computed,
-                           num_cached_tokens=0, num_external_computed_tokens=0,
-                           block_ids=((0, 1, 2, 3),))
+    running = attrs.evolve(before.requests["r0"], status=RequestStatus.RUNNING,
+                           num_computed_tokens=before_computed, num_cached_tokens=0,
+                           num_external_computed_tokens=0, block_ids=((0, 1, 2, 3),))
     moved = attrs.evolve(running, num_computed_tokens=after_computed)
-    book = ModelBook({"r0": (1, 0)})
+    ghost = dict(INITIAL_GHOST, num_stats_sets=1, num_recoveries=recoveries,
+                 num_resume_limit=6 if recoveries else 0)
+    hints = Hints(num_new=scheduled, start=before_computed if start is None else start,
+                  first_invalid_block=failed_block)
     step = ModelStep("step", attrs.evolve(before, requests={"r0": running}),
-                     attrs.evolve(before, requests={"r0": moved}),
-                     {"r0": Hints(num_new=scheduled, start=before_computed)}, book)
+                     attrs.evolve(before, requests={"r0": moved}), {"r0": hints},
+                     ModelBook({"r0": ghost}))
     return list(REGISTRY["transition_admitted_by_model"].check(step))
 
 
 def test_conformance_admits_a_chunk_and_rejects_a_jump():
     assert _step(2, 4, scheduled=2) == []          # a chunk of 2: compute + keep_prefilling
     assert _step(2, 5, scheduled=2)                # grew by 3 with 2 scheduled: no shape
+
+
+def test_an_undisturbed_request_cannot_skip_a_token():
+    """Resuming past the computed prefix is for requests a failure cut back."""
+    assert _step(2, 5, scheduled=2, start=3)                  # never recovered: a skip
+    assert _step(2, 5, scheduled=2, start=3, recoveries=1) == []  # a waiter resuming
+
+
+def test_a_failed_block_under_the_prefix_must_be_recovered():
+    """A step that reports a failed block under a running request's prefix and
+    leaves its count standing is not admitted, whatever else fits."""
+    assert _step(4, 6, scheduled=2, failed_block=0)
+    assert _step(4, 0, scheduled=2, failed_block=0) == []     # cut back to 0: recovered
 
 
 def test_async_load_counted_short_breaks_conformance(tmp_path):

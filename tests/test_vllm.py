@@ -89,3 +89,39 @@ def test_profile_fuzz_finds_no_new_finding(tmp_path):
         pytest.fail(f"new vLLM {VERSION} finding (profile {profile.name}, stepping around "
                     f"{', '.join(profile.because) or 'nothing'}): {violations}; "
                     f"trace: {result.trace_path}")
+
+
+def test_check_json_on_vllm_names_what_it_did_not_witness(tmp_path):
+    """`kvspec check --json` on the vLLM target: one object, the release named,
+    and every claim the (restricted) profile left unwitnessed named with why."""
+    from typer.testing import CliRunner
+
+    from kvspec.cli import app
+    result = CliRunner().invoke(app, ["check", "--target", "vllm", "--budget", "15s", "--json",
+                                      "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["target"] == "vllm" and report["version"] == VERSION
+    assert report["verdict"] == "hold" and report["runs"] > 0
+    never = {c["name"] for c in report["claims"] if not c["witnessed"]}
+    assert never == set(report["unwitnessed"])
+    assert all(report["unwitnessed"].values()), report["unwitnessed"]  # each says why
+
+
+def test_a_failed_async_loads_retry_may_look_up_again(tmp_path):
+    """vLLM frees the blocks of an async load that failed outright and the
+    request looks up again; its stats are those of the retry (nothing had been
+    reported). The spec admits it: stats count as recorded once a request runs."""
+    from kvspec.harness.runner import Runner
+    from kvspec.harness.target import make_config
+    config = make_config(block_size=2, num_blocks=12, max_num_batched_tokens=8, max_num_seqs=2,
+                         max_model_len=16)
+    actions = [{"op": "add", "id": "r0", "prompt": [1, 2, 3, 4, 5, 6, 7, 9], "max_tokens": 2,
+                "ext": 2, "async": True},
+               {"op": "step"},
+               {"op": "add", "id": "r1", "prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 3},
+               {"op": "step", "finish_loads": ["r0"], "fail": ["r0"]},
+               {"op": "step"}, {"op": "step"}, {"op": "drain"}]
+    for target in ("vllm", "impl"):
+        failure = Runner(target, config).run(actions)
+        assert failure is None, f"{target}: " + "; ".join(map(str, failure.violations))

@@ -127,7 +127,8 @@ class Runner:
 
     def _check(self, obs: Observation, kinds=("state", "data"), transition=None,
                model_step: ModelStep | None = None) -> list[Violation]:
-        ctx = Context(obs, self.ghost, self.content, synced="data" in kinds)
+        after_step = transition is not None and transition.action == "update_from_output"
+        ctx = Context(obs, self.ghost, self.content, synced="data" in kinds, after_step=after_step)
         found = []
         for inv in REGISTRY.values():
             if not self.is_checked(inv):
@@ -184,13 +185,17 @@ class Runner:
         return gone
 
     def _transition(self, action: str, before: Observation, after: Observation,
-                    **kwargs) -> Transition:
-        return Transition(action, before, after, departed=self._departed(before, after),
-                          first_hits=dict(self.ghost.first_hits), **kwargs)
+                    departed=None, **kwargs) -> Transition:
+        departed = self._departed(before, after) if departed is None else departed
+        return Transition(action, before, after, departed=departed,
+                          first_hits=dict(self.ghost.first_hits),
+                          recovered=frozenset(self.ghost.recovered), **kwargs)
 
-    def _model_step(self, action: str, before: Observation, after: Observation,
-                    hints=None, request_id=None) -> ModelStep:
-        return ModelStep(action, before, after, hints or {}, self.book, request_id)
+    def _model_step(self, transition: Transition, hints=None) -> ModelStep:
+        """The conformance claim's view of an action (from the state before it)."""
+        t = transition
+        return ModelStep(t.action, t.before, t.after, hints or {}, self.book, t.request_id,
+                         departed=t.departed)
 
     # -- actions --------------------------------------------------------------
     def _do_add(self, a: dict) -> list[Violation]:
@@ -204,9 +209,8 @@ class Runner:
         before = self.obs
         self.target.add_request(spec)
         after = self.target.observe()
-        return self._settle(after, self._transition("add", before, after,
-                                                    request_id=spec.request_id),
-                            model_step=self._model_step("add", before, after))
+        t = self._transition("add", before, after, request_id=spec.request_id)
+        return self._settle(after, t, model_step=self._model_step(t))
 
     def _do_step(self, a: dict) -> list[Violation]:
         before = self.obs
@@ -232,8 +236,9 @@ class Runner:
         after = self.target.observe()
         holders = {r.request_id for r in mid.requests.values()
                    if report.invalid_block_ids & set(b for t in r.block_ids for b in t)}
-        t = self._transition("update_from_output", mid, after, step=step, outcome=outcome,
-                             garbage_readers=report.garbage_readers)
+        departed = self._departed(before, after)
+        t = self._transition("update_from_output", mid, after, departed, step=step,
+                             outcome=outcome, garbage_readers=report.garbage_readers)
         for rid in after.running:
             r = after.requests[rid]
             if rid not in report.garbage_readers:
@@ -243,18 +248,19 @@ class Runner:
             rid for rid, r in after.requests.items() if r.status.is_finished
             and before.requests.get(rid) is not None and rid in self.ghost.finished_mid_load
             and rid not in outcome.finished_recving}
-        hints = self._hints(before, mid, after, step, outcome, answers_before,
-                            self.env.answer_log[asked:])
-        return violations + self._settle(
-            after, t, lowered_ok=holders,
-            model_step=self._model_step("step", before, after, hints))
+        hints = self._hints(before, mid, after.requests | departed, step, outcome,
+                            answers_before, self.env.answer_log[asked:])
+        whole_step = self._transition("step", before, after, departed)
+        return violations + self._settle(after, t, lowered_ok=holders,
+                                         model_step=self._model_step(whole_step, hints))
 
-    def _hints(self, before, mid, after, step: StepView, outcome: WorkerOutcome,
+    def _hints(self, before, mid, ended: dict, step: StepView, outcome: WorkerOutcome,
                answers_before: dict, asked: list) -> dict[str, Hints]:
-        """What the observation fixes about each request's step (spec/conformance.py)."""
+        """What the observation fixes about each request's step (spec/conformance.py);
+        ``ended``: every request after the step, departed ones as they ended."""
         answers = {rid: (local, external) for rid, local, external in asked}
         hints = {}
-        for rid, new in after.requests.items():
+        for rid, new in ended.items():
             old, was = before.requests.get(rid), mid.requests.get(rid)
             if old is None:
                 continue
@@ -267,7 +273,8 @@ class Runner:
                 answer=answers.get(rid), load_answer=answers_before.get(rid),
                 first_invalid_block=bad, start=step.num_computed_before.get(rid),
                 scheduled_stats=None if was is None else (was.num_cached_tokens,
-                                                          was.num_external_computed_tokens))
+                                                          was.num_external_computed_tokens),
+                scheduled_blocks=len(table))
         return hints
 
     def _count_features(self, step: StepView, outcome: WorkerOutcome, mid: Observation) -> None:
@@ -322,17 +329,16 @@ class Runner:
             self.ghost.finished_mid_load.add(a["id"])
         self.target.abort(a["id"])
         after = self.target.observe()
-        return self._settle(after, self._transition("abort", before, after, request_id=a["id"]),
-                            model_step=self._model_step("abort", before, after))
+        t = self._transition("abort", before, after, request_id=a["id"])
+        return self._settle(after, t, model_step=self._model_step(t))
 
     def _do_reset_prefix_cache(self, a: dict) -> list[Violation]:
         before = self.obs
         ok = self.target.reset_prefix_cache()
         self.features["prefix_cache_resets"] += bool(ok)
         after = self.target.observe()
-        return self._settle(after, self._transition("reset_prefix_cache", before, after,
-                                                    request_id=str(bool(ok))),
-                            model_step=self._model_step("reset_prefix_cache", before, after))
+        t = self._transition("reset_prefix_cache", before, after, request_id=str(bool(ok)))
+        return self._settle(after, t, model_step=self._model_step(t))
 
     def _do_drain(self, a: dict) -> list[Violation]:
         """The healed phase: no faults, every load and send completes."""

@@ -28,12 +28,14 @@ Mapping decisions, each one a place where vLLM and the spec name things differen
   prefix-cache lookup of a request that was never preempted, and hand it out
   (``take_prefill_stats`` sets the field to None) with the first output. The
   target keeps a reference to each request's ``PrefillStats`` object, so the
-  stats survive being taken, and reports them from the moment the request is
-  admitted (RUNNING or WAITING_FOR_REMOTE_KVS): a lookup whose allocation then
-  fails is provisional in vLLM (the values are overwritten by the next attempt
-  and never reported), so it is not "recorded" in the spec's sense.
-  ``num_cached_tokens`` is ``PrefillStats.num_cached_tokens`` (local +
-  external) and ``num_external_computed_tokens`` is
+  stats survive being taken, and reports them from the moment the request
+  first runs (RUNNING): until then a lookup is provisional in vLLM. An
+  allocation that fails is retried with a new lookup, and so is an async load
+  that fails outright (its blocks are freed and the request looks up again);
+  either overwrites the values, and nothing was reported. Once a
+  never-preempted request runs, vLLM does no further lookup for it, so the
+  stats are final. ``num_cached_tokens`` is ``PrefillStats.num_cached_tokens``
+  (local + external) and ``num_external_computed_tokens`` is
   ``num_external_cached_tokens``.
 - **Cancelled loads.** The environment drops the in-flight load of a request
   that finishes (aborted) while WAITING_FOR_REMOTE_KVS. vLLM keeps such a
@@ -409,8 +411,8 @@ class VllmTarget:
 
     def _stats_of(self, r, status: RequestStatus) -> tuple[int, int]:
         rid = r.request_id
-        if status in (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KVS):
-            self._admitted.add(rid)
+        if status == RequestStatus.RUNNING:
+            self._admitted.add(rid)  # final from here on (see the module doc)
         if hasattr(r, "prefill_stats"):
             stats = self._stats.get(rid) or r.prefill_stats
             if stats is None or rid not in self._admitted or stats.num_prompt_tokens <= 0:

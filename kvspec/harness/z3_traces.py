@@ -25,7 +25,7 @@ def trace_pre_34616(cex: dict):
 
 def trace_truncate_past_first_invalid(cex: dict):
     """A sync load of the whole prompt whose block ``first_invalid`` fails."""
-    bs, n, f = cex["block_size"], cex["num_computed"], cex["first_invalid"]
+    bs, n, f = cex["s.block_size"], cex["s.num_computed"], cex["first_invalid"]
     config = make_config(block_size=bs, num_blocks=-(-n // bs) + 4, max_model_len=n + 6,
                          max_num_batched_tokens=32)
     actions = [{"op": "add", "id": "r0", "prompt": _prompt(n), "max_tokens": 2, "ext": n},
@@ -51,7 +51,7 @@ def trace_stats_reset(cex: dict):
 TRACE_BUILDERS = {
     "refute_stats_reset_on_reschedule": trace_stats_reset,
     "refute_pre_34616_rounding": trace_pre_34616,
-    "refute_truncate_past_first_invalid": trace_truncate_past_first_invalid,
+    "refute_reference_truncation_past_first_invalid": trace_truncate_past_first_invalid,
 }
 
 
