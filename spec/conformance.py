@@ -13,13 +13,14 @@ claims have not caught, or a gap in the model (``transition_admitted_by_model``)
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterator
 
 import attrs
 
 from kvspec.spec.effects import (ABORT_SHAPES, FINISHED, GHOST_FIELDS, LOADING, OBSERVED_FIELDS,
                                  PREEMPTED, PRIMITIVES, RUNNING, STATUS_NAMES, STEP_SHAPES,
-                                 WAITING, Counters, Params, is_initial)
+                                 WAITING, Counters, Params, get_status_moves, is_initial)
 from kvspec.spec.registry import invariant
 from kvspec.spec.state import RequestStatus, RequestView
 
@@ -130,8 +131,24 @@ def must_recover(before: Counters, hints: Hints) -> bool:
     return hints.first_invalid_block * before.block_size < counted
 
 
-def find_shape(shapes, before: Counters, after: Counters, hints: Hints):
-    """The first shape admitting ``before -> after`` and the model's state after it."""
+def _index(shapes) -> dict[tuple[int, int], tuple]:
+    """Shapes by the (start, end) statuses they can move a request between, in order."""
+    index: dict[tuple[int, int], list] = {}
+    for shape in shapes:
+        for move in get_status_moves(shape):
+            index.setdefault(move, []).append(shape)
+    return {move: tuple(found) for move, found in index.items()}
+
+
+#: action -> (start status, end status) -> the shapes that can make that move
+SHAPES_BY_MOVE = {"step": _index(STEP_SHAPES), "abort": _index(ABORT_SHAPES)}
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def find_shape(action: str, before: Counters, after: Counters, hints: Hints):
+    """The first shape of ``action`` admitting ``before -> after`` and the model's
+    state after it (memoized: counters and hints are values, and fuzzing repeats them)."""
+    shapes = SHAPES_BY_MOVE.get(action, {}).get((before.status, after.status), ())
     if must_recover(before, hints):
         shapes = [s for s in shapes if "recover" in s]
     for shape in shapes:
@@ -175,10 +192,6 @@ class ModelStep:
         self.witnessed += 1
 
 
-def _shapes_for(action: str):
-    return {"step": STEP_SHAPES, "abort": ABORT_SHAPES}.get(action, ())
-
-
 @invariant(cites="docs/proofs.md (one model)", kind="model")
 def transition_admitted_by_model(m: ModelStep) -> Iterator[str]:
     """Every request transition the target makes is admitted by a step shape of
@@ -203,7 +216,7 @@ def transition_admitted_by_model(m: ModelStep) -> Iterator[str]:
         if is_same(before, after) and not must_recover(before, hints):
             continue
         m.witness()
-        found = find_shape(_shapes_for(m.action), before, after, hints)
+        found = find_shape(m.action, before, after, hints)
         if found is None:
             yield (f"{rid}: {describe(before)} -> {describe(after)} in {m.action} "
                    f"({_hint_text(hints)}) is admitted by no shape of spec/effects.py")

@@ -384,9 +384,11 @@ _FLOW = {"schedule_waiting": ({WAITING, PREEMPTED}, RUNNING),
          "finish": ({WAITING, LOADING, RUNNING, PREEMPTED}, FINISHED)}
 
 
-def _is_status_feasible(shape: tuple[str, ...]) -> bool:
-    """Whether some start status lets every primitive's guard pass in turn
-    (Z3 confirms each shape's guards satisfiable: its obligation is not vacuous)."""
+def get_status_moves(shape: tuple[str, ...]) -> set[tuple[int, int]]:
+    """The (start, end) statuses ``shape`` can take a request between, by the
+    statuses each primitive's guard admits (Z3 confirms each shape's guards
+    satisfiable: its obligation is not vacuous)."""
+    moves = set()
     for start in (WAITING, LOADING, RUNNING, PREEMPTED):
         now = {start}
         for name in shape:
@@ -398,9 +400,12 @@ def _is_status_feasible(shape: tuple[str, ...]) -> bool:
                 now = {WAITING, PREEMPTED}
             elif leaves is not None:
                 now = {leaves}
-        if now:
-            return True
-    return False
+        moves |= {(start, end) for end in now}
+    return moves
+
+
+def _is_status_feasible(shape: tuple[str, ...]) -> bool:
+    return bool(get_status_moves(shape))
 
 
 def _build_step_shapes() -> tuple[tuple[str, ...], ...]:
