@@ -14,8 +14,6 @@ import attrs
 @attrs.frozen
 class EnvProfile:
     name: str
-    #: the connector never claims a request's last uncomputed token
-    leave_one_token: bool = False
     policies: tuple[str, ...] = ("fcfs", "priority")
     failure_policies: tuple[str, ...] = ("recompute", "fail")
     #: the environment may fail loads
@@ -24,6 +22,8 @@ class EnvProfile:
     async_load_with_send: bool = True
     #: a positive long_prefill_token_threshold is never drawn below this
     min_prefill_threshold: int = 0
+    #: the pool has at least this many blocks beyond one request of max_model_len
+    min_spare_blocks: int = 1
     #: why each restriction is there (accepted finding ids)
     because: tuple[str, ...] = ()
 

@@ -17,8 +17,36 @@ def available_targets() -> dict[str, str]:
         names[f"mutant:{name}"] = mutant.description
     for name, alt in ALTERNATIVES.items():
         names[f"alt:{name}"] = f"a correct alternative design: {alt.description}"
-    names["vllm"] = "the installed vLLM's v1 Scheduler, in-process on the CPU (needs vllm)"
+    names["vllm"] = ("the installed vLLM's v1 Scheduler, in-process on the CPU, with every "
+                     "accepted finding's fix that fits it (needs vllm); vllm?fixes=none: as "
+                     "released; vllm?fixes=ID,...&plant=ID,...: chosen fixes and planted bugs")
     return names
+
+
+def parse_vllm_target(name: str) -> tuple[str, tuple[str, ...]] | None:
+    """``vllm``, ``vllm?fixes=none``, ``vllm?fixes=a,b&plant=c`` -> (fixes, planted
+    bugs); None for another target. ValueError for a malformed one."""
+    base, _, query = name.partition("?")
+    if base != "vllm":
+        return None
+    options = {"fixes": "all", "plant": ""}
+    for part in filter(None, query.split("&")):
+        key, sep, value = part.partition("=")
+        if not sep or key not in options:
+            raise ValueError(f"target {name!r}: unknown option {part!r} (fixes=..., plant=...)")
+        options[key] = value
+    planted = tuple(p for p in options["plant"].split(",") if p)
+    from kvspec.harness.vllm_patches import select
+    select(options["fixes"], planted)  # ValueError on an unknown id
+    return options["fixes"], planted
+
+
+def vllm_target_name(fixes: str = "all", planted: tuple[str, ...] = ()) -> str:
+    """The target name for a choice of fixes and planted bugs."""
+    parts = [] if fixes == "all" else [f"fixes={fixes}"]
+    if planted:
+        parts.append("plant=" + ",".join(planted))
+    return "vllm" + ("?" + "&".join(parts) if parts else "")
 
 
 def make_target(name: str, config: Config, connector):
@@ -38,7 +66,13 @@ def make_target(name: str, config: Config, connector):
             target = ImplTarget(config, connector, scheduler_factory=alt.cls)
             target.name = name
             return target
-    if name == "vllm":
+    try:
+        vllm_options = parse_vllm_target(name)
+    except ValueError as exc:
+        raise UnknownTarget(str(exc)) from None
+    if vllm_options is not None:
         from kvspec.harness.vllm_target import VllmTarget  # imports vLLM: only when asked
-        return VllmTarget(config, connector)
+        target = VllmTarget(config, connector, *vllm_options)
+        target.name = name
+        return target
     raise UnknownTarget(f"unknown target {name!r}; known: {', '.join(available_targets())}")

@@ -207,11 +207,15 @@ class VllmTarget:
 
     name = "vllm"
 
-    def __init__(self, config: Config, connector) -> None:
+    def __init__(self, config: Config, connector, fixes: str = "all",
+                 planted: tuple[str, ...] = ()) -> None:
         m = modules()  # imports vLLM, or raises RuntimeError("vLLM is not installed: ...")
         from kvspec.harness import vllm_connector
+        from kvspec.harness.vllm_patches import patched
         self.m = m
         self.version = m.version  # the installed vLLM release, e.g. "0.32.0"
+        #: the installed vLLM with the chosen fixes and planted bugs (those that fit)
+        self.patches = patched(fixes, planted)
         self.config = config
         self.env = connector
         for g in config.groups:
@@ -254,7 +258,8 @@ class VllmTarget:
         vllm_connector.CURRENT_BINDING = vllm_connector.Binding(
             env=connector, to_spec_ids=self._to_spec_ids)
         try:
-            self.scheduler = m.Scheduler(**kwargs)
+            scheduler_cls = self.patches.get("vllm.v1.core.sched.scheduler", "Scheduler")
+            self.scheduler = scheduler_cls(**kwargs)
         finally:
             vllm_connector.CURRENT_BINDING = None
 
@@ -378,8 +383,18 @@ class VllmTarget:
                       logprobs=None, prompt_logprobs_dict={}, pooler_output=[],
                       kv_connector_output=kv)
         runner = m.ModelRunnerOutput(**{k: v for k, v in kwargs.items() if k in m.output_fields})
+        loading = self._loading()
         with _LocateAsserts():
             self.scheduler.update_from_output(out, runner)
+        # A request this call ended mid-load (the "fail" policy) keeps its blocks
+        # until the worker reports the load: report it at the next step.
+        self._cancelled_loads |= {rid for rid in loading - recving
+                                  if rid in self.scheduler.requests
+                                  and self.scheduler.requests[rid].is_finished()}
+
+    def _loading(self) -> set[str]:
+        status = m_status(self.m, "WAITING_FOR_REMOTE_KVS")
+        return {rid for rid, r in self.scheduler.requests.items() if r.status == status}
 
     def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
         if not drafts:

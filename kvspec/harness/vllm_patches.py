@@ -1,0 +1,248 @@
+"""Source patches for the installed vLLM, applied at import, never on disk.
+
+A patch is a unified diff against one or more of vLLM's modules, the diff an
+upstream pull request would carry. kvspec reads the installed module's source,
+applies the diff's hunks to it (each hunk's lines before the change must occur
+exactly once: that probes the installed code, so a release kvspec has not seen
+gets the patches that fit it and a one-line reason for those that do not),
+executes the result as a fresh module, and builds the ``vllm`` target from the
+patched classes. The installed files are never changed, and patched and
+unpatched schedulers can live in one process.
+
+Two kinds, kept apart:
+
+- **fixes** (``patches/fixes/``): the minimal fix of each accepted finding
+  (``docs/findings/``). ``kvspec check --target vllm`` applies every fix that
+  fits by default; ``--strict`` (``--fixes none``) applies none.
+- **planted bugs** (``patches/planted/``): plausible bugs put into vLLM's
+  recovery, preemption and connector paths, to show the default check catches
+  them (``--plant ID``).
+
+A patch may come in variants (``<id>.diff``, ``<id>@<release>.diff``) for releases
+whose code differs; the first variant whose hunks all fit is applied.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import sys
+import types
+from pathlib import Path
+
+import attrs
+
+PATCHES_DIR = Path(__file__).with_name("patches")
+
+
+class PatchDoesNotFit(Exception):
+    """A hunk's context is not in the installed source (or not exactly once)."""
+
+
+@attrs.frozen
+class Patch:
+    id: str
+    kind: str            # "fix" or "planted"
+    summary: str
+    #: the finding a fix closes (docs/findings/<finding>.md), or the claim a
+    #: planted bug must break
+    target: str
+
+    @property
+    def variants(self) -> list[Path]:
+        folder = PATCHES_DIR / ("fixes" if self.kind == "fix" else "planted")
+        return sorted(folder.glob(f"{self.id}.diff")) + sorted(folder.glob(f"{self.id}@*.diff"))
+
+
+FIXES: dict[str, Patch] = {p.id: p for p in [
+    Patch("priority-preempt-caches-uncomputed-block", "fix",
+          "a request preempted in the step it was scheduled has its blocks past the computed "
+          "prefix evicted from the prefix cache: they were cached for tokens never computed",
+          "vllm-0.32.0-priority-preempt-caches-uncomputed-block"),
+    Patch("recovery-cuts-every-request-at-its-first-failed-block", "fix",
+          "every request a load failure affects is cut back at its first failed block, "
+          "shared or not, has its blocks from there on evicted, and waits while another "
+          "request recomputes a shared one; failed blocks leave the prefix cache under both "
+          "policies",
+          "vllm-0.32.0-recompute-failed-block-stays-cached, "
+          "vllm-0.32.0-fail-policy-shared-failure-downstream-cached"),
+    Patch("failed-async-load-self-reservation-hang", "fix",
+          "an async load that failed outright and gave its blocks back leaves the in-flight "
+          "prefill set, so its reservation no longer blocks admissions, its own retry included",
+          "vllm-0.32.0-failed-async-load-self-reservation-hang"),
+    Patch("async-load-reservation-past-max-model-len", "fix",
+          "an async load's reservation for its own spec-decode step stops at max_model_len, "
+          "so a prompt near max_model_len is admitted into a pool sized for max_model_len",
+          "vllm-0.32.0-async-load-reservation-past-max-model-len"),
+    Patch("abort-mid-load-frees-under-send", "fix",
+          "a request finished while its load is in flight and its connector delays the free "
+          "for a send is freed only once both transfers are reported",
+          "vllm-0.32.0-abort-mid-load-frees-under-send"),
+    Patch("spec-pad-clipped-by-prefill-threshold", "fix",
+          "a new request is padded with placeholder drafts only when the long-prefill cap "
+          "leaves room for the padded step", "vllm-0.32.0-spec-pad-clipped-by-prefill-threshold"),
+]}
+
+PLANTED: dict[str, Patch] = {p.id: p for p in [
+    Patch("preempt-keeps-computed-tokens", "planted",
+          "a preempted request keeps its num_computed_tokens though its blocks were freed",
+          "blocks_cover_computed"),
+    Patch("finished-load-caches-whole-prompt", "planted",
+          "a finished async load caches the blocks of the whole prompt, past what it loaded",
+          "no_caching_of_invalid_blocks"),
+    Patch("async-load-never-started", "planted",
+          "the connector is told 0 external tokens for an async load, so it never loads",
+          "every_request_finishes"),
+    Patch("abort-mid-load-frees-at-once", "planted",
+          "a request aborted during its async load frees its blocks at once",
+          "target_crashed"),
+    Patch("prefill-stats-reset-after-preemption", "planted",
+          "the cache-hit stats are set again at the lookup after a preemption",
+          "stats_set_exactly_once"),
+    Patch("spec-rejections-kept-when-none-accepted", "planted",
+          "rejected drafts are rolled back only when at least one draft was accepted",
+          "update_from_output_relation"),
+    Patch("sharer-resumes-without-waiting", "planted",
+          "after a shared load failure a sharer resumes its old prefix at once (on the fix)",
+          "computed_means_valid"),
+    Patch("recovery-keeps-the-failed-block", "planted",
+          "recovery cuts after the first failed block instead of before it (on the fix)",
+          "computed_means_valid"),
+]}
+
+
+# -- applying a diff to a module's source -------------------------------------------
+
+def _hunks_by_module(diff_text: str) -> dict[str, list]:
+    """Module name -> the diff's hunks for it (``a/vllm/x/y.py`` -> ``vllm.x.y``)."""
+    from unidiff import PatchSet
+    found: dict[str, list] = {}
+    for patched_file in PatchSet(diff_text):
+        path = patched_file.source_file
+        path = path[2:] if path.startswith("a/") else path
+        if not path.endswith(".py") or not path.startswith("vllm/"):
+            raise PatchDoesNotFit(f"{path}: not a vLLM module")
+        found.setdefault(path[:-3].replace("/", "."), []).extend(patched_file)
+    return found
+
+
+def apply_hunks(text: str, hunks, where: str) -> str:
+    """Apply each hunk where its old lines (context and removed) occur exactly
+    once, whatever their line numbers; PatchDoesNotFit otherwise."""
+    lines = text.splitlines(keepends=True)
+    for hunk in hunks:
+        old = [ln.value for ln in hunk if ln.is_context or ln.is_removed]
+        new = [ln.value for ln in hunk if ln.is_context or ln.is_added]
+        at = [i for i in range(len(lines) - len(old) + 1) if lines[i:i + len(old)] == old]
+        if len(at) != 1:
+            first = next((ln.value.strip() for ln in hunk if ln.is_removed or ln.is_added), "")
+            raise PatchDoesNotFit(f"{where}: a hunk near {first[:60]!r} "
+                                  f"{'is not there' if not at else 'fits in several places'}")
+        lines[at[0]:at[0] + len(old)] = new
+    return "".join(lines)
+
+
+def stage(patch: Patch, texts: dict[str, str]) -> dict[str, str]:
+    """``texts`` (module -> patched source so far) with the first variant of
+    ``patch`` whose every hunk fits them applied; PatchDoesNotFit otherwise."""
+    reasons = []
+    for variant in patch.variants:
+        try:
+            staged = dict(texts)
+            for module, hunks in _hunks_by_module(variant.read_text()).items():
+                staged[module] = apply_hunks(staged.get(module, _source(module)), hunks,
+                                             f"{variant.name} {module}")
+            return staged
+        except PatchDoesNotFit as exc:
+            reasons.append(str(exc))
+    raise PatchDoesNotFit(f"{patch.id}: " + ("; ".join(reasons) or "no diff"))
+
+
+@functools.lru_cache(maxsize=None)
+def _source(module: str) -> str:
+    return inspect.getsource(importlib.import_module(module))
+
+
+# -- building patched modules --------------------------------------------------------
+
+@attrs.frozen
+class PatchedVllm:
+    """The patched modules, by name, and what was applied or left out."""
+
+    modules: dict[str, types.ModuleType]
+    applied: tuple[str, ...]
+    #: patch id -> why it was not applied
+    skipped: dict[str, str]
+
+    def get(self, module: str, name: str):
+        """``name`` from the patched ``module``, or from the installed one."""
+        mod = self.modules.get(module) or importlib.import_module(module)
+        return getattr(mod, name)
+
+
+def build(patches: list[Patch]) -> PatchedVllm:
+    """Apply every patch that fits, each module once with all its hunks, and
+    execute the patched modules; a patched module sees the other patched
+    modules' classes in place of the installed ones."""
+    texts: dict[str, str] = {}
+    applied, skipped = [], {}
+    for patch in patches:
+        try:
+            texts = stage(patch, texts)
+        except PatchDoesNotFit as exc:
+            skipped[patch.id] = str(exc)
+            continue
+        applied.append(patch.id)
+    modules = {name: _execute(name, text, sorted(applied)) for name, text in texts.items()}
+    _rebind(modules)
+    return PatchedVllm(modules, tuple(applied), skipped)
+
+
+def _execute(name: str, text: str, applied: list[str]) -> types.ModuleType:
+    original = importlib.import_module(name)
+    module = types.ModuleType(name, original.__doc__)
+    module.__dict__.update(__file__=original.__file__, __package__=original.__package__,
+                           __spec__=original.__spec__, __loader__=original.__loader__)
+    code = compile(text, f"{original.__file__} (kvspec patches: {', '.join(applied)})", "exec")
+    exec(code, module.__dict__)  # noqa: S102 (vLLM's own source, with reviewed diffs)
+    return module
+
+
+def _rebind(modules: dict[str, types.ModuleType]) -> None:
+    """Where a patched module imported a name from another patched module, give
+    it the patched object."""
+    for name, patched in modules.items():
+        original = sys.modules[name]
+        replace = {id(getattr(original, k)): getattr(patched, k)
+                   for k in vars(patched) if hasattr(original, k) and not k.startswith("__")}
+        for other_name, other in modules.items():
+            if other_name == name:
+                continue
+            for key, value in list(vars(other).items()):
+                if id(value) in replace and replace[id(value)] is not value:
+                    setattr(other, key, replace[id(value)])
+
+
+def select(fixes: str = "all", planted: tuple[str, ...] = ()) -> list[Patch]:
+    """The patches a run asks for: ``fixes`` is "all", "none" or ids joined by commas."""
+    if fixes == "all":
+        chosen = list(FIXES.values())
+    elif fixes == "none":
+        chosen = []
+    else:
+        ids = [i.strip() for i in fixes.split(",") if i.strip()]
+        unknown = [i for i in ids if i not in FIXES]
+        if unknown:
+            raise ValueError(f"unknown fix {unknown[0]!r}; known: {', '.join(FIXES)}")
+        chosen = [FIXES[i] for i in ids]
+    for pid in planted:
+        if pid not in PLANTED:
+            raise ValueError(f"unknown planted bug {pid!r}; known: {', '.join(PLANTED)}")
+        chosen.append(PLANTED[pid])
+    return chosen
+
+
+@functools.lru_cache(maxsize=None)
+def patched(fixes: str = "all", planted: tuple[str, ...] = ()) -> PatchedVllm:
+    """The installed vLLM with the chosen patches (built once per choice)."""
+    return build(select(fixes, planted))
