@@ -79,13 +79,16 @@ reported finished; a block under a send must keep its content until
 ## The fault model
 
 The environment is chosen by the fuzzer: the connector may answer "not yet"
-a bounded number of times; any load may fail on one of its blocks (reported
-in `invalid_block_ids`); async loads and sends finish in steps the
-environment picks; the model may emit EOS; drafts are accepted or rejected;
-clients abort at any time; the operator may reset the prefix cache. A
-connector that claims more external tokens than a request has uncomputed is
+a bounded number of times; any load may fail on one or several consecutive
+blocks (reported in `invalid_block_ids`); async loads and sends finish in
+steps the environment picks; the model may emit EOS; drafts are accepted or
+rejected; clients abort at any time; the operator may reset the prefix cache.
+A connector that claims more external tokens than a request has uncomputed is
 an environment contract violation, reported apart from scheduler bugs.
-Liveness is checked only in a final healed phase with no faults.
+The connector also keeps to what vLLM's in-tree connectors do (the connector
+contract of `docs/findings/README.md`): a synchronous hit leaves the last
+token to compute, and a finished load is not offered again before a
+preemption. Liveness is checked only in a final healed phase with no faults.
 
 ## Scope notes
 

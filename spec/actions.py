@@ -123,12 +123,16 @@ def _check_admissions(t: Transition, step: StepView):
 
 def _check_first_cached(t: Transition, r, start: int):
     """Stats recorded at a first scheduling count the prefix it starts from; on
-    a full-prompt hit the whole prompt may count (``is_first_cached_count``)."""
+    a full-prompt hit the whole prompt may count (``is_first_cached_count``).
+    After a load failure cut the prefix, the hits the load was issued for may be
+    recorded instead (recovery may keep the stats: a scheduler's choice)."""
     local, external = t.first_hits.get(r.request_id, (0, 0))
     # the hits the scheduling started from: the connector's answer, unless the
     # scheduler did not use it (a released load recomputes from 0)
     hits = local + external if min(local + external, r.num_tokens - 1) == start else start
-    if not is_first_cached_count(r.num_cached_tokens, hits, r.num_tokens):
+    issued_for = r.request_id in t.recovered and is_first_cached_count(
+        r.num_cached_tokens, local + external, r.num_tokens)
+    if not is_first_cached_count(r.num_cached_tokens, hits, r.num_tokens) and not issued_for:
         yield (f"{r.request_id}: first scheduled at {start} computed, but "
                f"num_cached={r.num_cached_tokens}")
 

@@ -92,6 +92,10 @@ def get_params(name: str, hints: Hints, after: Counters, before: Counters) -> Pa
     if name == "resume_waiter":
         valid = hints.start if hints.start is not None else after.num_computed
         return Params(num_valid=valid)
+    if name == "finish_async_load":
+        # the state after shows whether a request with nothing counted kept its blocks
+        kept = after.status in (WAITING, PREEMPTED) and after.num_computed == 0
+        return Params(keeps=int(kept and after.num_blocks > 0))
     if name == "sample":
         return Params(num_drafts=hints.num_drafts, num_accepted=hints.num_appended - 1)
     if name == "recover":

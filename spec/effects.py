@@ -277,16 +277,20 @@ def act_issue_async_load(c: Counters, p):
                                num_hits=target, **stats)
 
 
-@primitive()
+@primitive("keeps")
 def act_finish_async_load(c: Counters, p):
     """The load is reported finished: the request waits again with the target
     counted, less the last token on a full hit (it is recomputed to sample). A
-    load that left nothing to count (it failed on its first block, or it loaded
-    a one-token prompt) gives the request's blocks back."""
+    load that left nothing to count gives the request's blocks back: one that
+    failed on its first block must (``keeps`` = 0); one that loaded a whole
+    one-token prompt may instead hold its block until the request runs (vLLM
+    does, ``keeps`` = 1)."""
     computed = Min(c.num_computed, c.num_tokens - 1)
-    return c.status == LOADING, attrs.evolve(
+    guard = And(c.status == LOADING, Or(p.keeps == 0, p.keeps == 1),
+                Implies(p.keeps == 1, c.num_computed >= 1))
+    return guard, attrs.evolve(
         c, status=get_waiting_status(c), num_computed=computed,
-        num_blocks=If(computed == 0, 0, c.num_blocks))
+        num_blocks=If(computed == 0, If(p.keeps == 1, c.num_blocks, 0), c.num_blocks))
 
 
 @primitive()

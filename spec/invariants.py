@@ -37,6 +37,8 @@ class Ghost:
     finished_mid_load: set[str] = attrs.Factory(set)
     #: requests live when the healed phase began
     draining: set[str] = attrs.Factory(set)
+    #: requests whose async load finished and that have not run since
+    just_loaded: set[str] = attrs.Factory(set)
     #: the connector's answer (num_local, num_external) when the stats were set
     first_hits: dict[str, tuple[int, int]] = attrs.Factory(dict)
 
@@ -230,16 +232,23 @@ def placeholders_nonnegative(ctx: Context):
             yield f"{r.request_id}: num_output_placeholders={r.num_output_placeholders}"
 
 
+def _is_loaded_one_token_prompt(ctx: Context, r) -> bool:
+    return r.num_tokens == 1 and r.request_id in ctx.ghost.just_loaded
+
+
 @invariant(cites="seed 004 (_preempt_request)")
 def idle_waiting_holds_no_blocks(ctx: Context):
-    """A WAITING or PREEMPTED request with no computed tokens holds no blocks.
+    """A WAITING or PREEMPTED request with no computed tokens holds no blocks,
+    except, until it runs, a one-token prompt whose async load just finished:
+    loaded whole, it counts nothing (its one token is recomputed), yet the
+    blocks hold the loaded KV.
 
     Protects the pool: preemption exists to free memory; a preempted request
     that kept its blocks leaks them and starves the running ones."""
     for r in ctx.live():
         if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and r.num_computed_tokens == 0:
             ctx.witness(r.num_preemptions > 0)
-            if any(r.block_ids):
+            if any(r.block_ids) and not _is_loaded_one_token_prompt(ctx, r):
                 yield f"{r.request_id} is {r.status.name} with 0 computed tokens but holds blocks {_blocks(r)}"
 
 

@@ -66,6 +66,8 @@ class LoadJob:
 @attrs.define
 class ExecReport:
     finished_recving: set[str] = attrs.Factory(set)
+    #: async loads that finished in this step without a failed block
+    loaded_ok: set[str] = attrs.Factory(set)
     invalid_block_ids: set[int] = attrs.Factory(set)
     #: request id -> first position it read that was not valid
     garbage_readers: dict[str, int] = attrs.Factory(dict)
@@ -138,29 +140,38 @@ class KVContent:
 
     # -- one step of the worker ---------------------------------------------
     def execute(self, step: StepView, obs: Observation, finish_async: set[str],
-                fail: set[str], fail_offset: int) -> ExecReport:
+                fail: set[str], fail_offset: int, fail_blocks: int = 1) -> ExecReport:
         report = ExecReport()
         for rid in [r for r in finish_async if r in self.loads and self.loads[r].is_async]:
-            self._run_load(self.loads.pop(rid), rid in fail, fail_offset, report)
+            self._run_load(self.loads.pop(rid), rid in fail, fail_offset, fail_blocks, report)
             report.finished_recving.add(rid)
+            if rid not in fail:
+                report.loaded_ok.add(rid)
         for rid in step.num_scheduled_tokens:
             job = self.loads.get(rid)
             if job is not None and not job.is_async:
-                self._run_load(self.loads.pop(rid), rid in fail, fail_offset, report)
+                self._run_load(self.loads.pop(rid), rid in fail, fail_offset, fail_blocks,
+                               report)
         self._compute(step, obs, report)
         return report
 
-    def _run_load(self, job: LoadJob, failing: bool, fail_offset: int,
+    def _run_load(self, job: LoadJob, failing: bool, fail_offset: int, fail_blocks: int,
                   report: ExecReport) -> None:
+        """A failing load leaves garbage in ``fail_blocks`` consecutive blocks from
+        the one at ``fail_offset`` (both wrapped into the load's range): one bad
+        block, or a transfer that broke off and lost the rest."""
         first_block = job.start // self.block_size
         last_block = (job.start + job.num_tokens - 1) // self.block_size
-        bad = first_block + fail_offset % (last_block - first_block + 1) if failing else None
+        bad = set()
+        if failing:
+            start = first_block + fail_offset % (last_block - first_block + 1)
+            bad = set(range(start, min(start + max(fail_blocks, 1), last_block + 1)))
         for pos in range(job.start, job.start + job.num_tokens):
-            ok = pos // self.block_size != bad
+            ok = pos // self.block_size not in bad
             self._write(job.block_ids, pos, job.keys[pos] if ok else GARBAGE)
-        if bad is not None:
-            report.invalid_block_ids.add(job.block_ids[bad])
-            self.failed_blocks.add(job.block_ids[bad])
+        for index in sorted(bad):
+            report.invalid_block_ids.add(job.block_ids[index])
+            self.failed_blocks.add(job.block_ids[index])
 
     def _compute(self, step: StepView, obs: Observation, report: ExecReport) -> None:
         writes = {}

@@ -8,7 +8,8 @@ Fault model, written down first:
   preemption can cover more than the first scheduling did;
 - a load may be sync (runs in the step its request is scheduled) or async
   (completes in a later step the environment picks); any load may fail on one
-  of its blocks, which is then reported in ``invalid_block_ids``;
+  or several consecutive blocks (a bad block, or a transfer that broke off),
+  which are then reported in ``invalid_block_ids``;
 - a finished request may hold its blocks for a KV send, finished in a later step;
 - the model samples deterministic tokens, or EOS when the environment says so;
   spec decode proposes drafts and the environment picks how many are accepted;
@@ -16,6 +17,14 @@ Fault model, written down first:
 A conforming connector never claims more external tokens than the request has
 uncomputed (``ext <= num_tokens - num_local``). Answers outside that contract
 are an environment contract violation, reported apart from scheduler bugs.
+
+The connector also keeps to what vLLM's in-tree connectors do (the connector
+contract, docs/findings/README.md): a synchronous hit never covers a request's
+last token (the sync connectors leave it, and say so), and a load that finished
+is not offered again until the request is preempted (P/D connectors clear their
+remote-prefill flag once the blocks are allocated; store connectors offer whole
+blocks, so never a one-token prompt). An arrival marked ``beyond_contract``
+steps outside both on purpose: the findings that depend on it replay that way.
 """
 from __future__ import annotations
 
@@ -50,6 +59,8 @@ class RequestSpec:
     none_answers: int = 0   # times the connector answers None first
     send: bool = False      # delay free for a KV send when finished
     offload: bool = False   # the store also keeps what the request computes (offloading)
+    #: the connector answers outside vLLM's in-tree contract (see the module doc)
+    beyond_contract: bool = False
 
 
 class EnvironmentContractViolation(Exception):
@@ -70,6 +81,8 @@ class EnvConnector:
         self.answers: dict[str, tuple[int, int]] = {}
         #: every answer in order: (request id, num_local, num_external)
         self.answer_log: list[tuple[str, int, int]] = []
+        #: request id -> its preemption count when an async load of it finished
+        self.delivered: dict[str, int] = {}
 
     def note_computed(self, request_id: str, num_computed: int, num_tokens: int) -> None:
         """An offloading store saves a running request's computed prefix."""
@@ -91,9 +104,24 @@ class EnvConnector:
             return None, False
         stored = max(plan.ext, self.offloaded.get(rid, 0))
         num_external = max(0, stored - num_computed_tokens)
+        if not plan.beyond_contract:
+            num_external = self._within_contract(request, num_computed_tokens, num_external)
         self.answers[rid] = (num_computed_tokens, num_external)
         self.answer_log.append((rid, num_computed_tokens, num_external))
         return num_external, plan.load_async and num_external > 0
+
+    def _within_contract(self, request, num_local: int, num_external: int) -> int:
+        """The answer an in-tree connector would give (see the module doc)."""
+        rid = request.request_id
+        if self.delivered.get(rid) == request.num_preemptions:
+            return 0  # its load finished: not offered again before a preemption
+        if not self.plans[rid].load_async:
+            return min(num_external, max(0, request.num_tokens - 1 - num_local))
+        return num_external
+
+    def note_load_finished(self, request_id: str, num_preemptions: int) -> None:
+        """An async load of this request finished without a failure."""
+        self.delivered[request_id] = num_preemptions
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:

@@ -3,6 +3,7 @@ is spent or a counterexample is found. Every failure is written to a trace file
 the moment it is seen (the last write is Hypothesis' shrunk example)."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -42,6 +43,12 @@ def derive_seed(seed: int, batch: int) -> int:
     return (seed * 1_000_003 + batch * 7919) % (2 ** 32)
 
 
+def safe_file_stem(target: str) -> str:
+    """A target name as a file name a shell takes unquoted
+    ("vllm?fixes=none&plant=a" -> "vllm-fixes-none-plant-a")."""
+    return re.sub(r"[^A-Za-z0-9_.,-]+", "-", target.replace(":", "_")).strip("-")
+
+
 def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | None = None,
          batch_examples: int = 25, step_count: int = 30,
          progress: Callable[[FuzzResult], None] | None = None,
@@ -53,7 +60,7 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
     background thread with the counts so far (runs, actions), however long a
     batch takes."""
     start = time.monotonic()
-    trace_path = out_dir / (trace_name or f"{target.replace(':', '_')}-seed{seed}.json")
+    trace_path = out_dir / (trace_name or f"{safe_file_stem(target)}-seed{seed}.json")
     result = FuzzResult(target, seed, 0.0, 0, 0, {})
     state = {"last": None}
 

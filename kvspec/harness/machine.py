@@ -88,8 +88,7 @@ class KVSpecMachine(RuleBasedStateMachine):
             type(self).stats["actions"] += 1
 
     def _ext(self, ext: int, prompt: list[int]) -> int:
-        room = len(prompt) - (1 if self.profile.leave_one_token else 0)
-        return max(0, min(ext, room))
+        return max(0, min(ext, len(prompt)))
 
     def _ids(self, indices) -> list[str]:
         return [f"r{i}" for i in sorted(indices) if i < self.next_index]
@@ -110,6 +109,7 @@ class KVSpecMachine(RuleBasedStateMachine):
         if 0 < threshold < self.profile.min_prefill_threshold:
             threshold = self.profile.min_prefill_threshold
         # The pool always fits one request of max_model_len, as vLLM checks at start-up.
+        spare_blocks = max(spare_blocks, self.profile.min_spare_blocks)
         num_blocks = -(-max_model_len // block_size) + spare_blocks
         config = make_config(block_size=block_size, num_blocks=num_blocks,
                              max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
@@ -153,15 +153,18 @@ class KVSpecMachine(RuleBasedStateMachine):
             self._apply(action)
 
     @rule(finish_loads=ids, fail=ids, fail_roll=st.integers(0, 3),
-          fail_offset=st.integers(0, 3), eos=ids, finish_sends=ids, accept=st.integers(0, 3),
-          drafts=st.integers(0, 2))
-    def step(self, finish_loads, fail, fail_roll, fail_offset, eos, finish_sends, accept, drafts):
+          fail_offset=st.integers(0, 3), fail_blocks=st.integers(1, 4), eos=ids,
+          finish_sends=ids, accept=st.integers(0, 3), drafts=st.integers(0, 2))
+    def step(self, finish_loads, fail, fail_roll, fail_offset, fail_blocks, eos, finish_sends,
+             accept, drafts):
         fail_all = fail_roll >= 4 - self.swarm.fault_odds
         if not self.profile.load_failures:
             fail, fail_all = set(), False
         self._apply({"op": "step", "finish_loads": self._ids(finish_loads),
                      "fail": self._ids(fail), "fail_all": fail_all,
-                     "fail_offset": fail_offset, "eos": self._ids(eos),
+                     "fail_offset": fail_offset,
+                     **({"fail_blocks": fail_blocks} if fail_blocks > 1 else {}),
+                     "eos": self._ids(eos),
                      "finish_sends": self._ids(finish_sends), "accept": accept,
                      "drafts": drafts})
 

@@ -19,7 +19,8 @@ from kvspec.harness.runner import ALL_KINDS, Counterexample, Runner
 from kvspec.spec.state import Config
 
 #: step arguments worth trying without, most likely to be noise first
-STEP_ARGS = ("drafts", "accept", "eos", "finish_sends", "fail_offset", "fail", "fail_all",
+STEP_ARGS = ("drafts", "accept", "eos", "finish_sends", "fail_blocks", "fail_offset", "fail",
+             "fail_all",
              "finish_loads")
 #: arrival arguments worth trying without
 ADD_FLAGS = ("priority", "none", "send", "offload", "async", "ext")

@@ -44,15 +44,16 @@ class ReplayProgress:
 
 def replay_trace(path: Path, target: str | None = None,
                  heartbeat: Callable[[ReplayProgress], None] | None = None,
-                 heartbeat_every: float = 10.0) -> ReplayOutcome:
+                 heartbeat_every: float = 10.0, ignore=frozenset()) -> ReplayOutcome:
     """Replay the trace at ``path`` on its own target or on ``target``;
     ``heartbeat``, if given, is called every ``heartbeat_every`` seconds from a
-    background thread while the replay runs."""
+    background thread while the replay runs. ``ignore``: claims left unchecked,
+    to see what a known violation leads to (a finding's "harm" continuation)."""
     start = time.monotonic()
     data = load_trace(path)
     name = target or data.get("target", "impl")
     try:
-        runner = Runner(name, data["config"])
+        runner = Runner(name, data["config"], ignore=ignore)
     except UnknownTarget as exc:
         raise TraceError(str(exc)) from None
     except (ValueError, TypeError, RuntimeError) as exc:

@@ -62,9 +62,11 @@ FEATURES = ("load_failures", "async_loads", "preemptions", "spec_decode",
 
 class Runner:
     def __init__(self, target_name: str, config: Config, kinds=ALL_KINDS,
-                 design_rules: bool = True) -> None:
+                 design_rules: bool = True, ignore=frozenset()) -> None:
         #: which kinds of claims are checked ("data" alone: the data oracle only)
         self.kinds = tuple(kinds)
+        #: claims not checked, to see what a known violation leads to (replay --ignore)
+        self.ignore = frozenset(ignore)
         #: whether claims of role "design" (vLLM's design rules) are checked too
         self.design_rules = design_rules
         self.target_name = target_name
@@ -123,7 +125,8 @@ class Runner:
 
     # -- checking -------------------------------------------------------------
     def is_checked(self, inv) -> bool:
-        return inv.kind in self.kinds and (inv.role == "safety" or self.design_rules)
+        return (inv.kind in self.kinds and (inv.role == "safety" or self.design_rules)
+                and inv.name not in self.ignore)
 
     def _check(self, obs: Observation, kinds=("state", "data"), transition=None,
                model_step: ModelStep | None = None) -> list[Violation]:
@@ -170,6 +173,8 @@ class Runner:
                   and is_admissible_lowering(first[0], first[1], now[0], now[1])):
                 self.ghost.stats[r.request_id] = now  # recovery may lower them
         self.ghost.recovered |= lowered_ok
+        self.ghost.just_loaded = {rid for rid in self.ghost.just_loaded if rid in obs.requests
+                                  and obs.requests[rid].status != RequestStatus.RUNNING}
         for rid in [rid for rid in self.ghost.stats if rid not in obs.requests]:
             del self.ghost.stats[rid]
             self.ghost.first_hits.pop(rid, None)
@@ -201,7 +206,9 @@ class Runner:
     def _do_add(self, a: dict) -> list[Violation]:
         spec = RequestSpec(a["id"], tuple(a["prompt"]), a["max_tokens"], a.get("priority", 0),
                            a.get("ext", 0), a.get("async", False), a.get("none", 0),
-                           a.get("send", False), a.get("offload", False))
+                           a.get("send", False), a.get("offload", False),
+                           # an overclaim is outside the contract by definition
+                           a.get("beyond_contract", False) or a.get("overclaim_ok", False))
         if spec.ext > len(spec.prompt) and not a.get("overclaim_ok"):
             raise EnvironmentContractViolation(
                 f"the store cannot hold {spec.ext} tokens of a {len(spec.prompt)}-token prompt")
@@ -225,7 +232,10 @@ class Runner:
         if a.get("fail_all"):
             failing |= set(self.content.loads)
         report = self.content.execute(step, mid, set(a.get("finish_loads", ())), failing,
-                                      a.get("fail_offset", 0))
+                                      a.get("fail_offset", 0), a.get("fail_blocks", 1))
+        for rid in report.loaded_ok & set(mid.requests):
+            self.env.note_load_finished(rid, mid.requests[rid].num_preemptions)
+        self.ghost.just_loaded |= report.loaded_ok
         outcome = WorkerOutcome(
             sampled_token_ids=self._sample(step, mid, a),
             finished_recving=frozenset(report.finished_recving),
@@ -244,10 +254,14 @@ class Runner:
             if rid not in report.garbage_readers:
                 self.env.note_computed(rid, r.num_computed_tokens, r.num_tokens)
         self._count_features(step, outcome, mid)
+        # a request that ended while its load was in flight (an abort, or the
+        # "fail" policy) may hold its blocks until the worker reports the load
         self.ghost.finished_mid_load = {
             rid for rid, r in after.requests.items() if r.status.is_finished
-            and before.requests.get(rid) is not None and rid in self.ghost.finished_mid_load
-            and rid not in outcome.finished_recving}
+            and rid not in outcome.finished_recving and (
+                rid in self.ghost.finished_mid_load
+                or (rid in mid.requests
+                    and mid.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS))}
         hints = self._hints(before, mid, after.requests | departed, step, outcome,
                             answers_before, self.env.answer_log[asked:])
         whole_step = self._transition("step", before, after, departed)

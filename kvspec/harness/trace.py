@@ -80,10 +80,12 @@ ACTION_FIELDS: dict[str, tuple[dict, tuple[str, ...]]] = {
         "send": _BOOL,
         "offload": _BOOL,
         "overclaim_ok": _BOOL,    # a connector contract violation, on purpose
+        "beyond_contract": _BOOL,  # answers outside vLLM's in-tree connector contract
     }, ("id", "prompt", "max_tokens")),
     "step": ({
         "finish_loads": _IDS, "fail": _IDS, "fail_all": _BOOL,
         "fail_offset": _int(0, LIMITS["max_model_len"][1]),
+        "fail_blocks": _int(1, LIMITS["num_blocks"][1]),  # consecutive failed blocks
         "eos": _IDS, "finish_sends": _IDS,
         "accept": _int(0, 16),
         "drafts": _int(0, MAX_DRAFTS),   # the target is configured for this many drafts
@@ -126,6 +128,13 @@ _CONFIG_SCHEMA = {
     },
 }
 
+_VERDICT_SCHEMA = {"type": "array", "items": {
+    "type": "object", "required": ["invariant", "message"],
+    "additionalProperties": False,
+    "properties": {"invariant": {"type": "string", "minLength": 1, "maxLength": 200,
+                                 "format": "printable"},
+                   "message": {"type": "string"}}}}
+
 TRACE_SCHEMA = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "kvspec trace",
@@ -138,12 +147,14 @@ TRACE_SCHEMA = {
         "seed": {"type": ["integer", "null"]},
         "config": _CONFIG_SCHEMA,
         "actions": {"type": "array", "maxItems": MAX_ACTIONS, "items": _action_schema()},
-        "verdict": {"type": "array", "items": {
-            "type": "object", "required": ["invariant", "message"],
-            "additionalProperties": False,
-            "properties": {"invariant": {"type": "string", "minLength": 1, "maxLength": 200,
-                                         "format": "printable"},
-                           "message": {"type": "string"}}}},
+        "verdict": _VERDICT_SCHEMA,
+        # a finding's continuation: what the replay gives with some claims unchecked
+        # (`kvspec replay --ignore`), to show the harm a first violation leads to
+        "harm": {"type": "object", "required": ["ignoring", "verdict"],
+                 "additionalProperties": False,
+                 "properties": {"ignoring": {"type": "array", "minItems": 1, "items": {
+                     "type": "string", "minLength": 1, "maxLength": 200, "format": "printable"}},
+                     "verdict": _VERDICT_SCHEMA}},
         "steps": {"type": "array", "items": {
             "type": "object", "required": ["index", "action", "requests"],
             "additionalProperties": False,
