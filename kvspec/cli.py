@@ -91,7 +91,13 @@ def check_target(name: str, origin: str = "") -> None:
     """A known target, installed; ``origin`` says who named it (e.g. a trace)."""
     import importlib.util
 
-    from kvspec.harness.targets import available_targets
+    from kvspec.harness.targets import available_targets, parse_vllm_target
+    try:
+        vllm_options = parse_vllm_target(name)
+    except ValueError as exc:
+        fail(f"{exc}{origin}")
+    if vllm_options is not None:
+        name = "vllm"
     if name not in available_targets():
         fail(f"unknown target {name[:60]!r}{origin}; run `kvspec targets` to list them")
     if name == "vllm" and importlib.util.find_spec("vllm") is None:
@@ -107,20 +113,66 @@ def check_target(name: str, origin: str = "") -> None:
                  f"{installed_vllm_version()} failed: {type(cause).__name__}: {cause}")
 
 
-def target_profile(target: str, strict: bool, quiet: bool = False):
+def target_profile(target: str, quiet: bool = False):
+    """The environment for ``target``: everything, except the triggers of an
+    accepted finding whose fix does not fit the installed vLLM."""
     from kvspec.harness.profiles import FULL
-    if target != "vllm" or strict:
+    from kvspec.harness.targets import parse_vllm_target
+    options = parse_vllm_target(target)
+    if options is None:
         return FULL
     from kvspec.harness.accepted_findings import profile_for
-    profile = profile_for(installed_vllm_version())
+    from kvspec.harness.vllm_patches import patched
+    fixes, planted = options
+    applied = patched(fixes, planted)
+    unplanted = [pid for pid in planted if pid in applied.skipped]
+    if unplanted:  # a bug asked for but not planted would read as a clean bill
+        fail(f"planted bug {unplanted[0]!r} does not fit vLLM {installed_vllm_version()}"
+             f"{' with these fixes' if fixes != 'all' else ''}: "
+             f"{applied.skipped[unplanted[0]].split(': ', 1)[-1][:200]}")
+    if not quiet:
+        chosen = [p for p in applied.applied]
+        console.print(f"vllm {installed_vllm_version()}: "
+                      + (f"patched with {', '.join(chosen)}" if chosen else "as released (no fixes)")
+                      + " (kvspec/harness/vllm_patches.py)")
+        for pid, why in applied.skipped.items():
+            console.print(f"vllm: patch {pid} does not fit this release: {why}")
+    if fixes == "none":
+        return FULL  # the release as shipped, the whole environment
+    profile = profile_for(installed_vllm_version(), set(applied.applied))
     if profile.because and not quiet:
-        console.print(f"vllm {installed_vllm_version()}: stepping around accepted findings "
-                      f"{', '.join(profile.because)} (docs/findings/; --strict to include them)")
+        console.print(f"vllm {installed_vllm_version()}: stepping around unfixed findings "
+                      f"{', '.join(profile.because)} (their fixes are not applied: "
+                      + ("not chosen by --fixes)" if fixes != "all" else "they do not fit)"))
     return profile
 
 
+def target_patches(target: str) -> dict | None:
+    """The vLLM patches a target applies: applied ids, and why others did not fit."""
+    from kvspec.harness.targets import parse_vllm_target
+    options = parse_vllm_target(target)
+    if options is None:
+        return None
+    from kvspec.harness.vllm_patches import FIXES, patched
+    applied = patched(*options)
+    return {"fixes": [p for p in applied.applied if p in FIXES],
+            "planted": [p for p in applied.applied if p not in FIXES],
+            "not_fitting": dict(applied.skipped)}
+
+
+def resolve_target(target: str, strict: bool, fixes: str, plant: list[str] | None) -> str:
+    """The target name a run uses: ``vllm`` with the chosen fixes and planted bugs."""
+    from kvspec.harness.targets import vllm_target_name
+    if target != "vllm":
+        if strict or fixes != "all" or plant:
+            if not target.startswith("vllm?"):
+                fail(f"--strict, --fixes and --plant apply to the vllm target, not {target[:60]!r}")
+        return target
+    return vllm_target_name("none" if strict else fixes, tuple(plant or ()))
+
+
 def run_fuzz(target: str, budget: str, seed: int, out: Path, db: Path | None,
-             strict: bool = False, design_rules: bool = True, db_option: str = "--db"):
+             design_rules: bool = True, db_option: str = "--db"):
     """``db_option``: how errors name ``db`` (``check`` has no --db option)."""
     from kvspec.harness.fuzz import fuzz
     seconds = parse_budget(budget)
@@ -128,9 +180,9 @@ def run_fuzz(target: str, budget: str, seed: int, out: Path, db: Path | None,
     check_writable_dir(out, "--out")
     if db is not None:
         check_writable_dir(db, db_option)
-    version = f" (vLLM {installed_vllm_version()})" if target == "vllm" else ""
+    version = f" (vLLM {installed_vllm_version()})" if target.startswith("vllm") else ""
     console.print(f"kvspec: target {target}{version}, seed {seed}, budget {seconds:g}s")
-    profile = target_profile(target, strict)
+    profile = target_profile(target)
     if not console.is_terminal:  # a log: a plain line at a steady interval
         return fuzz(target, seconds, seed, out, db, profile=profile, design_rules=design_rules,
                     heartbeat=progress_line("fuzzing", seconds), heartbeat_every=PROGRESS_EVERY)
@@ -200,6 +252,12 @@ def show_counterexample(steps, violations, trace_path=None) -> None:
               file=sys.stderr)
 
 
+STRICT_HELP = "vllm: the release as shipped, no fixes (same as --fixes none)"
+FIXES_HELP = ("vllm: which accepted findings' fixes to apply at import: all (default), none, "
+              "or ids joined by commas (kvspec targets lists them)")
+PLANT_HELP = "vllm: plant a bug into vLLM at import, by id (repeatable; kvspec targets lists them)"
+
+
 DESIGN_RULES_HELP = ("check vLLM's design rules (one writer per recomputed block, the "
                      "long-prefill cap) as well as the safety claims")
 
@@ -209,12 +267,14 @@ def check(target: str = typer.Option("impl", help="target to check"),
           budget: str = typer.Option("60s", help="time budget, e.g. 60s, 10m"),
           seed: int = typer.Option(0, help="seed; everything derives from it"),
           out: Path = typer.Option(DEFAULT_OUT, help="where failing traces are saved"),
-          strict: bool = typer.Option(False, help="vllm: do not step around accepted findings"),
+          strict: bool = typer.Option(False, help=STRICT_HELP),
+          fixes: str = typer.Option("all", help=FIXES_HELP),
+          plant: list[str] = typer.Option(None, help=PLANT_HELP),
           design_rules: bool = typer.Option(True, help=DESIGN_RULES_HELP),
           as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout")):
     """Check every invariant on a target within a budget; exit 1 on a violation."""
-    fuzz_and_report(target, budget, seed, out, DEFAULT_DB, strict, design_rules, as_json,
-                    db_option="the example database")
+    fuzz_and_report(resolve_target(target, strict, fixes, plant), budget, seed, out, DEFAULT_DB,
+                    design_rules, as_json, db_option="the example database")
 
 
 @app.command("fuzz")
@@ -223,15 +283,18 @@ def fuzz_cmd(target: str = typer.Option("impl", help="target to fuzz"),
              seed: int = typer.Option(0, help="seed; everything derives from it"),
              out: Path = typer.Option(DEFAULT_OUT, help="where failing traces are saved"),
              db: Path = typer.Option(DEFAULT_DB, help="Hypothesis example database"),
-             strict: bool = typer.Option(False, help="vllm: do not step around accepted findings"),
+             strict: bool = typer.Option(False, help=STRICT_HELP),
+             fixes: str = typer.Option("all", help=FIXES_HELP),
+             plant: list[str] = typer.Option(None, help=PLANT_HELP),
              design_rules: bool = typer.Option(True, help=DESIGN_RULES_HELP),
              as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout")):
     """Fuzz a target; every failure is saved as a trace and shown as a step table."""
-    fuzz_and_report(target, budget, seed, out, db, strict, design_rules, as_json)
+    fuzz_and_report(resolve_target(target, strict, fixes, plant), budget, seed, out, db,
+                    design_rules, as_json)
 
 
 def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
-                    strict: bool, design_rules: bool = True, as_json: bool = False,
+                    design_rules: bool = True, as_json: bool = False,
                     db_option: str = "--db") -> None:
     """What ``check`` and ``fuzz`` share: run, report, exit 1 on a violation (2 on bad
     input). With ``as_json`` the human-readable output goes to stderr and stdout
@@ -240,33 +303,39 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
     if as_json:
         console = Console(stderr=True, width=200)
     try:
-        result = run_fuzz(target, budget, seed, out, db, strict, design_rules, db_option)
+        result = run_fuzz(target, budget, seed, out, db, design_rules, db_option)
     except UsageError as exc:
         fail(str(exc))
-    profile = target_profile(target, strict, quiet=True)
+    profile = target_profile(target, quiet=True)
     code = report(result, design_rules, profile)
     if as_json:
         import json
 
         from kvspec.report import json_summary
         print(json.dumps(json_summary(result, target_version(target), parse_budget(budget),
-                                      profile, design_rules), indent=1))
+                                      profile, design_rules, target_patches(target)), indent=1))
     raise typer.Exit(code)
 
 
 def target_version(target: str) -> str:
     from importlib.metadata import version
-    if target == "vllm":
+    if target.startswith("vllm"):
         return installed_vllm_version()
     return f"kvspec-reference {version('kvspec')}"
 
 
 @app.command()
 def replay(trace: Path = typer.Argument(..., help="a trace file written by kvspec"),
-           target: str = typer.Option(None, help="target (default: the trace's own)")):
+           target: str = typer.Option(None, help="target (default: the trace's own)"),
+           ignore: list[str] = typer.Option(None, help="leave this claim unchecked, to see "
+                                            "what its violation leads to (repeatable)")):
     """Replay a saved trace deterministically; exit 1 if it still fails."""
     from kvspec.harness.replay import replay_trace
     from kvspec.harness.trace import TraceError, load_trace
+    from kvspec.spec.catalogue import REGISTRY
+    for name in ignore or ():
+        if name not in REGISTRY:
+            fail(f"--ignore: {shown(name, 60)} is no claim; `kvspec claims` lists them")
     try:
         if target is not None:
             check_target(target)
@@ -274,11 +343,12 @@ def replay(trace: Path = typer.Argument(..., help="a trace file written by kvspe
             check_target(load_trace(trace)["target"], f" (named by {shown(trace)})")
         heartbeat = None if console.is_terminal else replay_progress_line
         outcome = replay_trace(trace, target, heartbeat=heartbeat,
-                               heartbeat_every=PROGRESS_EVERY)
+                               heartbeat_every=PROGRESS_EVERY, ignore=frozenset(ignore or ()))
     except TraceError as exc:
         fail(str(exc))
     from rich.text import Text
-    console.print(f"replayed {len(outcome.actions_run)} actions on {outcome.target}")
+    console.print(f"replayed {len(outcome.actions_run)} actions on {outcome.target}"
+                  + (f", not checking {', '.join(ignore)}" if ignore else ""))
     for name in outcome.unknown_claims:  # a note, not an error: the replay decides the code
         console.print(Text(f"note: the recorded verdict names {shown(name, 60)}, which is no "
                            "claim of this kvspec"))
@@ -447,6 +517,12 @@ def targets():
             description += (f" [installed: vLLM {installed_vllm_version()}]" if installed
                             else " [not installed]")
         console.print(f"{name:40s} {description}", markup=False)
+    from kvspec.harness.vllm_patches import FIXES, PLANTED
+    for title, patches in (("vllm fixes (--fixes ID,...)", FIXES),
+                           ("vllm planted bugs (--plant ID)", PLANTED)):
+        console.print(f"\n{title}:", markup=False)
+        for pid, patch in patches.items():
+            console.print(f"  {pid:55s} {patch.summary}", markup=False, soft_wrap=True)
 
 
 def run(argv: list[str] | None = None) -> int:

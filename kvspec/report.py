@@ -69,7 +69,24 @@ def unwitnessed(checks: dict[str, int], witnessed: dict[str, int],
             if is_checked_claim(inv, design_rules) and not witnessed.get(name)}
 
 
-def json_summary(result, version: str, budget_s: float, profile, design_rules: bool) -> dict:
+def restriction_reasons(profile, version: str, patches: dict | None) -> dict[str, str]:
+    """Why the profile steps around each finding it names: its fix is not applied."""
+    from kvspec.harness.accepted_findings import accepted_for
+    findings = {f.id: f for f in accepted_for(version)}
+    not_fitting = (patches or {}).get("not_fitting", {})
+    reasons = {}
+    for fid in profile.because:
+        fix = findings[fid].fix_id if fid in findings else None
+        avoided = ", ".join(f"{k}={v!r}" for k, v in findings[fid].avoided_by) \
+            if fid in findings else ""
+        why = (f"its fix {fix} does not fit this release: {not_fitting[fix]}"
+               if fix in not_fitting else f"its fix {fix} was not chosen (--fixes)")
+        reasons[fid] = f"{avoided}: {why}" if avoided else why
+    return reasons
+
+
+def json_summary(result, version: str, budget_s: float, profile, design_rules: bool,
+                 patches: dict | None = None) -> dict:
     """``kvspec check --json``: one object describing the run."""
     import attrs
 
@@ -98,7 +115,9 @@ def json_summary(result, version: str, budget_s: float, profile, design_rules: b
         "unwitnessed": unwitnessed(result.checks, result.witnessed, design_rules, profile),
         "features": {f: result.features.get(f, 0) for f in FEATURES},
         "profile": {"name": profile.name, "restrictions": restrictions,
-                    "because": list(profile.because)},
+                    "because": list(profile.because),
+                    "justification": restriction_reasons(profile, version, patches)},
+        "patches": patches,
         "verdict": "hold" if ce is None else "violated",
         "violations": [] if ce is None else [{"claim": v.invariant, "message": v.message}
                                              for v in ce.violations],
