@@ -9,7 +9,8 @@ from kvspec.docgen import BEGIN_MARKER, END_MARKER, render_spec_md
 from kvspec.spec.catalogue import REGISTRY
 from kvspec.vllm_map import CONSTRAINS
 
-SPEC_MD = Path(__file__).resolve().parents[1] / "docs" / "spec.md"
+ROOT = Path(__file__).resolve().parents[1]
+SPEC_MD = ROOT / "docs" / "spec.md"
 
 
 def _committed() -> str:
@@ -55,3 +56,31 @@ def test_reviewers_kit_is_in_the_spec():
                     "### Frame table", "### Statuses", "### What is not modelled",
                     "## Safety claims and design rules", "## Witnessed, not just checked"):
         assert heading in text, heading
+
+
+def test_fix_diffs_under_docs_are_the_applied_ones():
+    """docs/findings/fixes/ shows each fix as the unified diff kvspec applies at
+    import (kvspec/harness/patches/fixes/), byte for byte."""
+    applied = ROOT / "kvspec" / "harness" / "patches" / "fixes"
+    shown = ROOT / "docs" / "findings" / "fixes"
+    names = sorted(p.name for p in applied.glob("*.diff"))
+    assert names and names == sorted(p.name for p in shown.glob("*.diff")), (
+        "cp kvspec/harness/patches/fixes/*.diff docs/findings/fixes/")
+    for name in names:
+        assert (applied / name).read_bytes() == (shown / name).read_bytes(), (
+            f"{name} differs: cp kvspec/harness/patches/fixes/{name} docs/findings/fixes/")
+
+
+def test_planted_table_is_rendered_from_the_committed_results():
+    """docs/findings/README.md quotes bench/planted_results.json, not numbers typed by hand."""
+    import importlib.util
+    import json
+    spec = importlib.util.spec_from_file_location("bench_planted",
+                                                  ROOT / "bench" / "bench_planted.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = json.loads((ROOT / "bench" / "planted_results.json").read_text())
+    assert len(result["rows"]) >= 6 and all(r["caught"] for r in result["rows"])
+    readme = bench.FINDINGS_README.read_text()
+    assert bench.render_readme(result, readme) == readme, (
+        "stale: python bench/bench_planted.py --render")
