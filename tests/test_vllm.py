@@ -127,6 +127,7 @@ def test_accepted_finding_harm_continuation(finding, trace):
     outcome = replay_trace(path, ignore=frozenset(harm["ignoring"]))
     assert {v.invariant for v in outcome.violations} == {v["invariant"] for v in harm["verdict"]}, \
         violation_text(outcome)
+    assert outcome.same_as_recorded, violation_text(outcome)  # judged by the harm section
 
 
 @pytest.mark.skipif(not CASES, reason=f"no accepted findings for vLLM {VERSION}")

@@ -48,7 +48,8 @@ def replay_trace(path: Path, target: str | None = None,
     """Replay the trace at ``path`` on its own target or on ``target``;
     ``heartbeat``, if given, is called every ``heartbeat_every`` seconds from a
     background thread while the replay runs. ``ignore``: claims left unchecked,
-    to see what a known violation leads to (a finding's "harm" continuation)."""
+    to see what a known violation leads to (a finding's "harm" continuation,
+    whose recorded verdict the outcome is then compared with)."""
     start = time.monotonic()
     data = load_trace(path)
     name = target or data.get("target", "impl")
@@ -73,7 +74,10 @@ def replay_trace(path: Path, target: str | None = None,
     finally:
         stop.set()
     violations = failure.violations if failure else []
-    recorded = [(v["invariant"], v["message"]) for v in data.get("verdict", [])]
+    # with exactly the claims its harm section ignores, a trace is judged by that section
+    verdict = (data["harm"]["verdict"] if ignore and "harm" in data
+               and set(data["harm"]["ignoring"]) == set(ignore) else data.get("verdict", []))
+    recorded = [(v["invariant"], v["message"]) for v in verdict]
     got = [(v.invariant, v.message) for v in violations]
     unknown = sorted({claim for claim, _ in recorded} - set(REGISTRY) - set(RUN_OUTCOMES))
     return ReplayOutcome(name, runner.actions, violations, runner.log, recorded == got,
