@@ -135,8 +135,12 @@ def target_profile(target: str, quiet: bool = False):
         console.print(f"vllm {installed_vllm_version()}: "
                       + (f"patched with {', '.join(chosen)}" if chosen else "as released (no fixes)")
                       + " (kvspec/harness/vllm_patches.py)")
-        for pid, why in applied.skipped.items():
+        missing, other = split_not_fitting(applied.skipped)
+        for pid, why in missing.items():
             console.print(f"vllm: patch {pid} does not fit this release: {why}")
+        if other:
+            console.print(f"vllm: not applied, fixes of findings this release does not have: "
+                          f"{', '.join(other)}")
     if fixes == "none":
         return FULL  # the release as shipped, the whole environment
     profile = profile_for(installed_vllm_version(), set(applied.applied))
@@ -155,9 +159,22 @@ def target_patches(target: str) -> dict | None:
         return None
     from kvspec.harness.vllm_patches import FIXES, patched
     applied = patched(*options)
+    missing, other = split_not_fitting(applied.skipped)
     return {"fixes": [p for p in applied.applied if p in FIXES],
             "planted": [p for p in applied.applied if p not in FIXES],
-            "not_fitting": dict(applied.skipped)}
+            "not_fitting": missing, "not_needed": other}
+
+
+def split_not_fitting(skipped: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Patches that did not fit: those a finding of the installed release needs (or
+    any, on a release not measured), and fixes of findings it does not have (a
+    backport for an older release; a fix of a finding it predates)."""
+    from kvspec.harness.accepted_findings import fixes_needed
+    from kvspec.harness.vllm_patches import FIXES
+    needed = fixes_needed(installed_vllm_version())
+    other = {pid: why for pid, why in skipped.items()
+             if pid in FIXES and needed is not None and pid not in needed}
+    return {pid: why for pid, why in skipped.items() if pid not in other}, other
 
 
 def resolve_target(target: str, strict: bool, fixes: str, plant: list[str] | None) -> str:

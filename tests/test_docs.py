@@ -84,3 +84,20 @@ def test_planted_table_is_rendered_from_the_committed_results():
     readme = bench.FINDINGS_README.read_text()
     assert bench.render_readme(result, readme) == readme, (
         "stale: python bench/bench_planted.py --render")
+
+
+def test_affected_releases_are_rendered_from_the_committed_replays():
+    """Each write-up's "Affected releases" section quotes bench/releases/, the replays
+    of every trace on every measured release, not results typed by hand."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "render_affected_releases", ROOT / "scripts" / "render_affected_releases.py")
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    replays = render.load_replays()
+    assert "0.32.0" in replays and len(replays) >= 2
+    for path in sorted((ROOT / "docs" / "findings").glob("vllm-*.md")):
+        assert render.rendered(path, replays) == path.read_text(), (
+            f"{path.name} is stale: python scripts/render_affected_releases.py")
+        for name in render.TRACE_NAME.findall(path.read_text()):
+            assert (ROOT / "docs" / "findings" / name).is_file(), f"{path.name} names {name}"

@@ -16,12 +16,15 @@ import time
 import attrs
 
 from kvspec.harness.runner import ALL_KINDS, Counterexample, Runner
+from kvspec.harness.trace import check_semantics
 from kvspec.spec.state import Config
 
 #: step arguments worth trying without, most likely to be noise first
 STEP_ARGS = ("drafts", "accept", "eos", "finish_sends", "fail_blocks", "fail_offset", "fail",
              "fail_all",
              "finish_loads")
+#: step arguments that name requests
+REQUEST_ARGS = ("finish_loads", "fail", "eos", "finish_sends")
 #: arrival arguments worth trying without
 ADD_FLAGS = ("priority", "none", "send", "offload", "async", "ext")
 
@@ -37,7 +40,7 @@ def _candidates(config: Config, actions: list[dict]):
     simpler arrival, then a configuration that runs requests in fewer steps."""
     for i in reversed(range(len(actions))):
         if actions[i]["op"] != "drain":
-            yield config, actions[:i] + actions[i + 1:]
+            yield config, _without(actions, i)
     for i, action in enumerate(actions):
         if action["op"] != "step":
             continue
@@ -51,6 +54,24 @@ def _candidates(config: Config, actions: list[dict]):
                 yield config, actions[:i] + [simpler] + actions[i + 1:]
     for changes in _config_simplifications(config):
         yield attrs.evolve(config, **changes), actions
+
+
+def _without(actions: list[dict], i: int) -> list[dict]:
+    """``actions`` less the ``i``-th; an arrival's request also leaves the later
+    steps' arguments and aborts that name it (a trace naming a request never
+    added is malformed)."""
+    if actions[i]["op"] != "add":
+        return actions[:i] + actions[i + 1:]
+    rid = actions[i]["id"]
+    rest = []
+    for action in actions[i + 1:]:
+        if action["op"] == "abort" and action["id"] == rid:
+            continue
+        if action["op"] == "step":
+            action = {k: ([r for r in v if r != rid] if k in REQUEST_ARGS else v)
+                      for k, v in action.items()}
+        rest.append(action)
+    return actions[:i] + rest
 
 
 def _add_simplifications(action: dict):
@@ -93,6 +114,8 @@ def minimize(target: str, failure: Counterexample, kinds=ALL_KINDS,
         for cfg, candidate in _candidates(best.runner.config, list(best.runner.actions)):
             if time.monotonic() >= deadline:
                 break
+            if check_semantics(cfg, candidate) is not None:
+                continue  # e.g. a step still naming a request whose arrival was dropped
             try:
                 found = replay_actions(target, cfg, candidate, kinds, design_rules)
             except (ValueError, TypeError):  # a configuration the target refuses

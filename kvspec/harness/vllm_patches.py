@@ -19,13 +19,17 @@ Two kinds, kept apart:
   them (``--plant ID``).
 
 A patch may come in variants (``<id>.diff``, ``<id>@<release>.diff``) for releases
-whose code differs; the first variant whose hunks all fit is applied.
+whose code differs; the first variant whose hunks all fit is applied. A fix of a
+finding of older releases only (a backport) has only ``@<release>`` variants: on
+a release without that finding it does not fit, and is not needed
+(``accepted_findings.fixes_needed``).
 """
 from __future__ import annotations
 
 import functools
 import importlib
 import inspect
+import linecache
 import sys
 import types
 from pathlib import Path
@@ -81,6 +85,18 @@ FIXES: dict[str, Patch] = {p.id: p for p in [
     Patch("spec-pad-clipped-by-prefill-threshold", "fix",
           "a new request is padded with placeholder drafts only when the long-prefill cap "
           "leaves room for the padded step", "vllm-0.32.0-spec-pad-clipped-by-prefill-threshold"),
+    # Backports of upstream fixes for findings of older releases only (0.32.0 has
+    # the fix already, so they fit only the releases named in their variants).
+    Patch("async-load-counts-whole-block", "fix",
+          "(backport of #34616) an async load counts its hit when it is issued, and a "
+          "finished load caches and counts the tokens loaded, not whole blocks",
+          "vllm-0.14.1-async-load-counts-whole-block"),
+    Patch("stats-reset-after-preemption", "fix",
+          "(backport of #37460) the cache-hit stats are taken at the first prefix lookup "
+          "only, not again after a preemption", "vllm-0.24.0-stats-reset-after-preemption"),
+    Patch("spec-pad-past-max-model-len", "fix",
+          "(backport of #53962) a new request is padded with placeholder drafts only when "
+          "there is room for the sampled token", "vllm-0.28.0-spec-pad-past-max-model-len"),
 ]}
 
 PLANTED: dict[str, Patch] = {p.id: p for p in [
@@ -203,7 +219,11 @@ def _execute(name: str, text: str, applied: list[str]) -> types.ModuleType:
     module = types.ModuleType(name, original.__doc__)
     module.__dict__.update(__file__=original.__file__, __package__=original.__package__,
                            __spec__=original.__spec__, __loader__=original.__loader__)
-    code = compile(text, f"{original.__file__} (kvspec patches: {', '.join(applied)})", "exec")
+    filename = f"{original.__file__} (kvspec patches: {', '.join(applied)})"
+    # tracebacks (and a crash's located assert) show the patched source's lines,
+    # not the installed file's lines at the patched line numbers
+    linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
+    code = compile(text, filename, "exec")
     exec(code, module.__dict__)  # noqa: S102 (vLLM's own source, with reviewed diffs)
     return module
 

@@ -22,8 +22,10 @@ Mapping decisions, each one a place where vLLM and the spec name things differen
   connector's block ids, ``invalid_block_ids`` from the worker). A full
   attention block table that ever held block 0 is reported as a target crash.
 - **Cache-hit stats.** Releases before ``prefill_stats`` keep
-  ``Request.num_cached_tokens`` (-1 until set) and
-  ``Request.num_external_computed_tokens``. Releases with
+  ``Request.num_cached_tokens`` (-1 until set when the request first runs) and
+  ``Request.num_external_computed_tokens`` (set at every lookup); the target
+  reports the pair once ``num_cached_tokens`` is set, as vLLM does with the
+  first output, and no stats before. Releases with
   ``Request.prefill_stats`` (``PrefillStats``) fill it in at every
   prefix-cache lookup of a request that was never preempted, and hand it out
   (``take_prefill_stats`` sets the field to None) with the first output. The
@@ -434,8 +436,9 @@ class VllmTarget:
                 return STATS_UNSET, 0
             return stats.num_cached_tokens, stats.num_external_cached_tokens
         cached = getattr(r, "num_cached_tokens", STATS_UNSET)
-        return (cached if cached >= 0 else STATS_UNSET,
-                getattr(r, "num_external_computed_tokens", 0))
+        if cached < 0:  # not recorded yet: the lookup's external count is provisional
+            return STATS_UNSET, 0
+        return cached, getattr(r, "num_external_computed_tokens", 0)
 
     def observe_request(self, request_id: str) -> RequestView:
         s = self.scheduler
