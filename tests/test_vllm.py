@@ -94,9 +94,16 @@ def test_accepted_finding_passes_with_its_fix(finding, trace):
     from kvspec.harness.vllm_patches import patched
     assert finding.fix_id in patched(finding.fix_id).applied, \
         f"{finding.fix_id} does not fit vLLM {VERSION}: {patched(finding.fix_id).skipped}"
-    for target in (f"vllm?fixes={finding.fix_id}", "vllm"):
-        outcome = replay_trace(FINDINGS / trace, target)
-        assert not outcome.violations, f"{trace} on {target}: " + violation_text(outcome)
+    outcome = replay_trace(FINDINGS / trace, "vllm")
+    assert not outcome.violations, f"{trace} on vllm: " + violation_text(outcome)
+    # Alone, its fix may let the trace go on to another finding of the release (on
+    # 0.24.0 the priority trace reaches the stats reset): only those claims may break.
+    others = set().union(*[recorded_invariants(FINDINGS / t) for f in accepted_for(VERSION)
+                           if f.id != finding.id for t in f.traces])
+    outcome = replay_trace(FINDINGS / trace, f"vllm?fixes={finding.fix_id}")
+    got = {v.invariant for v in outcome.violations}
+    assert got <= others - {"transition_admitted_by_model"}, \
+        f"{trace} with {finding.fix_id} alone: " + violation_text(outcome)
 
 
 @pytest.mark.skipif(not CONTRACT_CASES, reason=f"no connector-contract findings for {VERSION}")
@@ -123,6 +130,10 @@ def test_accepted_finding_harm_continuation(finding, trace):
     its owner will rewrite); its recorded continuation, replayed with the first
     claims unchecked, shows the harm: a request served output computed from it."""
     path = FINDINGS / trace
+    recorded_on = trace.split("-")[1]
+    if recorded_on != VERSION:
+        pytest.skip(f"{trace}: its harm continuation was recorded on vLLM {recorded_on}; "
+                    f"on {VERSION} the first violation is checked, not what follows it")
     harm = json.loads(path.read_text())["harm"]
     outcome = replay_trace(path, ignore=frozenset(harm["ignoring"]))
     assert {v.invariant for v in outcome.violations} == {v["invariant"] for v in harm["verdict"]}, \
@@ -175,7 +186,11 @@ def test_planted_bug_is_caught_by_the_default_check(planted, tmp_path):
     from kvspec.harness.fuzz import fuzz
     from kvspec.harness.targets import vllm_target_name
     from kvspec.harness.vllm_patches import patched
-    assert planted in patched("all", (planted,)).applied, patched("all", (planted,)).skipped
+    applied = patched("all", (planted,))
+    if planted not in applied.applied and VERSION != "0.32.0":
+        pytest.skip(f"planted bug {planted} is written against vLLM 0.32.0 and does not "
+                    f"fit {VERSION}: {applied.skipped.get(planted, '')[:120]}")
+    assert planted in applied.applied, applied.skipped
     target = vllm_target_name("all", (planted,))
     result = fuzz(target, budget=60, seed=0, out_dir=tmp_path,
                   profile=target_profile(target, quiet=True))
