@@ -70,7 +70,6 @@ def render_readme(result: dict, text: str) -> str:
 
 def measure(pid: str, budget: float, seed: int, out_dir: Path) -> dict:
     from kvspec.cli import target_profile
-    from kvspec.harness.accepted_findings import installed_vllm_version  # noqa: F401
     from kvspec.harness.fuzz import fuzz
     from kvspec.harness.replay import replay_trace
     from kvspec.harness.targets import vllm_target_name

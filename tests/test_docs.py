@@ -71,14 +71,20 @@ def test_fix_diffs_under_docs_are_the_applied_ones():
             f"{name} differs: cp kvspec/harness/patches/fixes/{name} docs/findings/fixes/")
 
 
+def _load_script(relative: str):
+    """A script of bench/ or scripts/ (not a package) as a module."""
+    import importlib.util
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_planted_table_is_rendered_from_the_committed_results():
     """docs/findings/README.md quotes bench/planted_results.json, not numbers typed by hand."""
-    import importlib.util
     import json
-    spec = importlib.util.spec_from_file_location("bench_planted",
-                                                  ROOT / "bench" / "bench_planted.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load_script("bench/bench_planted.py")
     result = json.loads((ROOT / "bench" / "planted_results.json").read_text())
     assert len(result["rows"]) >= 6 and all(r["caught"] for r in result["rows"])
     readme = bench.FINDINGS_README.read_text()
@@ -89,11 +95,7 @@ def test_planted_table_is_rendered_from_the_committed_results():
 def test_affected_releases_are_rendered_from_the_committed_replays():
     """Each write-up's "Affected releases" section quotes bench/releases/, the replays
     of every trace on every measured release, not results typed by hand."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        "render_affected_releases", ROOT / "scripts" / "render_affected_releases.py")
-    render = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(render)
+    render = _load_script("scripts/render_affected_releases.py")
     replays = render.load_replays()
     assert "0.32.0" in replays and len(replays) >= 2
     for path in sorted((ROOT / "docs" / "findings").glob("vllm-*.md")):

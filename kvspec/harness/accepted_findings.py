@@ -156,37 +156,31 @@ FULL_ASYNC_HIT_EXTERNAL_EXCEEDS_CACHED = AcceptedFinding(
 #: of docs/vllm-releases.md, not here. A release's own findings are listed for the
 #: releases their traces fail on (their traces, recorded before the claim
 #: transition_admitted_by_model, now break it too: docs/vllm-releases.md).
+# What the measured releases share (the same code, the same traces failing as recorded).
+_0_32_0_AND_0_31_0 = FINDINGS_0_32_0 + (SPEC_PAD_CLIPPED_BY_PREFILL_THRESHOLD,
+                                        ASYNC_LOAD_RESERVATION_PAST_MAX_MODEL_LEN)
+_0_28_0_AND_0_24_0 = _reproduced(
+    "sync-full-prompt-hit-crash", "one-token-async-hit-livelock",
+    "priority-preempt-caches-uncomputed-block", "fail-policy-shared-failure-downstream-cached",
+    "recompute-failed-block-stays-cached", "abort-mid-load-frees-under-send") + (
+    _only_traces("failed-async-load-self-reservation-hang",
+                 "vllm-0.32.0-failed-async-load-self-reservation-hang.json"),
+    WAITING_HEAD_BLOCKS_FINISHED_LOAD)
+_0_18_1_AND_0_14_1 = _reproduced(
+    "sync-full-prompt-hit-crash", "priority-preempt-caches-uncomputed-block",
+    "fail-policy-shared-failure-downstream-cached", "recompute-failed-block-stays-cached") + (
+    STATS_RESET_AFTER_PREEMPTION,)
+
 ACCEPTED: dict[str, tuple[AcceptedFinding, ...]] = {
-    "0.32.0": FINDINGS_0_32_0 + (SPEC_PAD_CLIPPED_BY_PREFILL_THRESHOLD,
-                                 ASYNC_LOAD_RESERVATION_PAST_MAX_MODEL_LEN),
-    "0.31.0": FINDINGS_0_32_0 + (SPEC_PAD_CLIPPED_BY_PREFILL_THRESHOLD,
-                                 ASYNC_LOAD_RESERVATION_PAST_MAX_MODEL_LEN),
-    "0.28.0": _reproduced("sync-full-prompt-hit-crash", "one-token-async-hit-livelock",
-                          "priority-preempt-caches-uncomputed-block",
-                          "fail-policy-shared-failure-downstream-cached",
-                          "recompute-failed-block-stays-cached",
-                          "abort-mid-load-frees-under-send") + (
-        _only_traces("failed-async-load-self-reservation-hang",
-                     "vllm-0.32.0-failed-async-load-self-reservation-hang.json"),
-        SPEC_PAD_PAST_MAX_MODEL_LEN, SPEC_PAD_CLIPPED_0_28_0, WAITING_HEAD_BLOCKS_FINISHED_LOAD),
-    "0.24.0": _reproduced("sync-full-prompt-hit-crash", "one-token-async-hit-livelock",
-                          "priority-preempt-caches-uncomputed-block",
-                          "fail-policy-shared-failure-downstream-cached",
-                          "recompute-failed-block-stays-cached",
-                          "abort-mid-load-frees-under-send") + (
-        _only_traces("failed-async-load-self-reservation-hang",
-                     "vllm-0.32.0-failed-async-load-self-reservation-hang.json"),
-        STATS_RESET_AFTER_PREEMPTION, WAITING_HEAD_BLOCKS_FINISHED_LOAD),
-    "0.18.1": _reproduced("sync-full-prompt-hit-crash", "priority-preempt-caches-uncomputed-block",
-                          "fail-policy-shared-failure-downstream-cached",
-                          "recompute-failed-block-stays-cached") + (
+    "0.32.0": _0_32_0_AND_0_31_0,
+    "0.31.0": _0_32_0_AND_0_31_0,
+    "0.28.0": _0_28_0_AND_0_24_0 + (SPEC_PAD_PAST_MAX_MODEL_LEN, SPEC_PAD_CLIPPED_0_28_0),
+    "0.24.0": _0_28_0_AND_0_24_0 + (STATS_RESET_AFTER_PREEMPTION,),
+    "0.18.1": _0_18_1_AND_0_14_1 + (
         _only_traces("abort-mid-load-frees-under-send",
                      "vllm-0.32.0-abort-mid-load-send-assert.json"),
-        STATS_RESET_AFTER_PREEMPTION, FULL_ASYNC_HIT_EXTERNAL_EXCEEDS_CACHED),
-    "0.14.1": _reproduced("sync-full-prompt-hit-crash", "priority-preempt-caches-uncomputed-block",
-                          "fail-policy-shared-failure-downstream-cached",
-                          "recompute-failed-block-stays-cached") + (
-        ASYNC_LOAD_COUNTS_WHOLE_BLOCK, STATS_RESET_AFTER_PREEMPTION),
+        FULL_ASYNC_HIT_EXTERNAL_EXCEEDS_CACHED),
+    "0.14.1": _0_18_1_AND_0_14_1 + (ASYNC_LOAD_COUNTS_WHOLE_BLOCK,),
 }
 
 
