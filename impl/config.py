@@ -64,6 +64,8 @@ class SchedulerConfig:
     kv_load_failure_policy: str = attrs.field(default="recompute",
                                               validator=_one_of(FAILURE_POLICIES))
     enable_prefix_caching: bool = attrs.field(default=True, validator=_boolean)
+    #: schedule step N+1 before step N's output is applied (see impl/in_flight.py)
+    async_scheduling: bool = attrs.field(default=False, validator=_boolean)
 
     def __attrs_post_init__(self) -> None:
         slots = self.num_blocks * self.block_size

@@ -108,6 +108,16 @@ class KVCacheManager:
                 if first_bad is not None:
                     cached[g] = min(cached[g], first_bad)
 
+    def pop_blocks(self, request: Request) -> list:
+        """Forget the request's blocks without giving them back: the caller
+        frees them later (tail blocks first) with ``free_blocks``."""
+        table = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_block.pop(request.request_id, None)
+        return [b for blocks in (table or ()) for b in blocks]
+
+    def free_blocks(self, blocks: list) -> None:
+        self.pool.free_blocks(reversed(blocks))
+
     def free(self, request: Request) -> None:
         table = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)

@@ -11,6 +11,7 @@ import attrs
 
 from kvspec.impl.config import SchedulerConfig
 from kvspec.impl.connector import KVConnector, NoConnector, check_matched_tokens
+from kvspec.impl.in_flight import InFlightBook
 from kvspec.impl.kv_cache_manager import KVCacheManager
 from kvspec.impl.outputs import ModelRunnerOutput, SchedulerOutput
 from kvspec.impl.recovery import RecoveryBook, Waiter, first_invalid_index, lower_stats
@@ -66,6 +67,12 @@ class Scheduler:
         self._load_origin: dict[str, tuple[int, int]] = {}  # req -> (local, external)
         self._loaded: set[str] = set()  # async load finished; do not ask the connector again
         self._arrivals = 0
+        #: async scheduling: placeholders, stale output and fenced frees
+        self.in_flight = InFlightBook()
+
+    @property
+    def is_async(self) -> bool:
+        return self.config.async_scheduling
 
     # ------------------------------------------------------------------
     # add / finish
@@ -136,10 +143,20 @@ class Scheduler:
             self._free_blocks(request)
 
     def _free_blocks(self, request: Request) -> None:
-        self.kv.free(request)
+        self._free_or_fence(request)
+        self.in_flight.forget(request.request_id)
         self._load_origin.pop(request.request_id, None)
         self._loaded.discard(request.request_id)
         del self.requests[request.request_id]
+
+    def _free_or_fence(self, request: Request) -> bool:
+        """Free the request's blocks, or, while a step in flight may still write
+        them, hold them until its output is back. Returns whether they are fenced."""
+        if not (self.is_async and self.in_flight.is_in_flight(request.request_id)):
+            self.kv.free(request)
+            return False
+        self.in_flight.fence(request.request_id, self.kv.pop_blocks(request))
+        return True
 
     def _release_claims(self, request: Request) -> None:
         """A leaving request stops waiting; its waiters see one holder fewer."""
@@ -156,6 +173,8 @@ class Scheduler:
             self._schedule_waiting(plan)
         output = self._make_output(plan)
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        if self.is_async:
+            self.in_flight.on_schedule(self.requests, plan.num_scheduled_tokens, plan.spec_tokens)
         self._advance_computed(plan)
         return output
 
@@ -178,7 +197,10 @@ class Scheduler:
             self._schedule_spec_tokens(request, num_new, plan)
 
     def _num_new_running_tokens(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens_with_spec - request.num_computed_tokens
+        if self._is_output_complete_in_flight(request):
+            return 0
+        num_new = (request.num_tokens_with_spec + request.num_output_placeholders
+                   - request.num_computed_tokens)
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < num_new:
             num_new = threshold
@@ -186,22 +208,43 @@ class Scheduler:
         # Never run a position at or past max_model_len (spec decode can ask).
         return min(num_new, self.config.max_model_len - 1 - request.num_computed_tokens)
 
+    def _is_output_complete_in_flight(self, request: Request) -> bool:
+        """Async scheduling: the steps in flight already sample its last tokens."""
+        return (request.num_output_placeholders > 0 and request.num_output_tokens
+                + request.num_output_placeholders >= request.max_tokens)
+
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan) -> bool:
         while self.kv.allocate_slots(request, num_new) is None:
             victim = self._pick_victim()
             if victim is request and self._release_loaded_waiting():
                 continue  # loaded-but-waiting KV gave way before the request preempts itself
-            self._preempt(victim, plan)
+            if victim is request and self.is_async and self._is_loading_elsewhere():
+                # wait for that load instead: its output arrives a step late under
+                # async scheduling, and a self-preempted request that reloads
+                # would take the blocks the loaded one needs next (a livelock)
+                return False
+            fenced = self._preempt(victim, plan)
             if victim is request:
                 return False
+            if fenced:
+                # its blocks come back once the step in flight is processed:
+                # preempting more now would free nothing sooner (#49674)
+                return False
         return True
+
+    def _is_loading_elsewhere(self) -> bool:
+        """Some waiting request holds blocks an async load is filling; once it
+        lands they can be released (``_release_loaded_waiting``)."""
+        return any(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                   and any(self.kv.get_block_ids(r.request_id)) for r in self.waiting)
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, request: Request, plan: StepPlan) -> None:
+    def _preempt(self, request: Request, plan: StepPlan) -> bool:
+        """Returns whether its blocks were fenced (a step in flight writes them)."""
         assert request.status == RequestStatus.RUNNING, "only running requests are preempted"
         self.running.remove(request)
         plan.drop(request)
@@ -210,14 +253,17 @@ class Scheduler:
         # sync load that will now never run) hold no KV yet: do not serve them.
         (block_ids, *_) = self.kv.get_block_ids(request.request_id)
         self.kv.uncache_blocks(block_ids[request.num_computed_tokens // self.block_size:])
-        self.kv.free(request)
+        fenced = self._free_or_fence(request)
         self._load_origin.pop(request.request_id, None)
+        if self.is_async:
+            self.in_flight.make_stale(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.waiting.prepend(request)
         plan.preempted.append(request)
+        return fenced
 
     def _schedule_spec_tokens(self, request: Request, num_new: int, plan: StepPlan) -> None:
         num_spec = num_new + request.num_computed_tokens - request.num_tokens
@@ -420,14 +466,22 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput,
                            runner: ModelRunnerOutput) -> dict[str, list[int]]:
         kv_out = runner.kv_connector_output
-        skipped = self._handle_invalid_blocks(kv_out.invalid_block_ids)
+        released = self.in_flight.on_output() if self.is_async else []
+        skipped = self._handle_invalid_blocks(kv_out.invalid_block_ids, released)
+        for blocks in released:
+            self.kv.free_blocks(blocks)
         new_tokens: dict[str, list[int]] = {}
         for req_id in output.num_scheduled_tokens:
             request = self.requests.get(req_id)
-            if request is None or req_id in skipped or request.is_finished():
+            if request is None or request.is_finished():
                 continue
+            if req_id in skipped or self.in_flight.take_stale(req_id):
+                continue  # computed before a preemption or on failed KV: dropped
             tokens = list(runner.sampled_token_ids.get(req_id, []))
             self._apply_spec_rejections(request, output, tokens)
+            if self.is_async and tokens:
+                drafts = len(output.scheduled_spec_decode_tokens.get(req_id, ()))
+                self.in_flight.return_share(request, drafts, len(tokens))
             new_tokens[req_id] = self._append_tokens(request, tokens)
         self._update_from_kv_xfer_finished(kv_out.finished_recving, kv_out.finished_sending)
         return new_tokens
@@ -471,8 +525,10 @@ class Scheduler:
                 self._free_blocks(request)
 
     # -- failure recovery --------------------------------------------------
-    def _handle_invalid_blocks(self, invalid_block_ids) -> set[str]:
-        """Returns the running requests whose output this step is discarded."""
+    def _handle_invalid_blocks(self, invalid_block_ids, released=()) -> set[str]:
+        """Returns the running requests whose output this step is discarded.
+        ``released``: block tables of requests gone while this step was in
+        flight (fenced until now): their blocks past a failed one are suspect too."""
         invalid = set(invalid_block_ids or ())
         if not invalid:
             return set()
@@ -480,7 +536,17 @@ class Scheduler:
         suspect, owners = set(invalid), {}
         affected_loads = self._truncate_affected(loading, invalid, suspect, owners)
         affected_running = self._truncate_affected(self.running, invalid, suspect, owners)
+        # requests that ended while the step was in flight (fenced, or held for a send)
+        ended = [[self.kv.pool.blocks[b] for b in self.kv.get_block_ids(rid)[0]]
+                 for rid, r in self.requests.items() if r.is_finished()]
+        for table in [*released, *ended]:
+            idx = next((i for i, b in enumerate(table) if b.block_id in invalid), None)
+            if idx is not None:
+                suspect.update(b.block_id for b in table[idx:])
         self.failed_recving |= affected_loads
+        if self.is_async:  # their output in flight was computed on the failed KV
+            for req_id in affected_running:
+                self.in_flight.make_stale(self.requests[req_id])
         # Blocks past a failed one were computed on top of it: none may be served.
         self.kv.uncache_blocks(suspect)
         if self.config.kv_load_failure_policy == "fail":

@@ -60,6 +60,14 @@ CONSTRAINS: dict[str, str] = {
     "placeholders_nonnegative": "`AsyncScheduler._update_after_schedule`, "
                                 "`_update_request_with_output` (v1/core/sched/async_scheduler.py); "
                                 f"`Scheduler._preempt_request` ({S}).",
+    "placeholders_match_in_flight": "`AsyncScheduler._update_after_schedule`, "
+                                    "`_update_request_with_output` "
+                                    "(v1/core/sched/async_scheduler.py); "
+                                    f"`Scheduler._preempt_request`, `update_from_output` "
+                                    f"(stale output), `_handle_invalid_blocks` ({S}).",
+    "output_is_the_sampled_sequence": f"`Scheduler.update_from_output` ({S}): stale output "
+                                      "of a preempted request (`num_stale_output_tokens`, "
+                                      "`drop_stale_output`); `_update_request_with_output`.",
     "idle_waiting_holds_no_blocks": f"`Scheduler._preempt_request`, `_free_request_blocks`, "
                                     f"`_update_waiting_for_remote_kv` ({S}).",
     "preempted_means_preempted": f"`Scheduler._preempt_request`, `_handle_blocked_waiting_request` "

@@ -173,11 +173,22 @@ def preemption_victim_follows_policy(t: Transition):
                   f"while a request of priority {max(kept)} kept running"
 
 
-@invariant(cites="seed 004 (schedule)", kind="relation")
+def _get_known_tokens(t: Transition, rid: str) -> int:
+    """Positions a step may schedule without drafts: the request's tokens, and
+    under async scheduling the placeholder positions its steps in flight fill
+    (a request the step preempted or admits has none in flight)."""
+    was, r = t.before.requests.get(rid), t.after.requests[rid]
+    held = was.num_output_placeholders if was is not None and \
+        was.status == RequestStatus.RUNNING else 0
+    return r.num_tokens + held
+
+
+@invariant(cites="seed 004 (schedule); #27644", kind="relation")
 def schedule_relation(t: Transition):
     """schedule. Effect: every scheduled request is RUNNING with at least one
     token scheduled, starting at its computed prefix and ending within its
-    tokens plus scheduled drafts, below ``max_model_len - 1``; its
+    tokens (and, under async scheduling, the placeholder positions its steps
+    in flight fill) plus scheduled drafts, below ``max_model_len - 1``; its
     scheduled drafts are exactly the
     positions past its known tokens; the total is within the token budget; a
     request that starts running is reported new or resumed (resumed only after a
@@ -199,16 +210,17 @@ def schedule_relation(t: Transition):
         r = t.after.requests.get(rid)
         start = step.num_computed_before.get(rid, -1)
         spec = len(step.scheduled_spec_decode_tokens.get(rid, ()))
+        known = _get_known_tokens(t, rid)
         if r is None or r.status != RequestStatus.RUNNING or n < 1:
             yield f"{rid} scheduled with {n} tokens but is not RUNNING with work to do"
         elif start + n != r.num_computed_tokens:
             yield f"{rid}: computed {start} + scheduled {n} != num_computed {r.num_computed_tokens}"
-        elif start < 0 or start + n > r.num_tokens + spec:
-            yield f"{rid}: scheduled positions [{start}, {start + n}) past its {r.num_tokens}+{spec} tokens"
+        elif start < 0 or start + n > known + spec:
+            yield f"{rid}: scheduled positions [{start}, {start + n}) past its {known}+{spec} tokens"
         elif start + n > cfg.max_model_len - 1:
             yield f"{rid}: scheduled positions up to {start + n} past max_model_len - 1 = {cfg.max_model_len - 1}"
-        elif spec != max(0, start + n - r.num_tokens):
-            yield f"{rid}: {spec} drafts scheduled for {max(0, start + n - r.num_tokens)} positions past its tokens"
+        elif spec != max(0, start + n - known):
+            yield f"{rid}: {spec} drafts scheduled for {max(0, start + n - known)} positions past its tokens"
         elif not _is_continuation(t, rid, start):
             yield (f"{rid} was running with {t.before.requests[rid].num_computed_tokens} computed "
                    f"but was scheduled from {start}")
@@ -288,12 +300,18 @@ def update_from_output_relation(t: Transition):
             yield f"{rid}: its send was reported finished but it still holds blocks {r.block_ids[0]}"
 
 
+def _was_running(t: Transition, rid: str) -> bool:
+    was = t.before.requests.get(rid)
+    return was is not None and was.status == RequestStatus.RUNNING
+
+
 def _check_failure_policy(t: Transition, rid: str, new):
     policy = t.after.config.kv_load_failure_policy
     errored = new.status == RequestStatus.FINISHED_ERROR
     if policy == "recompute" and errored:
         yield f"{rid} ended FINISHED_ERROR under the 'recompute' policy"
-    elif policy == "fail" and rid in t.garbage_readers and not new.status.is_finished:
+    elif (policy == "fail" and rid in t.garbage_readers and not new.status.is_finished
+          and _was_running(t, rid)):  # one preempted since its step ran recomputes anyway
         yield f"{rid} read a failed load under the 'fail' policy but is {new.status.name}"
 
 

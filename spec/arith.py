@@ -65,3 +65,40 @@ def compute_first_external(num_cached, num_local, num_external):
     """The external part of the first scheduling's hits: the connector's answer,
     less whatever of it the scheduling did not count as computed."""
     return Max(0, Min(num_external, num_cached - num_local))
+
+
+# -- async scheduling: output placeholders ------------------------------------------
+#
+# Under async scheduling step N+1 is scheduled before step N's output arrives. A
+# request that samples in a step (not a prefill chunk) gets one placeholder per
+# token the step will produce (the sampled token plus its scheduled drafts), so
+# that ``num_computed_tokens`` may run ahead of the tokens the scheduler knows.
+# Everything that treats positions as real KV (the prefix cache, a connector
+# store) must stop at ``compute_real_computed`` (#27644).
+
+def compute_placeholders_after_schedule(num_placeholders, num_drafts, is_prefill_chunk):
+    """Placeholders once a step is scheduled: one per token the step will sample
+    (the bonus token and every scheduled draft); a prefill chunk samples nothing."""
+    return If(is_prefill_chunk, num_placeholders, num_placeholders + 1 + num_drafts)
+
+
+def compute_placeholders_after_output(num_placeholders, num_drafts, num_sampled, is_stale):
+    """Placeholders once a step's output is applied: the rejected drafts and the
+    appended tokens stop being placeholders, which is the step's whole share
+    (1 + drafts). Output made stale by a preemption in between no longer owns a
+    share: the preemption zeroed them (#47900, #48245)."""
+    num_rejected = num_drafts - (num_sampled - 1)
+    return If(is_stale, num_placeholders, num_placeholders - num_rejected - num_sampled)
+
+
+def compute_real_computed(num_computed, num_placeholders):
+    """The computed positions whose tokens are known: the boundary the prefix
+    cache and a connector's store may use (#27644)."""
+    return num_computed - num_placeholders
+
+
+def compute_running_new_tokens(num_tokens, num_spec, num_placeholders, num_computed):
+    """Positions a running request may be scheduled: its known tokens and drafts,
+    plus the placeholder positions its steps in flight will fill, less what is
+    computed."""
+    return num_tokens + num_spec + num_placeholders - num_computed

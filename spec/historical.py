@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import attrs
 
-from kvspec.spec.arith import compute_first_external, compute_num_computed_pre_34616
+from kvspec.spec.arith import (compute_first_external, compute_num_computed_pre_34616,
+                               compute_placeholders_after_output, compute_real_computed)
 from kvspec.spec.effects import (Counters, Params, act_finish_async_load, act_recover,
                                  act_sample, act_schedule_waiting, has_stats)
 from kvspec.spec.logic import And, If, Min, Or, fdiv
@@ -47,6 +48,44 @@ def lower_cached_only(num_cached, num_external, num_valid):
     """Recovery lowers ``num_cached_tokens`` to the valid prefix and leaves the
     external count as it was."""
     return Min(num_cached, num_valid), num_external
+
+
+# -- async scheduling: output placeholders -------------------------------------------
+
+def placeholders_after_stale_output_decrementing(num_placeholders, num_drafts, num_sampled,
+                                                 is_stale):
+    """#47900: the output of a step a preemption made stale is applied like any
+    other, taking its share off placeholders the preemption already zeroed."""
+    return compute_placeholders_after_output(num_placeholders, num_drafts, num_sampled, False)
+
+
+def preempt_keeping_placeholders(num_computed, num_placeholders):
+    """#48245: a preemption starts the request over but keeps the placeholders of
+    its steps in flight, whose stale output never gives them back."""
+    return 0, num_placeholders
+
+
+def placeholders_after_output_forgetting_rejected(num_placeholders, num_drafts, num_sampled,
+                                                  is_stale):
+    """Delivery that takes one placeholder off per appended token and none for the
+    rejected drafts."""
+    return If(is_stale, num_placeholders, num_placeholders - num_sampled)
+
+
+def running_new_tokens_without_placeholders(num_tokens, num_spec, num_placeholders,
+                                            num_computed):
+    """The sync scheduler's count (vLLM before async scheduling) under async
+    scheduling: the positions the steps in flight will fill are forgotten, so a
+    second step in flight cannot reach the end and sample."""
+    return num_tokens + num_spec - num_computed
+
+
+def real_computed_snapshot_before_increment(num_computed, placeholders_before,
+                                            placeholders_after):
+    """#27644 review (seed 002): a scheduled step's boundary read with the
+    placeholder count taken before the step increments it, against
+    ``num_computed_tokens`` after: the step's draft positions count as real."""
+    return compute_real_computed(num_computed, placeholders_before)
 
 
 # -- primitives --------------------------------------------------------------------

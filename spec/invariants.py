@@ -20,6 +20,7 @@ from kvspec.spec.predicates import (is_blocks_cover_computed, is_cached_le_compu
                                     is_load_target_held,
                                     is_ref_count_of_holders, is_stats_ordered,
                                     is_unscheduled_without_output, is_waiting_with_work)
+from kvspec.spec.arith import compute_real_computed
 from kvspec.spec.registry import Witnessing, invariant
 from kvspec.spec.state import Observation, RequestStatus, RequestView
 
@@ -41,6 +42,13 @@ class Ghost:
     just_loaded: set[str] = attrs.Factory(set)
     #: the connector's answer (num_local, num_external) when the stats were set
     first_hits: dict[str, tuple[int, int]] = attrs.Factory(dict)
+    #: async scheduling: per request, the placeholders its steps in flight own
+    #: (``compute_placeholders_after_schedule``/``_after_output``), kept by the
+    #: harness from the scheduler outputs and the worker's reports
+    placeholders: dict[str, int] = attrs.Factory(dict)
+    #: per request, position -> the tokens the worker sampled there (a position
+    #: is sampled again after a preemption)
+    sampled_at: dict[str, dict[int, set[int]]] = attrs.Factory(dict)
 
 
 @attrs.define
@@ -68,6 +76,12 @@ class Context(Witnessing):
 
 def _blocks(req: RequestView) -> tuple[int, ...]:
     return req.block_ids[0] if req.block_ids else ()
+
+
+def get_real_computed(r: RequestView) -> int:
+    """Computed positions whose tokens are known: under async scheduling
+    ``num_computed_tokens`` runs ahead by the placeholders of steps in flight."""
+    return compute_real_computed(r.num_computed_tokens, r.num_output_placeholders)
 
 
 # -- cache-hit stats ----------------------------------------------------------
@@ -190,6 +204,7 @@ def cached_le_computed(ctx: Context):
         waiting = r.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS)
         ctx.witness(running or waiting)
         if not is_cached_le_computed(running, waiting, r.num_cached_tokens,
+                                     get_real_computed(r) if ctx.synced else
                                      r.num_computed_tokens, r.num_tokens):
             yield (f"{r.request_id} ({r.status.name}): num_cached={r.num_cached_tokens} > "
                    f"num_computed={r.num_computed_tokens}")
@@ -197,11 +212,13 @@ def cached_le_computed(ctx: Context):
 
 # -- token accounting ---------------------------------------------------------
 
-@invariant(cites="#34616")
+@invariant(cites="#34616, #27644")
 def computed_within_tokens(ctx: Context):
-    """``0 <= num_computed_tokens <= num_tokens`` between steps (within a step
-    the scheduled drafts count too), and a waiting request whose KV has arrived
-    leaves at least one token to compute.
+    """``0 <= num_computed_tokens - num_output_placeholders <= num_tokens``
+    between steps (within a step the scheduled drafts count too; under async
+    scheduling the placeholders of steps in flight are positions whose tokens
+    are not known yet), and a waiting request whose KV has arrived leaves at
+    least one token to compute.
 
     Protects the model runner: it cannot run a request with nothing scheduled,
     so a full-prompt hit must recompute the last token (the rule #34616 kept).
@@ -209,27 +226,76 @@ def computed_within_tokens(ctx: Context):
     for r in ctx.live():
         ctx.witness(r.num_computed_tokens > 0)
         upper = r.num_tokens if ctx.synced else r.num_tokens + ctx.obs.config.max_model_len
-        if not is_computed_within_tokens(r.num_computed_tokens, upper):
-            yield f"{r.request_id}: num_computed={r.num_computed_tokens} of {r.num_tokens} tokens"
+        if not is_computed_within_tokens(get_real_computed(r), upper):
+            yield (f"{r.request_id}: num_computed={r.num_computed_tokens} "
+                   f"(placeholders {r.num_output_placeholders}) of {r.num_tokens} tokens")
         elif not is_waiting_with_work(
                 r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED),
                 r.num_computed_tokens, r.num_tokens):
             yield f"{r.request_id}: waiting with all {r.num_tokens} tokens computed"
 
 
-@invariant(cites="#27644", unwitnessed_because="""output placeholders exist only under
-           async scheduling, which no target runs yet (issue 10); until then every
-           request has 0 placeholders and the claim is checked but never witnessed""")
+@invariant(cites="#27644, #47900, #48245")
 def placeholders_nonnegative(ctx: Context):
     """``num_output_placeholders >= 0``.
 
     Protects async scheduling: a connector sees ``num_computed_tokens -
-    num_output_placeholders`` as the real boundary (#27644). Witnessed by a
+    num_output_placeholders`` as the real boundary (#27644); a negative count
+    (output of a preempted request decrementing counters the preemption reset,
+    #47900, #48245) moves that boundary past the known tokens. Witnessed by a
     request with placeholders."""
     for r in ctx.live():
         ctx.witness(r.num_output_placeholders != 0)
         if r.num_output_placeholders < 0:
             yield f"{r.request_id}: num_output_placeholders={r.num_output_placeholders}"
+
+
+@invariant(cites="#27644, #47900, #48245")
+def placeholders_match_in_flight(ctx: Context):
+    """Between steps, a live request's ``num_output_placeholders`` is exactly the
+    tokens its steps in flight will sample and have not delivered: one per
+    sampling step (plus its drafts) when scheduled
+    (``compute_placeholders_after_schedule``), returned with its output
+    (``compute_placeholders_after_output``), none after a preemption, whose
+    output in flight is stale. Prefill chunks sample nothing and own none.
+
+    Protects the real boundary ``num_computed_tokens - num_output_placeholders``
+    that the prefix cache, a connector's store and the max-tokens check use: too
+    few and a position no token fills yet counts as real (#27644: the count
+    read before its increment); too many and real KV is held back; a preemption
+    that keeps them, or stale output that decrements them, drifts the count for
+    the rest of the request (#47900, #48245). Witnessed by a request with
+    placeholders."""
+    if not ctx.synced:
+        return
+    for r in ctx.live():
+        want = ctx.ghost.placeholders.get(r.request_id, 0)
+        ctx.witness(want > 0)
+        if r.num_output_placeholders != want:
+            yield (f"{r.request_id} ({r.status.name}): num_output_placeholders="
+                   f"{r.num_output_placeholders}, but its steps in flight will sample {want}")
+
+
+@invariant(cites="#36755, #47900, #48141")
+def output_is_the_sampled_sequence(ctx: Context):
+    """Each output token is a token the worker sampled at that position: none
+    lost, none delivered twice, none shifted, across preemptions with output in
+    flight (delivered late, or dropped and sampled again).
+
+    Protects what the user reads: under async scheduling a request preempted
+    with a step in flight gets that step's output after it was reset; a
+    scheduler that resumes it before the output drains, or applies the output
+    to the reset counters, appends a position twice or skips one. Witnessed by
+    a request whose output a preemption interrupted."""
+    for r in ctx.obs.requests.values():
+        sampled = ctx.ghost.sampled_at.get(r.request_id, {})
+        ctx.witness(bool(r.output_token_ids) and r.num_preemptions > 0)
+        for i, token in enumerate(r.output_token_ids):
+            pos = r.num_prompt_tokens + i
+            if token not in sampled.get(pos, ()):
+                yield (f"{r.request_id}: output token {i} (position {pos}) is {token}, but "
+                       f"the worker sampled {sorted(sampled.get(pos, ())) or 'nothing'} there")
+                break
 
 
 def _is_loaded_one_token_prompt(ctx: Context, r) -> bool:
@@ -318,18 +384,22 @@ def within_limits(ctx: Context):
 # -- block accounting ---------------------------------------------------------
 
 def _holders(ctx: Context) -> list[int]:
+    """References per block: block tables, and the fenced frees of steps in flight."""
     count = [0] * ctx.obs.pool.num_blocks
     for r in ctx.obs.requests.values():
         for table in r.block_ids:
             for b in table:
                 count[b] += 1
+    for b in ctx.obs.pool.fenced:
+        count[b] += 1
     return count
 
 
 @invariant(cites="seed 004 (block_pool)")
 def ref_count_is_holders(ctx: Context):
     """A block's reference count equals the number of block tables holding it
-    (finished requests that wait for a KV send included).
+    (finished requests that wait for a KV send included), plus the references a
+    free fenced behind a step in flight still holds.
 
     Protects against double frees and leaks: a block freed while still held is
     handed to another request and overwritten under the first. Witnessed by a
@@ -357,14 +427,16 @@ def free_queue_is_free_blocks(ctx: Context):
 
 @invariant(cites="seed 004 (_free_blocks, finished_sending)")
 def no_leak_when_idle(ctx: Context):
-    """With no live request and no KV send pending, every block is free.
+    """With no live request and no KV send pending, every block is free (or
+    fenced behind a step in flight, until its output is processed).
 
     Protects the pool across the lifetime of the server: a leaked block is
     capacity lost until restart. Witnessed when the scheduler holds no request."""
     if not ctx.obs.requests:
         ctx.witness()
-        if any(ctx.obs.pool.ref_cnt):
-            held = [b for b, ref in enumerate(ctx.obs.pool.ref_cnt) if ref]
+        fenced = set(ctx.obs.pool.fenced)  # given back when their step is processed
+        held = [b for b, ref in enumerate(ctx.obs.pool.ref_cnt) if ref and b not in fenced]
+        if held:
             yield f"no requests left but blocks {held} are held"
 
 

@@ -13,6 +13,15 @@ Timing follows vLLM's worker:
 - a sync load runs in the step its request is scheduled; an async load writes
   only when the environment reports it in ``finished_recving``;
 - a block held for a send must keep its content until ``finished_sending``.
+
+Under async scheduling a step is in flight while the next is scheduled. Its
+writes land in stream order: a later step reads them (the GPU runs steps one
+after another), so the oracle applies them when the step executes. Anything
+not ordered with the compute stream (a connector's load, a send's source) does
+not wait for them: a step's writes land again when it completes, over any slot
+no later step has written since, so a load into a block freed under a step in
+flight is clobbered (vLLM defers such frees: ``defer_block_free``), while a send
+runs after the steps launched before it.
 """
 from __future__ import annotations
 
@@ -71,6 +80,8 @@ class ExecReport:
     invalid_block_ids: set[int] = attrs.Factory(set)
     #: request id -> first position it read that was not valid
     garbage_readers: dict[str, int] = attrs.Factory(dict)
+    #: the step's id, to complete it when its output is back
+    step_id: int = -1
 
 
 def _count_holders(obs: Observation) -> dict[int, int]:
@@ -95,6 +106,15 @@ class KVContent:
         self.failed_blocks: set[int] = set()
         #: failed blocks held by several requests that the last step recomputed
         self.shared_recomputes = 0
+        #: async scheduling: the step that last wrote each slot in stream order,
+        #: and each step in flight's writes (slot -> value), until it completes
+        self.stream_writer: dict[tuple[int, int], int] = {}
+        self.in_flight: dict[int, dict[tuple[int, int], object]] = {}
+        #: per step in flight, the blocks a failed load of it left bad and the
+        #: blocks its readers of bad KV wrote: the scheduler learns of them only
+        #: with the step's output, so until then they are not its fault
+        self.unreported: dict[int, set[int]] = {}
+        self.next_step_id = 0
 
     # -- addressing ---------------------------------------------------------
     def _slot(self, blocks, pos: int) -> tuple[int, int]:
@@ -140,8 +160,15 @@ class KVContent:
 
     # -- one step of the worker ---------------------------------------------
     def execute(self, step: StepView, obs: Observation, finish_async: set[str],
-                fail: set[str], fail_offset: int, fail_blocks: int = 1) -> ExecReport:
+                fail: set[str], fail_offset: int, fail_blocks: int = 1,
+                pending: dict[str, tuple[int, ...]] | None = None) -> ExecReport:
+        """Run one step: finished async loads, sync loads, then the compute.
+        ``pending``: per request, the tokens steps in flight sampled that the
+        scheduler has not seen yet (the worker feeds them to this step)."""
         report = ExecReport()
+        report.step_id = self.next_step_id
+        self.next_step_id += 1
+        self.in_flight[report.step_id] = {}
         for rid in [r for r in finish_async if r in self.loads and self.loads[r].is_async]:
             self._run_load(self.loads.pop(rid), rid in fail, fail_offset, fail_blocks, report)
             report.finished_recving.add(rid)
@@ -152,8 +179,24 @@ class KVContent:
             if job is not None and not job.is_async:
                 self._run_load(self.loads.pop(rid), rid in fail, fail_offset, fail_blocks,
                                report)
-        self._compute(step, obs, report)
+        self._compute(step, obs, report, pending or {})
+        self.unreported[report.step_id] = set(report.invalid_block_ids) | {
+            b for rid in report.garbage_readers for b in obs.requests[rid].block_ids[0]}
         return report
+
+    def get_unreported_blocks(self) -> set[int]:
+        """Blocks made bad by a step whose output (and failure report) is still
+        in flight."""
+        return set().union(*self.unreported.values()) if self.unreported else set()
+
+    def complete(self, step_id: int) -> None:
+        """A step's output is back: its writes land again over every slot no
+        later step has written since (a load not ordered with the stream that
+        wrote there in between is lost)."""
+        self.unreported.pop(step_id, None)
+        for slot, value in self.in_flight.pop(step_id, {}).items():
+            if self.stream_writer.get(slot) == step_id:
+                self.slots[slot[0]][slot[1]] = value
 
     def _run_load(self, job: LoadJob, failing: bool, fail_offset: int, fail_blocks: int,
                   report: ExecReport) -> None:
@@ -173,7 +216,8 @@ class KVContent:
             report.invalid_block_ids.add(job.block_ids[index])
             self.failed_blocks.add(job.block_ids[index])
 
-    def _compute(self, step: StepView, obs: Observation, report: ExecReport) -> None:
+    def _compute(self, step: StepView, obs: Observation, report: ExecReport,
+                 pending: dict[str, tuple[int, ...]]) -> None:
         writes = {}
         writer: dict[tuple[int, int], str] = {}
         self.double_writes = []
@@ -182,9 +226,10 @@ class KVContent:
         recomputed = set()
         for rid, n in step.num_scheduled_tokens.items():
             req = obs.requests[rid]
+            known = req.all_token_ids + pending.get(rid, ())
             spec = step.scheduled_spec_decode_tokens.get(rid, ())
             keys = list(self.book.keys(rid, req.all_token_ids))
-            extend_prefix_keys(keys, req.all_token_ids + tuple(spec), len(keys))
+            extend_prefix_keys(keys, known + tuple(spec), len(keys))
             start = step.num_computed_before[rid]
             writes[rid] = (req.block_ids[0], keys, start, n)
             for pos in range(start, start + n):
@@ -207,6 +252,15 @@ class KVContent:
                 for pos in range(start, start + n):
                     self._write(blocks, pos, GARBAGE)
                 changed = True
+        self._record_stream_writes(writes, report.step_id)
+
+    def _record_stream_writes(self, writes: dict, step_id: int) -> None:
+        mine = self.in_flight[step_id]
+        for blocks, _keys, start, n in writes.values():
+            for pos in range(start, start + n):
+                slot = self._slot(blocks, pos)
+                self.stream_writer[slot] = step_id
+                mine[slot] = self.slots[slot[0]][slot[1]]
 
     # -- checks ---------------------------------------------------------------
     def learn(self, obs: Observation) -> None:
@@ -233,9 +287,10 @@ class KVContent:
         """``is_cached_block_valid`` on every prefix-cache entry, with the valid and
         loading bits the pool proof reasons about."""
         loading = self.loading_blocks()
+        unreported = self.get_unreported_blocks()
         for block_hash, block in obs.pool.cached:
             expected = self.expected_by_hash.get(block_hash)
-            if expected is None:
+            if expected is None or block in unreported:
                 continue
             valid = tuple(self.slots[block]) == expected
             if not is_cached_block_valid(True, valid, block in loading):
@@ -244,9 +299,13 @@ class KVContent:
                 yield f"block {block} is in the prefix cache but {why}"
 
     def check_request(self, obs: Observation, r: RequestView) -> Iterator[str]:
+        """Every real computed token (``num_computed_tokens`` less the output
+        placeholders of steps in flight) holds valid KV."""
+        if self.get_unreported_blocks() & set(r.block_ids[0] if r.block_ids else ()):
+            return  # a failure the scheduler has not been told of yet
         keys = self.book.keys(r.request_id, r.all_token_ids)
-        bad = self.first_invalid(r.block_ids[0] if r.block_ids else (), keys,
-                                 r.num_computed_tokens)
+        real = min(r.num_computed_tokens - r.num_output_placeholders, len(keys))
+        bad = self.first_invalid(r.block_ids[0] if r.block_ids else (), keys, real)
         if bad is not None:
             yield (f"{r.request_id}: token {bad} is counted as computed "
                    f"(num_computed={r.num_computed_tokens}) but its KV is not valid")

@@ -28,7 +28,7 @@ import z3
 from kvspec.spec import arith, historical
 from kvspec.spec.effects import (ALL_SHAPES, PRIMITIVES, Counters, Params, Primitive,
                                  is_initial, is_stats_step_ok, request_invariants)
-from kvspec.spec.logic import And, Implies, Or
+from kvspec.spec.logic import And, Implies, Not, Or
 from kvspec.spec.predicates import is_admissible_lowering, is_first_cached_count
 
 
@@ -330,6 +330,235 @@ def lemma_lowering_is_admissible(rule=None, bounded=False):
         new_cached, new_ext = policy(cached, ext, valid)
         cases.append((pre, is_admissible_lowering(cached, ext, new_cached, new_ext)))
     return Goal(tuple(cases), s)
+
+
+# -- async scheduling: output placeholders ----------------------------------------
+#
+# One request under vLLM's AsyncScheduler with a batch queue of depth 2: at most two
+# steps in flight, each scheduling everything the request may compute, so that it
+# samples. The rules come from ``arith``; what they must achieve is stated apart:
+# the placeholders are the shares (1 + drafts) of the steps in flight whose output
+# is not stale, and the real boundary stays within the known tokens.
+
+def _preempted(num_computed, num_placeholders):
+    """vLLM's ``_preempt_request`` under async scheduling: the request starts
+    over (as ``effects.act_preempt``) and its placeholders are zeroed, which makes
+    the output of every step in flight stale (#48245)."""
+    return 0, 0
+
+
+def _scheduled_boundary(num_computed, placeholders_before, placeholders_after):
+    """The real boundary a scheduled step exposes (to a connector's store): read
+    once the step's own placeholders are counted (#27644)."""
+    return arith.compute_real_computed(num_computed, placeholders_after)
+
+
+@attrs.frozen
+class AsyncRules:
+    """The rules of async scheduling the placeholder lemmas speak about; each
+    historical variant replaces one of them."""
+
+    new_tokens: Callable = arith.compute_running_new_tokens
+    schedule: Callable = arith.compute_placeholders_after_schedule
+    output: Callable = arith.compute_placeholders_after_output
+    preempt: Callable = _preempted
+    boundary: Callable = _scheduled_boundary
+
+
+ASYNC_RULES = AsyncRules()
+
+
+@attrs.frozen
+class InFlight:
+    """A scheduled step whose output has not arrived."""
+
+    num_drafts: object
+    num_sampled: object    # what its output will append: the accepted drafts and one token
+    is_stale: bool = False  # a preemption came after it was scheduled
+
+
+@attrs.frozen
+class AsyncRequest:
+    num_tokens: object
+    num_computed: object
+    num_placeholders: object
+    in_flight: tuple[InFlight, ...] = ()  # oldest first
+
+
+#: event sequences (every prefix is a case): S schedules a step, D delivers the
+#: oldest step's output, P preempts, R resumes a preempted request once its stale
+#: output drained (vLLM 0.32 does not resume it before)
+ASYNC_SCENARIOS = ("SSDD", "SSDSDD", "SPD", "SSPDD", "SSDPD", "SSPDDRSD")
+
+#: what follows an event: (guard, request after, boundary it exposes, whether the step samples)
+AsyncEvent = tuple[object, AsyncRequest, object, object]
+
+
+def _schedule_step(rules: AsyncRules, r: AsyncRequest, step: InFlight) -> AsyncEvent:
+    """Schedule everything the request may compute; vLLM's ``is_prefill_chunk``
+    decides whether it samples, which every step of these scenarios must."""
+    num_new = rules.new_tokens(r.num_tokens, step.num_drafts, r.num_placeholders,
+                               r.num_computed)
+    computed = r.num_computed + num_new
+    is_chunk = computed < r.num_tokens + r.num_placeholders
+    placeholders = rules.schedule(r.num_placeholders, step.num_drafts, is_chunk)
+    after = AsyncRequest(r.num_tokens, computed, placeholders, r.in_flight + (step,))
+    return (num_new >= 1, after, rules.boundary(computed, r.num_placeholders, placeholders),
+            Not(is_chunk))
+
+
+def _deliver_oldest(rules: AsyncRules, r: AsyncRequest) -> AsyncEvent:
+    """The oldest step's output arrives: its tokens are appended (stale ones too,
+    as vLLM 0.32 delivers them), and fresh output rolls back its rejected drafts."""
+    step, accepted = r.in_flight[0], r.in_flight[0].num_sampled - 1
+    computed = (r.num_computed if step.is_stale else
+                arith.compute_computed_after_rejection(r.num_computed, step.num_drafts, accepted))
+    placeholders = rules.output(r.num_placeholders, step.num_drafts, step.num_sampled,
+                                step.is_stale)
+    after = AsyncRequest(r.num_tokens + step.num_sampled, computed, placeholders, r.in_flight[1:])
+    return True, after, arith.compute_real_computed(computed, placeholders), True
+
+
+def _preempt_request(rules: AsyncRules, r: AsyncRequest) -> AsyncEvent:
+    computed, placeholders = rules.preempt(r.num_computed, r.num_placeholders)
+    stale = tuple(attrs.evolve(step, is_stale=True) for step in r.in_flight)
+    after = AsyncRequest(r.num_tokens, computed, placeholders, stale)
+    return True, after, arith.compute_real_computed(computed, placeholders), True
+
+
+def _resume(r: AsyncRequest, num_hits) -> AsyncEvent:
+    """A preempted request, its stale output drained, starts from its prefix-cache
+    hits (all but the last token at most)."""
+    guard = And(not r.in_flight, num_hits <= r.num_tokens - 1)
+    after = attrs.evolve(r, num_computed=num_hits)
+    return guard, after, arith.compute_real_computed(num_hits, r.num_placeholders), True
+
+
+def _shares(r: AsyncRequest):
+    """The independent description: what the steps in flight will sample and give
+    back, less the steps whose output is stale."""
+    return sum((1 + step.num_drafts for step in r.in_flight if not step.is_stale), 0)
+
+
+def _async_prefixes() -> list[str]:
+    return sorted({events[:i] for events in ASYNC_SCENARIOS for i in range(1, len(events) + 1)},
+                  key=lambda events: (len(events), events))
+
+
+def _async_parameters(s: Symbols, bounded: bool):
+    """The request between steps in sync (no placeholders, its computed prefix
+    within its tokens), the steps it may schedule with their ranges, and the hits
+    it may resume from; every case has them all, so a counterexample is whole."""
+    k = s.int("parameter", "num_spec_tokens")
+    r = AsyncRequest(s.int("state", "s.num_tokens"), s.int("state", "s.num_computed"), 0)
+    most = max(events.count("S") for events in ASYNC_SCENARIOS)
+    steps = [InFlight(*(s.int("parameter", f"step{i}.{x}") for x in ("num_drafts", "num_sampled")))
+             for i in range(1, most + 1)]
+    hits = s.int("parameter", "resume.num_hits")
+    ranges = [k >= 0, r.num_tokens >= 1, r.num_computed >= 0, r.num_computed <= r.num_tokens,
+              hits >= 0]
+    ranges += [And(x.num_drafts >= 0, x.num_drafts <= k, x.num_sampled >= 1,
+                   x.num_sampled <= x.num_drafts + 1) for x in steps]
+    if bounded:  # a small counterexample
+        ranges += [k <= 3, r.num_tokens <= 8]
+    return And(*ranges), r, steps, hits
+
+
+def _play_async(rules: AsyncRules, r: AsyncRequest, steps, hits, events: str) -> tuple:
+    """Play ``events`` on ``r``: every event's guard, and what follows the last."""
+    guards, steps = [], iter(steps)
+    for event in events:
+        if event == "S":
+            guard, r, boundary, samples = _schedule_step(rules, r, next(steps))
+        elif event == "D":
+            guard, r, boundary, samples = _deliver_oldest(rules, r)
+        elif event == "P":
+            guard, r, boundary, samples = _preempt_request(rules, r)
+        else:
+            guard, r, boundary, samples = _resume(r, hits)
+        guards.append(guard)
+    return And(*guards), r, boundary, samples
+
+
+def _async_goal(rules: AsyncRules, bounded: bool, conclude) -> Goal:
+    """One case per prefix of the scenarios: ``conclude(request, boundary, samples)``
+    after its last event."""
+    s = Symbols()
+    ranges, start, steps, hits = _async_parameters(s, bounded)
+    cases = []
+    for events in _async_prefixes():
+        guards, r, boundary, samples = _play_async(rules, start, steps, hits, events)
+        conclusion = conclude(r, boundary, samples)  # plain True where the rules give constants
+        cases.append((And(ranges, guards), z3.BoolVal(conclusion) if isinstance(conclusion, bool)
+                      else conclusion))
+    return Goal(tuple(cases), s)
+
+
+def is_placeholders_of_in_flight(r: AsyncRequest, boundary, samples):
+    """The step just scheduled (if any) samples, and the placeholders are the
+    shares of the steps in flight whose output is not stale, never negative."""
+    return And(samples, r.num_placeholders == _shares(r), r.num_placeholders >= 0)
+
+
+def is_boundary_within_tokens(r: AsyncRequest, boundary, samples):
+    """The real boundary exposed is a prefix of the known tokens."""
+    return And(boundary >= 0, boundary <= r.num_tokens)
+
+
+PLACEHOLDER_REFUTATIONS = {
+    "refute_stale_output_decrements_placeholders": (
+        attrs.evolve(ASYNC_RULES, output=historical.placeholders_after_stale_output_decrementing),
+        "#47900: the output of a preempted request's step in flight, applied like fresh "
+        "output, takes its share off placeholders the preemption zeroed: they go negative."),
+    "refute_preemption_keeps_placeholders": (
+        attrs.evolve(ASYNC_RULES, preempt=historical.preempt_keeping_placeholders),
+        "#48245: a preemption that keeps the placeholders of its steps in flight; their "
+        "stale output gives none back, so the count stays above what is in flight."),
+    "refute_output_forgets_rejected_drafts": (
+        attrs.evolve(ASYNC_RULES, output=historical.placeholders_after_output_forgetting_rejected),
+        "Delivery that takes off the appended tokens but not the rejected drafts: the "
+        "placeholders of a step with a rejection outlive it."),
+    "refute_running_new_tokens_without_placeholders": (
+        attrs.evolve(ASYNC_RULES, new_tokens=historical.running_new_tokens_without_placeholders),
+        "The sync scheduler's count under async scheduling: a second step in flight "
+        "stops short of the placeholder positions, samples nothing and owns no share."),
+}
+
+BOUNDARY_REFUTATIONS = {
+    "refute_placeholder_snapshot_before_increment": (
+        attrs.evolve(ASYNC_RULES, boundary=historical.real_computed_snapshot_before_increment),
+        "#27644 review (seed 002): a scheduled step's boundary read with the placeholder "
+        "count from before the increment exposes its draft positions, whose tokens are "
+        "not known, as real."),
+    "refute_real_boundary_with_kept_placeholders": (
+        attrs.evolve(ASYNC_RULES, preempt=historical.preempt_keeping_placeholders),
+        "#48245: placeholders kept through a preemption put the real boundary below 0."),
+}
+
+
+@lemma(rule_of=PLACEHOLDER_REFUTATIONS,
+       establishes=("placeholders_nonnegative", "placeholders_match_in_flight"))
+def lemma_placeholders_track_in_flight_steps(rule=ASYNC_RULES, bounded=False):
+    """Under async scheduling with up to two steps in flight (each with its own
+    drafts, 0 to ``num_spec_tokens``, and sampling 1 to drafts + 1 tokens), across
+    scheduling, in-order delivery, a preemption followed by the stale delivery of
+    what was in flight, and a resume: every step samples, and after every event
+    the placeholders are exactly the shares (1 + drafts) of the steps in flight
+    whose output is not stale, hence never negative. Protects the placeholder
+    count against stale output decrementing it (#47900) and a preemption keeping
+    it (#48245)."""
+    return _async_goal(rule, bounded, is_placeholders_of_in_flight)
+
+
+@lemma(rule_of=BOUNDARY_REFUTATIONS, establishes=("computed_within_tokens",))
+def lemma_real_boundary_within_known_tokens(rule=ASYNC_RULES, bounded=False):
+    """In the setting of ``lemma_placeholders_track_in_flight_steps``, from a
+    request whose computed prefix is within its tokens: the real boundary
+    ``compute_real_computed(num_computed, placeholders)``, the only one the prefix
+    cache and a connector's store may use, is never negative and never exceeds
+    the known tokens, after every event, the boundary a scheduled step exposes
+    included (#27644)."""
+    return _async_goal(rule, bounded, is_boundary_within_tokens)
 
 
 # -- induction over the step shapes ---------------------------------------------

@@ -51,6 +51,8 @@ LIMITS = {"block_size": (1, 1024), "num_blocks": (1, 16_384), "groups": (1, 8),
 #: the most KV token slots (num_blocks * block_size) a configuration may have
 MAX_KV_TOKENS = 1 << 22
 GROUP_KINDS = ("full_attention",)
+#: steps in flight under async scheduling: vLLM's batch queue (2 without pipeline parallelism)
+BATCH_QUEUE_DEPTH = 2
 POLICIES = ("fcfs", "priority")
 FAILURE_POLICIES = ("recompute", "fail")
 
@@ -107,6 +109,10 @@ class Config:
     kv_load_failure_policy: str = attrs.field(default="recompute",
                                               validator=_one_of(FAILURE_POLICIES))
     enable_prefix_caching: bool = attrs.field(default=True, validator=_boolean)
+    #: vLLM's default for generation models since 0.32: step N+1 is scheduled
+    #: before step N's output is applied (``AsyncScheduler`` driven as
+    #: ``EngineCore.step_with_batch_queue`` does, ``BATCH_QUEUE_DEPTH`` steps deep)
+    async_scheduling: bool = attrs.field(default=False, validator=_boolean)
 
     def __attrs_post_init__(self) -> None:
         slots = self.num_blocks * max(g.block_size for g in self.groups)
@@ -165,6 +171,11 @@ class PoolView:
     ref_cnt: tuple[int, ...]
     free_queue: tuple[int, ...]
     cached: tuple[tuple[Hashable, int], ...]
+    #: blocks freed while a step in flight may still write them, held back from
+    #: the free queue until that step's output is processed (vLLM's deferred
+    #: frees under async scheduling with a consumer connector), one entry per
+    #: reference held
+    fenced: tuple[int, ...] = ()
 
     @property
     def num_blocks(self) -> int:

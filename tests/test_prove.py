@@ -146,3 +146,57 @@ def test_fields_of_counters_are_all_state_constants():
     goal = OBLIGATIONS["step_compute+sample"].build()
     for field in attrs.fields(Counters):
         assert goal.symbols.roles[f"s.{field.name}"] == "state"
+
+
+# -- async scheduling: output placeholders ------------------------------------
+
+ASYNC_LEMMAS = {"lemma_placeholders_track_in_flight_steps": (prove.PLACEHOLDER_REFUTATIONS,
+                                                             prove.is_placeholders_of_in_flight),
+                "lemma_real_boundary_within_known_tokens": (prove.BOUNDARY_REFUTATIONS,
+                                                            prove.is_boundary_within_tokens)}
+
+
+def _first_failing_prefix(rules, values, conclusion):
+    """Play every scenario prefix on plain ints: the first whose guards hold and
+    whose conclusion fails, or None."""
+    start = prove.AsyncRequest(values["s.num_tokens"], values["s.num_computed"], 0)
+    steps = [prove.InFlight(values[f"step{i}.num_drafts"], values[f"step{i}.num_sampled"])
+             for i in (1, 2, 3)]
+    for events in prove._async_prefixes():
+        guards, r, boundary, samples = prove._play_async(rules, start, steps,
+                                                         values["resume.num_hits"], events)
+        if guards and not conclusion(r, boundary, samples):
+            return events
+    return None
+
+
+def test_async_placeholder_worked_example():
+    """Drafts 2 then 1, one token sampled then two, prefix-cache hits 3 on resume:
+    the spec's rules on plain ints (as the runtime claims evaluate them)."""
+    values = {"s.num_tokens": 5, "s.num_computed": 4, "step1.num_drafts": 2,
+              "step1.num_sampled": 1, "step2.num_drafts": 1, "step2.num_sampled": 2,
+              "step3.num_drafts": 0, "step3.num_sampled": 1, "resume.num_hits": 3}
+    for refutations, conclusion in ASYNC_LEMMAS.values():
+        assert _first_failing_prefix(prove.ASYNC_RULES, values, conclusion) is None
+    # SSDPD: S 3 placeholders; S 5; D (2 drafts rejected, 1 token) 2; P 0; D stale 0
+    assert arith.compute_placeholders_after_schedule(0, 2, False) == 3
+    assert arith.compute_placeholders_after_output(5, 2, 1, False) == 2
+    assert arith.compute_placeholders_after_output(0, 1, 2, True) == 0
+    stale_decrementing = prove.PLACEHOLDER_REFUTATIONS[
+        "refute_stale_output_decrements_placeholders"][0]
+    # #47900: step 1's stale output takes 3 off the zeroed count
+    assert _first_failing_prefix(stale_decrementing, values,
+                                 prove.is_placeholders_of_in_flight) == "SPD"
+
+
+@pytest.mark.parametrize("lemma", sorted(ASYNC_LEMMAS))
+def test_async_refutations_replay_on_plain_ints(lemma):
+    """Each refutation's counterexample, played on plain ints, fails its lemma's
+    conclusion under the historical rule and passes under the spec's rules."""
+    refutations, conclusion = ASYNC_LEMMAS[lemma]
+    assert RESULTS[lemma].ok
+    for name, (rules, _) in refutations.items():
+        assert OBLIGATIONS[name].refutes_rule_of == lemma
+        cex = RESULTS[name].counterexample
+        assert _first_failing_prefix(rules, cex, conclusion) is not None, name
+        assert _first_failing_prefix(prove.ASYNC_RULES, cex, conclusion) is None, name

@@ -140,5 +140,8 @@ class EnvConnector:
         plan = self.plans.get(rid)
         if plan is None or not plan.send or not any(block_ids):
             return False, None
-        self.content.start_send(rid, block_ids[0], request.num_computed_tokens)
+        # #27644: the real boundary excludes placeholders (async scheduling); like
+        # vLLM's in-tree connectors, never past the known tokens
+        real = request.num_computed_tokens - getattr(request, "num_output_placeholders", 0)
+        self.content.start_send(rid, block_ids[0], min(real, request.num_tokens))
         return True, {"send": rid}

@@ -98,10 +98,12 @@ class KVSpecMachine(RuleBasedStateMachine):
                 max_model_len=st.integers(12, 24), threshold=st.sampled_from([0, 0, 1, 3, 5]),
                 policy=st.sampled_from(["fcfs", "priority"]),
                 failure_policy=st.sampled_from(["recompute", "recompute", "fail"]),
-                swarm=swarms)
+                swarm=swarms, scheduling=st.sampled_from(["async", "async", "sync"]))
     def configure(self, block_size, spare_blocks, budget, max_num_seqs, max_model_len,
-                  threshold, policy, failure_policy, swarm):
+                  threshold, policy, failure_policy, swarm, scheduling):
         self.swarm = swarm
+        if scheduling not in self.profile.scheduling:
+            scheduling = self.profile.scheduling[0]
         if policy not in self.profile.policies:
             policy = self.profile.policies[0]
         if failure_policy not in self.profile.failure_policies:
@@ -114,7 +116,8 @@ class KVSpecMachine(RuleBasedStateMachine):
         config = make_config(block_size=block_size, num_blocks=num_blocks,
                              max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, long_prefill_token_threshold=threshold,
-                             policy=policy, kv_load_failure_policy=failure_policy)
+                             policy=policy, kv_load_failure_policy=failure_policy,
+                             async_scheduling=scheduling == "async")
         self.runner = Runner(self.target_name, config, self.kinds, self.design_rules)
 
     @precondition(lambda self: self.next_index < MAX_REQUESTS)

@@ -24,6 +24,8 @@ class EnvProfile:
     min_prefill_threshold: int = 0
     #: the pool has at least this many blocks beyond one request of max_model_len
     min_spare_blocks: int = 1
+    #: scheduling modes drawn: async (vLLM's default since 0.32) and sync
+    scheduling: tuple[str, ...] = ("async", "sync")
     #: why each restriction is there (accepted finding ids)
     because: tuple[str, ...] = ()
 

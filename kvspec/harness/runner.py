@@ -16,12 +16,15 @@ from kvspec.harness.env import (EOS_TOKEN_ID, EnvConnector, EnvironmentContractV
 from kvspec.harness.targets import make_target
 from kvspec.impl.connector import ConnectorContractError
 from kvspec.spec.actions import Transition
+from kvspec.spec.arith import (compute_placeholders_after_output,
+                               compute_placeholders_after_schedule)
 from kvspec.spec.conformance import Hints, ModelBook, ModelStep
 from kvspec.spec.invariants import Context, Ghost
 from kvspec.spec.oracle import KVContent
 from kvspec.spec.predicates import is_admissible_lowering
 from kvspec.spec.registry import REGISTRY, Violation, evaluate
-from kvspec.spec.state import Config, Observation, RequestStatus, StepView, WorkerOutcome
+from kvspec.spec.state import (BATCH_QUEUE_DEPTH, Config, Observation, RequestStatus, StepView,
+                               WorkerOutcome)
 
 
 class Counterexample(Exception):
@@ -43,8 +46,9 @@ def describe_request(r) -> str:
     stats = f" hit={r.num_cached_tokens}/{r.num_external_computed_tokens}" if r.has_stats else ""
     blocks = ",".join(map(str, r.block_ids[0])) if r.block_ids else ""
     pre = f" pre={r.num_preemptions}" if r.num_preemptions else ""
+    held = f" ph={r.num_output_placeholders}" if r.num_output_placeholders else ""
     return (f"{r.request_id}:{r.status.name[:12]} c={r.num_computed_tokens}/{r.num_tokens}"
-            f"{stats}{pre} b=[{blocks}]")
+            f"{held}{stats}{pre} b=[{blocks}]")
 
 
 def describe_action(action: dict) -> str:
@@ -57,7 +61,22 @@ ALL_KINDS = ("state", "data", "relation", "model", "liveness")
 #: environment features a run exercises, counted in steps (``kvspec check --json``)
 FEATURES = ("load_failures", "async_loads", "preemptions", "spec_decode",
             "failure_policy_recompute", "failure_policy_fail", "policy_fcfs", "policy_priority",
-            "sends", "prefix_cache_resets")
+            "sends", "prefix_cache_resets", "async_scheduling",
+            "output_in_flight_at_preemption")
+
+
+@attrs.define
+class InFlight:
+    """A step scheduled and executed whose output the scheduler has not seen
+    (async scheduling: ``EngineCore.step_with_batch_queue``'s batch queue)."""
+
+    step: StepView
+    #: the state right after it was scheduled
+    mid: Observation
+    report: object  # kvspec.spec.oracle.ExecReport
+    sampled: dict[str, tuple[int, ...]]
+    #: requests preempted after this step was scheduled: their output is stale
+    stale: set[str] = attrs.Factory(set)
 
 
 class Runner:
@@ -82,6 +101,10 @@ class Runner:
         self.witnessed: Counter = Counter()
         self.features: Counter = Counter()
         self.violation_counts: Counter = Counter()
+        #: async scheduling: steps in flight, oldest first
+        self.in_flight: list[InFlight] = []
+        #: steps the conformance model could not judge (async scheduling)
+        self.unmodelled_steps = 0
         self.obs: Observation = self.target.observe()
 
     def _observe_request(self, request_id: str):
@@ -220,6 +243,8 @@ class Runner:
         return self._settle(after, t, model_step=self._model_step(t))
 
     def _do_step(self, a: dict) -> list[Violation]:
+        if self.config.async_scheduling:
+            return self._do_async_step(a)
         before = self.obs
         answers_before, asked = dict(self.env.answers), len(self.env.answer_log)
         step = self.target.schedule()
@@ -233,6 +258,7 @@ class Runner:
             failing |= set(self.content.loads)
         report = self.content.execute(step, mid, set(a.get("finish_loads", ())), failing,
                                       a.get("fail_offset", 0), a.get("fail_blocks", 1))
+        self.content.complete(report.step_id)  # synchronous: its output is back at once
         for rid in report.loaded_ok & set(mid.requests):
             self.env.note_load_finished(rid, mid.requests[rid].num_preemptions)
         self.ghost.just_loaded |= report.loaded_ok
@@ -268,6 +294,145 @@ class Runner:
         return violations + self._settle(after, t, lowered_ok=holders,
                                          model_step=self._model_step(whole_step, hints))
 
+    # -- async scheduling -------------------------------------------------------
+    def _do_async_step(self, a: dict) -> list[Violation]:
+        """One ``EngineCore.step_with_batch_queue`` call: schedule a step and
+        launch it (the worker runs it at once: its KV lands in stream order);
+        unless the queue is full, or nothing was scheduled and nothing is
+        left to schedule, return; otherwise apply the oldest step's output."""
+        before = self.obs
+        violations: list[Violation] = []
+        if self._has_requests():
+            step, mid, found = self._schedule_in_flight(a)
+            violations += found
+            more = step.total_num_scheduled_tokens > 0 or self._has_requests()
+            if len(self.in_flight) < BATCH_QUEUE_DEPTH and more:
+                return violations
+            before = mid
+        if not self.in_flight:
+            return violations
+        return violations + self._deliver_oldest(before, a)
+
+    def _has_requests(self) -> bool:
+        return bool(self.obs.requests)
+
+    def _pending_tokens(self) -> dict[str, tuple[int, ...]]:
+        """Tokens sampled by steps in flight that the scheduler has not seen: the
+        worker feeds them to the next step (stale output excluded)."""
+        pending: dict[str, tuple[int, ...]] = {}
+        for job in self.in_flight:
+            for rid, tokens in job.sampled.items():
+                if rid not in job.stale:
+                    pending[rid] = pending.get(rid, ()) + tokens
+        return pending
+
+    def _schedule_in_flight(self, a: dict):
+        before = self.obs
+        step = self.target.schedule()
+        mid = self.target.observe()
+        self.content.learn(mid)
+        self._update_ghost(mid, lowered_ok=frozenset())
+        self._count_async_schedule(step)
+        self._note_placeholders_scheduled(step, mid)
+        pending = self._pending_tokens()
+        failing = set(a.get("fail", ()))
+        if a.get("fail_all"):
+            failing |= set(self.content.loads)
+        report = self.content.execute(step, mid, set(a.get("finish_loads", ())), failing,
+                                      a.get("fail_offset", 0), a.get("fail_blocks", 1),
+                                      pending=pending)
+        self.ghost.just_loaded |= report.loaded_ok
+        sampled = self._sample(step, mid, a, pending)
+        self.in_flight.append(InFlight(step, mid, report, sampled))
+        t = self._transition("schedule", before, mid, step=step)
+        self.obs = mid
+        return step, mid, self._check(mid, kinds=("state", "data"), transition=t)
+
+    def _count_async_schedule(self, step: StepView) -> None:
+        self.features["async_scheduling"] += bool(self.in_flight and
+                                                   step.total_num_scheduled_tokens)
+        in_flight = {rid for job in self.in_flight for rid in job.step.num_scheduled_tokens
+                     if rid not in job.stale}
+        self.features["output_in_flight_at_preemption"] += bool(
+            step.preempted_req_ids & in_flight)
+
+    def _note_placeholders_scheduled(self, step: StepView, mid: Observation) -> None:
+        """The ghost's placeholder count (``placeholders_match_in_flight``): a
+        preempted request's output in flight turns stale and owns none; a
+        sampling step adds its share."""
+        ghost = self.ghost.placeholders
+        for rid in step.preempted_req_ids:
+            ghost[rid] = 0
+            for job in self.in_flight:
+                if rid in job.step.num_scheduled_tokens:
+                    job.stale.add(rid)
+        for rid, n in step.num_scheduled_tokens.items():
+            held = ghost.get(rid, 0)
+            drafts = len(step.scheduled_spec_decode_tokens.get(rid, ()))
+            chunk = step.num_computed_before[rid] + n < mid.requests[rid].num_tokens + held
+            ghost[rid] = compute_placeholders_after_schedule(held, drafts, chunk)
+
+    def _deliver_oldest(self, before: Observation, a: dict) -> list[Violation]:
+        """The oldest step's output is back: its writes have all landed, then
+        ``update_from_output`` applies it."""
+        job = self.in_flight.pop(0)
+        self.content.complete(job.report.step_id)
+        report, step, mid = job.report, job.step, job.mid
+        for rid in report.loaded_ok & set(before.requests):
+            self.env.note_load_finished(rid, before.requests[rid].num_preemptions)
+        outcome = WorkerOutcome(
+            sampled_token_ids=job.sampled,
+            finished_recving=frozenset(report.finished_recving),
+            finished_sending=frozenset(self._finish_sends(a)),
+            invalid_block_ids=frozenset(report.invalid_block_ids))
+        self.target.update_from_output(outcome)
+        after = self.target.observe()
+        holders = {r.request_id for r in before.requests.values()
+                   if report.invalid_block_ids & set(b for t in r.block_ids for b in t)}
+        self._note_placeholders_delivered(job, before, holders)
+        departed = self._departed(before, after)
+        t = self._transition("update_from_output", before, after, departed, step=step,
+                             outcome=outcome, garbage_readers=report.garbage_readers)
+        for rid in after.running:
+            r = after.requests[rid]
+            if rid not in report.garbage_readers:
+                self.env.note_computed(rid, r.num_computed_tokens - r.num_output_placeholders,
+                                       r.num_tokens)
+        self._count_features(step, outcome, mid)
+        self.ghost.finished_mid_load = {
+            rid for rid, r in after.requests.items() if r.status.is_finished
+            and rid not in outcome.finished_recving and (
+                rid in self.ghost.finished_mid_load
+                or (rid in before.requests
+                    and before.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS))}
+        for rid in [rid for rid in self.ghost.placeholders if rid not in after.requests
+                    or after.requests[rid].status.is_finished]:
+            del self.ghost.placeholders[rid]
+        # the conformance model (spec/effects.py) describes the synchronous
+        # step; under async scheduling it is not evaluated, and says so
+        self.unmodelled_steps += 1
+        return self._settle(after, t, lowered_ok=holders)
+
+    def _note_placeholders_delivered(self, job: InFlight, before: Observation,
+                                     holders: set[str]) -> None:
+        """A step's output returns its share. A running request that read KV a
+        load failure invalidated, or holds such a block, is cut back: its
+        output of this step and of every later step in flight was computed on
+        top of the failure and is discarded, so it owns no placeholders."""
+        ghost = self.ghost.placeholders
+        for rid, tokens in job.sampled.items():
+            if rid in job.stale or rid not in ghost:
+                continue
+            drafts = len(job.step.scheduled_spec_decode_tokens.get(rid, ()))
+            ghost[rid] = compute_placeholders_after_output(ghost[rid], drafts, len(tokens),
+                                                           False)
+        running = {rid for rid in before.running}
+        for rid in ((set(job.report.garbage_readers) - job.stale) | holders) & running:
+            ghost[rid] = 0
+            for later in self.in_flight:
+                if rid in later.step.num_scheduled_tokens:
+                    later.stale.add(rid)
+
     def _hints(self, before, mid, ended: dict, step: StepView, outcome: WorkerOutcome,
                answers_before: dict, asked: list) -> dict[str, Hints]:
         """What the observation fixes about each request's step (spec/conformance.py);
@@ -302,21 +467,31 @@ class Runner:
         f[f"policy_{cfg.policy}"] += live >= 2
         f["sends"] += bool(outcome.finished_sending)
 
-    def _sample(self, step: StepView, mid: Observation, a: dict) -> dict:
+    def _sample(self, step: StepView, mid: Observation, a: dict,
+                pending: dict[str, tuple[int, ...]] | None = None) -> dict:
+        """What the model samples for each request in this step: its accepted
+        drafts and a bonus token (EOS where the environment says), each recorded
+        at its position. ``pending``: tokens steps in flight sampled for it."""
         eos = set(a.get("eos", ()))
         sampled = {}
         for rid, n in step.num_scheduled_tokens.items():
             r = mid.requests[rid]
-            if step.num_computed_before[rid] + n < r.num_tokens:
+            known = r.num_tokens + len((pending or {}).get(rid, ()))
+            start = step.num_computed_before[rid]
+            if start + n < known:
                 continue  # a partial prefill chunk samples nothing
             drafts = step.scheduled_spec_decode_tokens.get(rid, ())
+            position = start + n - len(drafts)
             accepted = []
             for token in drafts[:a.get("accept", 0)]:
                 if token < 0:  # a padding slot (vLLM pads drafts with -1): never accepted
                     break
                 accepted.append(token)
-            bonus = EOS_TOKEN_ID if rid in eos else sampled_token(rid, r.num_tokens + len(accepted))
+            bonus = EOS_TOKEN_ID if rid in eos else sampled_token(rid, position + len(accepted))
             sampled[rid] = tuple(accepted + [bonus])
+            at = self.ghost.sampled_at.setdefault(rid, {})
+            for k, token in enumerate(sampled[rid]):
+                at.setdefault(position + k, set()).add(token)
         return sampled
 
     def _finish_sends(self, a: dict) -> set[str]:
@@ -356,11 +531,11 @@ class Runner:
 
     def _do_drain(self, a: dict) -> list[Violation]:
         """The healed phase: no faults, every load and send completes."""
-        bound = 20 + sum(len(r.prompt_token_ids) + r.max_tokens for r in self.obs.requests.values())
+        bound = 20 + BATCH_QUEUE_DEPTH + sum(len(r.prompt_token_ids) + r.max_tokens for r in self.obs.requests.values())
         self.ghost.draining = {r.request_id for r in self.obs.requests.values()
                                if not r.status.is_finished}
         for _ in range(bound):
-            if not self.obs.requests:
+            if not self.obs.requests and not self.in_flight:
                 break
             healed = {"op": "step", "finish_loads": self.content.pending_async_loads(),
                       "finish_sends": list(self.content.sends)}

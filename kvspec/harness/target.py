@@ -40,9 +40,10 @@ class ImplTarget:
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             policy=config.policy, kv_load_failure_policy=config.kv_load_failure_policy,
-            enable_prefix_caching=config.enable_prefix_caching)
+            enable_prefix_caching=config.enable_prefix_caching,
+            async_scheduling=config.async_scheduling)
         self.scheduler = (scheduler_factory or Scheduler)(sched_config, connector)
-        self._last_output = None
+        self._outputs: list = []  # scheduler outputs whose model output is pending
         self._requests: dict[str, object] = {}  # every request added, to see how it ended
 
     def add_request(self, spec: RequestSpec) -> None:
@@ -55,7 +56,7 @@ class ImplTarget:
 
     def schedule(self) -> StepView:
         out = self.scheduler.schedule()
-        self._last_output = out
+        self._outputs.append(out)
         return StepView(
             num_scheduled_tokens=dict(out.num_scheduled_tokens),
             num_computed_before=dict(out.num_computed_before),
@@ -69,7 +70,7 @@ class ImplTarget:
         kv = KVConnectorOutput(set(outcome.finished_recving), set(outcome.finished_sending),
                                set(outcome.invalid_block_ids))
         runner = ModelRunnerOutput({k: list(v) for k, v in outcome.sampled_token_ids.items()}, kv)
-        self.scheduler.update_from_output(self._last_output, runner)
+        self.scheduler.update_from_output(self._outputs.pop(0), runner)
 
     def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
         self.scheduler.update_draft_token_ids(drafts)
@@ -113,16 +114,19 @@ class ImplTarget:
             running=tuple(r.request_id for r in s.running),
             pool=PoolView(ref_cnt=tuple(b.ref_cnt for b in pool.blocks),
                           free_queue=tuple(b.block_id for b in pool.free_queue),
-                          cached=tuple((h, b.block_id) for h, b in pool.cached.items())),
+                          cached=tuple((h, b.block_id) for h, b in pool.cached.items()),
+                          fenced=s.in_flight.get_fenced_block_ids()),
             sending=tuple(rid for rid, r in requests.items() if r.status.is_finished))
 
 
 def make_config(block_size=4, num_blocks=16, max_num_batched_tokens=16, max_num_seqs=4,
                 max_model_len=32, long_prefill_token_threshold=0, policy="fcfs",
-                kv_load_failure_policy="recompute", enable_prefix_caching=True) -> Config:
+                kv_load_failure_policy="recompute", enable_prefix_caching=True,
+                async_scheduling=False) -> Config:
     return Config(groups=(GroupSpec(block_size),), num_blocks=num_blocks,
                   max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                   max_model_len=max_model_len,
                   long_prefill_token_threshold=long_prefill_token_threshold, policy=policy,
                   kv_load_failure_policy=kv_load_failure_policy,
-                  enable_prefix_caching=enable_prefix_caching)
+                  enable_prefix_caching=enable_prefix_caching,
+                  async_scheduling=async_scheduling)

@@ -125,6 +125,7 @@ _CONFIG_SCHEMA = {
         "policy": {"enum": list(POLICIES)},
         "kv_load_failure_policy": {"enum": list(FAILURE_POLICIES)},
         "enable_prefix_caching": _BOOL,
+        "async_scheduling": _BOOL,
     },
 }
 
@@ -349,6 +350,8 @@ def check_size(config: Config, actions: list[dict]) -> str | None:
 def config_to_dict(config: Config) -> dict:
     data = attrs.asdict(config)
     data["groups"] = [attrs.asdict(g) for g in config.groups]
+    if not data["async_scheduling"]:  # traces written before async scheduling stay as they were
+        del data["async_scheduling"]
     return data
 
 

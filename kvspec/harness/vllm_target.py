@@ -247,7 +247,9 @@ class VllmTarget:
         self._admitted: set[str] = set()         # stats recorded (see the module doc)
         self._cancelled_loads: set[str] = set()  # finished mid-load: report finished_recving
         self._arrivals = 0
-        self._last_output = None
+        #: scheduler outputs whose model output is pending, oldest first (the
+        #: engine's batch queue under async scheduling)
+        self._outputs: list = []
         self._block_hasher = m.kv_cache_utils.get_request_block_hasher(block_size, m.hash_fn)
 
         kwargs = dict(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
@@ -260,10 +262,17 @@ class VllmTarget:
         vllm_connector.CURRENT_BINDING = vllm_connector.Binding(
             env=connector, to_spec_ids=self._to_spec_ids)
         try:
-            scheduler_cls = self.patches.get("vllm.v1.core.sched.scheduler", "Scheduler")
-            self.scheduler = scheduler_cls(**kwargs)
+            self.scheduler = self._scheduler_class()(**kwargs)
         finally:
             vllm_connector.CURRENT_BINDING = None
+
+    def _scheduler_class(self):
+        if not self.config.async_scheduling:
+            return self.patches.get("vllm.v1.core.sched.scheduler", "Scheduler")
+        try:
+            return self.patches.get("vllm.v1.core.sched.async_scheduler", "AsyncScheduler")
+        except (ImportError, AttributeError, KeyError) as exc:
+            raise RuntimeError(f"vLLM {self.version} has no AsyncScheduler: {exc}") from None
 
     def _vllm_config(self, config: Config, num_blocks: int):
         m = self.m
@@ -287,7 +296,9 @@ class VllmTarget:
             raise RuntimeError("this vLLM release ignores kv_load_failure_policy")
         # Drafts reach a vLLM scheduler only with spec decode configured (its
         # metrics are sized by num_speculative_tokens). "ngram" needs no model.
-        speculative_config = _only_known(
+        # Under async scheduling drafts stay on the worker (vLLM never calls
+        # update_draft_token_ids then) and vLLM refuses "ngram": no spec decode.
+        speculative_config = None if config.async_scheduling else _only_known(
             c.SpeculativeConfig, method="ngram", num_speculative_tokens=MAX_DRAFTS,
             prompt_lookup_max=2, prompt_lookup_min=1)
         vllm_config = _only_known(
@@ -296,6 +307,11 @@ class VllmTarget:
             kv_transfer_config=kv_transfer_config, speculative_config=speculative_config,
             device_config=c.DeviceConfig("cpu"))
         vllm_config.cache_config.num_gpu_blocks = num_blocks
+        if config.async_scheduling:
+            # vLLM's CPU platform turns async scheduling off while validating;
+            # the scheduler only reads the flag (two batches in flight, which
+            # also turns on deferred frees for a consumer connector)
+            vllm_config.scheduler_config.async_scheduling = True
         # VllmConfig may adjust what it was given; the spec's config must hold.
         sc = vllm_config.scheduler_config
         if (sc.max_num_seqs, sc.max_num_batched_tokens, sc.policy) != (
@@ -345,7 +361,7 @@ class VllmTarget:
                        for rid, r in self.scheduler.requests.items()}
         with _LocateAsserts():
             out = self.scheduler.schedule()
-        self._last_output = out
+        self._outputs.append(out)
         before: dict[str, int] = {}
         new_ids = []
         for data in out.scheduled_new_reqs:
@@ -370,7 +386,7 @@ class VllmTarget:
 
     def update_from_output(self, outcome: WorkerOutcome) -> None:
         m = self.m
-        out = self._last_output
+        out = self._outputs.pop(0)
         req_ids = list(out.num_scheduled_tokens)
         recving = set(outcome.finished_recving)
         recving |= {rid for rid in self._cancelled_loads if rid in self.scheduler.requests}
@@ -483,8 +499,10 @@ class VllmTarget:
             block_hash = self.m.get_block_hash(key) if self.m.get_block_hash else key
             for block in found:
                 cached.append((block_hash, block.block_id - NULL_BLOCKS))
+        fenced = tuple(b.block_id - NULL_BLOCKS for _, held in
+                       getattr(self.scheduler, "deferred_frees", ()) for b in held)
         return PoolView(ref_cnt=tuple(b.ref_cnt for b in blocks), free_queue=tuple(free),
-                        cached=tuple(cached))
+                        cached=tuple(cached), fenced=fenced)
 
     def observe(self) -> Observation:
         s = self.scheduler

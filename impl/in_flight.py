@@ -1,0 +1,92 @@
+"""Async scheduling: what the reference scheduler keeps about steps in flight.
+
+Under async scheduling step N+1 is scheduled before step N's output is back.
+Two things follow, each kept here:
+
+- **Output placeholders.** A request that samples in a step owns one
+  placeholder per token the step will produce until the output arrives, so
+  ``num_computed_tokens - num_output_placeholders`` stays the boundary of known
+  tokens (#27644). A preemption, or a load failure that cuts the request back,
+  makes its output still in flight stale: it is dropped when it arrives (the
+  request samples those positions again) and owns no placeholders.
+- **Fenced frees.** A block freed while a step in flight may still write it is
+  held back until that step's output is processed: a connector's load is not
+  ordered with the compute stream, and would be overwritten (vLLM's
+  ``defer_block_free``).
+"""
+from __future__ import annotations
+
+import attrs
+
+from kvspec.spec.arith import (compute_placeholders_after_output,
+                               compute_placeholders_after_schedule)
+
+
+@attrs.define
+class InFlightBook:
+    #: steps scheduled, and steps whose output was processed
+    scheduled_seq: int = 0
+    processed_seq: int = 0
+    #: request id -> the last step (scheduled_seq) that ran it
+    last_step: dict[str, int] = attrs.Factory(dict)
+    #: request id -> its steps in flight whose output is stale
+    stale: dict[str, int] = attrs.Factory(dict)
+    #: (step, blocks) freed under a step in flight, oldest first
+    fenced: list[tuple[int, list]] = attrs.Factory(list)
+
+    # -- steps ---------------------------------------------------------------
+    def on_schedule(self, requests: dict, plan_tokens: dict[str, int],
+                    spec_tokens: dict[str, list[int]]) -> None:
+        """Placeholders of the step just scheduled (before ``num_computed_tokens``
+        advances); remembers which step last ran each request."""
+        self.scheduled_seq += 1  # one per schedule(), as one output per step comes back
+        for rid, n in plan_tokens.items():
+            request = requests[rid]
+            held = request.num_output_placeholders
+            chunk = request.num_computed_tokens + n < request.num_tokens + held
+            request.num_output_placeholders = compute_placeholders_after_schedule(
+                held, len(spec_tokens.get(rid, ())), chunk)
+            self.last_step[rid] = self.scheduled_seq
+
+    def is_in_flight(self, request_id: str) -> bool:
+        return self.last_step.get(request_id, 0) > self.processed_seq
+
+    def num_in_flight(self, request_id: str) -> int:
+        return max(0, self.last_step.get(request_id, 0) - self.processed_seq)
+
+    def on_output(self) -> list:
+        """A step's output is back: the blocks fenced behind it may go."""
+        self.processed_seq += 1
+        ready = [blocks for step, blocks in self.fenced if step <= self.processed_seq]
+        self.fenced = [(step, blocks) for step, blocks in self.fenced
+                       if step > self.processed_seq]
+        return ready
+
+    # -- output ----------------------------------------------------------------
+    def take_stale(self, request_id: str) -> bool:
+        """Whether this output of the request is stale (and count it drained)."""
+        left = self.stale.get(request_id, 0)
+        if left <= 0:
+            return False
+        self.stale[request_id] = left - 1
+        return True
+
+    def make_stale(self, request) -> None:
+        """Its output in flight will be dropped; it owns no placeholders."""
+        self.stale[request.request_id] = self.num_in_flight(request.request_id)
+        request.num_output_placeholders = 0
+
+    @staticmethod
+    def return_share(request, num_drafts: int, num_sampled: int) -> None:
+        request.num_output_placeholders = compute_placeholders_after_output(
+            request.num_output_placeholders, num_drafts, num_sampled, False)
+
+    def forget(self, request_id: str) -> None:
+        self.stale.pop(request_id, None)
+
+    # -- fenced frees -----------------------------------------------------------
+    def fence(self, request_id: str, blocks: list) -> None:
+        self.fenced.append((self.last_step[request_id], blocks))
+
+    def get_fenced_block_ids(self) -> tuple[int, ...]:
+        return tuple(b.block_id for _, blocks in self.fenced for b in blocks)
