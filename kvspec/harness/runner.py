@@ -79,6 +79,12 @@ class InFlight:
     stale: set[str] = attrs.Factory(set)
 
 
+def _invalid_holders(obs: Observation, report) -> set[str]:
+    """Requests holding a block the step's failed loads left invalid."""
+    return {r.request_id for r in obs.requests.values()
+            if report.invalid_block_ids & {b for table in r.block_ids for b in table}}
+
+
 class Runner:
     def __init__(self, target_name: str, config: Config, kinds=ALL_KINDS,
                  design_rules: bool = True, ignore=frozenset()) -> None:
@@ -253,46 +259,60 @@ class Runner:
         self._update_ghost(mid, lowered_ok=frozenset())  # stats set by this schedule()
         violations = self._check(mid, kinds=("state",),
                                  transition=self._transition("schedule", before, mid, step=step))
-        failing = set(a.get("fail", ()))
-        if a.get("fail_all"):
-            failing |= set(self.content.loads)
-        report = self.content.execute(step, mid, set(a.get("finish_loads", ())), failing,
-                                      a.get("fail_offset", 0), a.get("fail_blocks", 1))
+        report = self._execute(step, mid, a)
         self.content.complete(report.step_id)  # synchronous: its output is back at once
-        for rid in report.loaded_ok & set(mid.requests):
-            self.env.note_load_finished(rid, mid.requests[rid].num_preemptions)
         self.ghost.just_loaded |= report.loaded_ok
-        outcome = WorkerOutcome(
-            sampled_token_ids=self._sample(step, mid, a),
-            finished_recving=frozenset(report.finished_recving),
-            finished_sending=frozenset(self._finish_sends(a)),
-            invalid_block_ids=frozenset(report.invalid_block_ids))
+        outcome = self._outcome(report, self._sample(step, mid, a), a, mid)
         self.target.update_from_output(outcome)
         self.target.update_draft_token_ids(self._drafts(a.get("drafts", 0)))
         after = self.target.observe()
-        holders = {r.request_id for r in mid.requests.values()
-                   if report.invalid_block_ids & set(b for t in r.block_ids for b in t)}
+        holders = _invalid_holders(mid, report)
         departed = self._departed(before, after)
         t = self._transition("update_from_output", mid, after, departed, step=step,
                              outcome=outcome, garbage_readers=report.garbage_readers)
+        self._note_output_applied(mid, after, report, outcome)
+        self._count_features(step, outcome, mid)
+        hints = self._hints(before, mid, after.requests | departed, step, outcome,
+                            answers_before, self.env.answer_log[asked:])
+        whole_step = self._transition("step", before, after, departed)
+        return violations + self._settle(after, t, lowered_ok=holders,
+                                         model_step=self._model_step(whole_step, hints))
+
+    def _execute(self, step: StepView, mid: Observation, a: dict, pending=None):
+        """The worker runs a step, with the faults the action names."""
+        failing = set(a.get("fail", ()))
+        if a.get("fail_all"):
+            failing |= set(self.content.loads)
+        return self.content.execute(step, mid, set(a.get("finish_loads", ())), failing,
+                                    a.get("fail_offset", 0), a.get("fail_blocks", 1),
+                                    pending=pending)
+
+    def _outcome(self, report, sampled: dict, a: dict, before: Observation) -> WorkerOutcome:
+        """The worker's report of a step; its loads that landed are noted."""
+        for rid in report.loaded_ok & set(before.requests):
+            self.env.note_load_finished(rid, before.requests[rid].num_preemptions)
+        return WorkerOutcome(
+            sampled_token_ids=sampled,
+            finished_recving=frozenset(report.finished_recving),
+            finished_sending=frozenset(self._finish_sends(a)),
+            invalid_block_ids=frozenset(report.invalid_block_ids))
+
+    def _note_output_applied(self, before: Observation, after: Observation, report,
+                             outcome: WorkerOutcome) -> None:
+        """What the environment learns once a step's output is applied."""
         for rid in after.running:
             r = after.requests[rid]
-            if rid not in report.garbage_readers:
-                self.env.note_computed(rid, r.num_computed_tokens, r.num_tokens)
-        self._count_features(step, outcome, mid)
+            if rid not in report.garbage_readers:  # an offloading store keeps real tokens
+                self.env.note_computed(rid, r.num_computed_tokens - r.num_output_placeholders,
+                                       r.num_tokens)
         # a request that ended while its load was in flight (an abort, or the
         # "fail" policy) may hold its blocks until the worker reports the load
         self.ghost.finished_mid_load = {
             rid for rid, r in after.requests.items() if r.status.is_finished
             and rid not in outcome.finished_recving and (
                 rid in self.ghost.finished_mid_load
-                or (rid in mid.requests
-                    and mid.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS))}
-        hints = self._hints(before, mid, after.requests | departed, step, outcome,
-                            answers_before, self.env.answer_log[asked:])
-        whole_step = self._transition("step", before, after, departed)
-        return violations + self._settle(after, t, lowered_ok=holders,
-                                         model_step=self._model_step(whole_step, hints))
+                or (rid in before.requests
+                    and before.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS))}
 
     # -- async scheduling -------------------------------------------------------
     def _do_async_step(self, a: dict) -> list[Violation]:
@@ -335,12 +355,7 @@ class Runner:
         self._count_async_schedule(step)
         self._note_placeholders_scheduled(step, mid)
         pending = self._pending_tokens()
-        failing = set(a.get("fail", ()))
-        if a.get("fail_all"):
-            failing |= set(self.content.loads)
-        report = self.content.execute(step, mid, set(a.get("finish_loads", ())), failing,
-                                      a.get("fail_offset", 0), a.get("fail_blocks", 1),
-                                      pending=pending)
+        report = self._execute(step, mid, a, pending)
         self.ghost.just_loaded |= report.loaded_ok
         sampled = self._sample(step, mid, a, pending)
         self.in_flight.append(InFlight(step, mid, report, sampled))
@@ -378,33 +393,16 @@ class Runner:
         job = self.in_flight.pop(0)
         self.content.complete(job.report.step_id)
         report, step, mid = job.report, job.step, job.mid
-        for rid in report.loaded_ok & set(before.requests):
-            self.env.note_load_finished(rid, before.requests[rid].num_preemptions)
-        outcome = WorkerOutcome(
-            sampled_token_ids=job.sampled,
-            finished_recving=frozenset(report.finished_recving),
-            finished_sending=frozenset(self._finish_sends(a)),
-            invalid_block_ids=frozenset(report.invalid_block_ids))
+        outcome = self._outcome(report, job.sampled, a, before)
         self.target.update_from_output(outcome)
         after = self.target.observe()
-        holders = {r.request_id for r in before.requests.values()
-                   if report.invalid_block_ids & set(b for t in r.block_ids for b in t)}
+        holders = _invalid_holders(before, report)
         self._note_placeholders_delivered(job, before, holders)
         departed = self._departed(before, after)
         t = self._transition("update_from_output", before, after, departed, step=step,
                              outcome=outcome, garbage_readers=report.garbage_readers)
-        for rid in after.running:
-            r = after.requests[rid]
-            if rid not in report.garbage_readers:
-                self.env.note_computed(rid, r.num_computed_tokens - r.num_output_placeholders,
-                                       r.num_tokens)
+        self._note_output_applied(before, after, report, outcome)
         self._count_features(step, outcome, mid)
-        self.ghost.finished_mid_load = {
-            rid for rid, r in after.requests.items() if r.status.is_finished
-            and rid not in outcome.finished_recving and (
-                rid in self.ghost.finished_mid_load
-                or (rid in before.requests
-                    and before.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS))}
         for rid in [rid for rid in self.ghost.placeholders if rid not in after.requests
                     or after.requests[rid].status.is_finished]:
             del self.ghost.placeholders[rid]
