@@ -49,11 +49,11 @@ class StatsResetOnReschedule(Scheduler):
 class CacheFailedBlock(Scheduler):
     """Review of #34616: a block whose load failed stays in the prefix cache."""
 
-    def _handle_invalid_blocks(self, invalid_block_ids):
+    def _handle_invalid_blocks(self, invalid_block_ids, released=()):
         uncache = self.kv.uncache_blocks
         self.kv.uncache_blocks = lambda ids: None
         try:
-            return super()._handle_invalid_blocks(invalid_block_ids)
+            return super()._handle_invalid_blocks(invalid_block_ids, released)
         finally:
             self.kv.uncache_blocks = uncache
 
