@@ -196,7 +196,12 @@ def cached_le_computed(ctx: Context):
     Scope: after a preemption ``num_computed_tokens`` restarts from the hits of
     the re-scheduling, which may be fewer than the first time, while the stats
     keep the first scheduling's value; after a load failure a scheduler may keep
-    the stats (vLLM 0.32 does) while it recomputes. Protects the stats' meaning."""
+    the stats (vLLM 0.32 does) while it recomputes. Protects the stats' meaning.
+
+    Under async scheduling the bound is the positions scheduled, steps in flight
+    included (as a synchronous step under way counts its own): a full-prompt hit
+    recomputes its last token in the step in flight, while its placeholder
+    already counts against the real boundary."""
     for r in ctx.live():
         if not (r.has_stats and ctx.is_undisturbed(r)):
             continue
@@ -204,7 +209,6 @@ def cached_le_computed(ctx: Context):
         waiting = r.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS)
         ctx.witness(running or waiting)
         if not is_cached_le_computed(running, waiting, r.num_cached_tokens,
-                                     get_real_computed(r) if ctx.synced else
                                      r.num_computed_tokens, r.num_tokens):
             yield (f"{r.request_id} ({r.status.name}): num_cached={r.num_cached_tokens} > "
                    f"num_computed={r.num_computed_tokens}")

@@ -152,16 +152,15 @@ def test_every_fix_fits_and_nothing_is_stepped_around():
     """On a release where every fix fits, the default check restricts nothing.
     (The fixes of older releases' findings, backports, do not fit 0.32.0.)"""
     from kvspec.harness.accepted_findings import fixes_needed
+    from kvspec.harness.profiles import FULL
     from kvspec.harness.vllm_patches import patched
     applied = patched("all")
     if VERSION != "0.32.0":
         pytest.skip(f"fix fit is asserted on 0.32.0 only (installed {VERSION}; "
                     "docs/vllm-releases.md lists which fixes fit the older releases)")
     assert set(applied.applied) == fixes_needed(VERSION), applied.skipped
-    unfixed = {f.id for f in accepted_for(VERSION) if f.remedy == "none" and f.avoided_by}
-    # only findings with no fix written yet are stepped around (the async one, issue 10)
-    assert set(profile_for(VERSION, set(applied.applied)).because) == unfixed
-    assert profile_for(VERSION, set()) != profile_for(VERSION, set(applied.applied))
+    assert profile_for(VERSION, set(applied.applied)) == FULL
+    assert profile_for(VERSION, set()) != FULL  # with no fix applied it would step around
 
 
 def test_default_check_finds_no_new_finding(tmp_path):

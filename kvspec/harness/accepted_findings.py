@@ -171,16 +171,24 @@ _0_18_1_AND_0_14_1 = _reproduced(
     "fail-policy-shared-failure-downstream-cached", "recompute-failed-block-stays-cached") + (
     STATS_RESET_AFTER_PREEMPTION,)
 
-# Found by the first async-scheduling runs (issue 10); measured on 0.32.0 only so far.
+# Found by the first async-scheduling runs (issue 10).
 ASYNC_RECOVERY_KEEPS_PLACEHOLDERS = AcceptedFinding(
     "async-recovery-keeps-placeholders",
     "async scheduling: load-failure recovery cuts a running request back but keeps its "
     "output placeholders (and delivers output computed on the failed KV)",
     ("vllm-0.32.0-async-recovery-keeps-placeholders.json",),
-    (("scheduling", ("sync",)),), remedy="none")
+    (("scheduling", ("sync",)),), fix="async-recovery-drops-output-in-flight")
+
+RECOVERY_MISSES_REQUESTS_ENDED_MID_STEP = AcceptedFinding(
+    "recovery-misses-requests-ended-mid-step",
+    "async scheduling: load-failure recovery does not scan a request that ended while the "
+    "failing step was in flight; its blocks computed past the failed one stay cached",
+    ("vllm-0.32.0-recovery-misses-requests-ended-mid-step.json",),
+    (("scheduling", ("sync",)),))
 
 ACCEPTED: dict[str, tuple[AcceptedFinding, ...]] = {
-    "0.32.0": _0_32_0_AND_0_31_0 + (ASYNC_RECOVERY_KEEPS_PLACEHOLDERS,),
+    "0.32.0": _0_32_0_AND_0_31_0 + (ASYNC_RECOVERY_KEEPS_PLACEHOLDERS,
+                                     RECOVERY_MISSES_REQUESTS_ENDED_MID_STEP),
     "0.31.0": _0_32_0_AND_0_31_0,
     "0.28.0": _0_28_0_AND_0_24_0 + (SPEC_PAD_PAST_MAX_MODEL_LEN, SPEC_PAD_CLIPPED_0_28_0),
     "0.24.0": _0_28_0_AND_0_24_0 + (STATS_RESET_AFTER_PREEMPTION,),
@@ -219,14 +227,12 @@ def fixes_needed(version: str) -> set[str] | None:
 def profile_for(version: str, applied_fixes=None) -> EnvProfile:
     """The unrestricted environment, minus the triggers of accepted findings
     whose fix is not applied because it does not fit the installed release
-    (``applied_fixes``: the ids applied; None: every fix fits), or that have no
-    fix written yet (remedy "none", where the finding names a restriction)."""
+    (``applied_fixes``: the ids applied; None: every fix fits)."""
     from kvspec.harness.vllm_patches import FIXES
     findings = tuple(
         f for f in accepted_for(version)
-        if f.avoided_by and (f.remedy == "none" or f.fix_id is not None and (
-            f.fix_id not in FIXES or (
-                applied_fixes is not None and f.fix_id not in applied_fixes))))
+        if f.fix_id is not None and f.avoided_by and (f.fix_id not in FIXES or (
+            applied_fixes is not None and f.fix_id not in applied_fixes)))
     if not findings:
         return FULL
     changes: dict[str, object] = {}

@@ -26,6 +26,7 @@ a release without that finding it does not fit, and is not needed
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -85,6 +86,15 @@ FIXES: dict[str, Patch] = {p.id: p for p in [
     Patch("spec-pad-clipped-by-prefill-threshold", "fix",
           "a new request is padded with placeholder drafts only when the long-prefill cap "
           "leaves room for the padded step", "vllm-0.32.0-spec-pad-clipped-by-prefill-threshold"),
+    Patch("async-recovery-drops-output-in-flight", "fix",
+          "under async scheduling, a running request that load-failure recovery cuts back "
+          "has its output in flight dropped as stale and its placeholders zeroed, as a "
+          "preempted one does", "vllm-0.32.0-async-recovery-keeps-placeholders"),
+    Patch("recovery-evicts-blocks-of-requests-ended-mid-step", "fix",
+          "under async scheduling, load-failure recovery also evicts the blocks past a failed "
+          "one of requests that ended while the failing step was in flight (blocks deferred "
+          "or held for a send), before they return to the pool",
+          "vllm-0.32.0-recovery-misses-requests-ended-mid-step"),
     # Backports of upstream fixes for findings of older releases only (0.32.0 has
     # the fix already, so they fit only the releases named in their variants).
     Patch("async-load-counts-whole-block", "fix",
@@ -209,9 +219,38 @@ def build(patches: list[Patch]) -> PatchedVllm:
             skipped[patch.id] = str(exc)
             continue
         applied.append(patch.id)
-    modules = {name: _execute(name, text, sorted(applied)) for name, text in texts.items()}
+    modules: dict[str, types.ModuleType] = {}
+    for name, text in _with_subclass_modules(texts).items():
+        with _installed(modules):  # a later module imports the patched earlier ones
+            modules[name] = _execute(name, text, sorted(applied))
     _rebind(modules)
     return PatchedVllm(modules, tuple(applied), skipped)
+
+
+#: modules whose classes subclass a class of another module: executed again when
+#: that module is patched, so that (say) AsyncScheduler inherits the patched Scheduler
+SUBCLASS_MODULES = {"vllm.v1.core.sched.scheduler": ("vllm.v1.core.sched.async_scheduler",)}
+
+
+@contextlib.contextmanager
+def _installed(modules: dict[str, types.ModuleType]):
+    saved = {name: sys.modules[name] for name in modules}
+    sys.modules.update(modules)
+    try:
+        yield
+    finally:
+        sys.modules.update(saved)
+
+
+def _with_subclass_modules(texts: dict[str, str]) -> dict[str, str]:
+    texts = dict(texts)
+    for base, dependents in SUBCLASS_MODULES.items():
+        for name in dependents if base in texts else ():
+            try:
+                texts.setdefault(name, _source(name))
+            except ImportError:
+                continue  # a release without it (AsyncScheduler came in 0.10)
+    return texts
 
 
 def _execute(name: str, text: str, applied: list[str]) -> types.ModuleType:
