@@ -58,6 +58,9 @@ def describe_action(action: dict) -> str:
 
 ALL_KINDS = ("state", "data", "relation", "model", "liveness")
 
+#: async steps the conformance model (``transition_admitted_by_model``) does not describe
+UNMODELLED_STEPS = "async_steps_outside_conformance_model"
+
 #: environment features a run exercises, counted in steps (``kvspec check --json``)
 FEATURES = ("load_failures", "async_loads", "preemptions", "spec_decode",
             "failure_policy_recompute", "failure_policy_fail", "policy_fcfs", "policy_priority",
@@ -110,7 +113,6 @@ class Runner:
         #: async scheduling: steps in flight, oldest first
         self.in_flight: list[InFlight] = []
         #: steps the conformance model could not judge (async scheduling)
-        self.unmodelled_steps = 0
         self.obs: Observation = self.target.observe()
 
     def _observe_request(self, request_id: str):
@@ -407,8 +409,8 @@ class Runner:
                     or after.requests[rid].status.is_finished]:
             del self.ghost.placeholders[rid]
         # the conformance model (spec/effects.py) describes the synchronous
-        # step; under async scheduling it is not evaluated, and says so
-        self.unmodelled_steps += 1
+        # step; under async scheduling it is not evaluated, and the report says so
+        self.features[UNMODELLED_STEPS] += 1
         return self._settle(after, t, lowered_ok=holders)
 
     def _note_placeholders_delivered(self, job: InFlight, before: Observation,
