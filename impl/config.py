@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from kvspec.spec.state import FAILURE_POLICIES, LIMITS, MAX_KV_TOKENS, POLICIES
+from kvspec.spec.state import FAILURE_POLICIES, KV_ROLES, LIMITS, MAX_KV_TOKENS, POLICIES
 
 
 def _is_int(value) -> bool:
@@ -66,6 +66,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = attrs.field(default=True, validator=_boolean)
     #: schedule step N+1 before step N's output is applied (see impl/in_flight.py)
     async_scheduling: bool = attrs.field(default=False, validator=_boolean)
+    #: "kv_both" (loads and stores) or "kv_producer" (stores only): only a
+    #: consumer's loads race a step in flight, so only then are frees fenced
+    kv_role: str = attrs.field(default="kv_both", validator=_one_of(KV_ROLES))
 
     def __attrs_post_init__(self) -> None:
         slots = self.num_blocks * self.block_size

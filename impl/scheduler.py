@@ -152,7 +152,8 @@ class Scheduler:
     def _free_or_fence(self, request: Request) -> bool:
         """Free the request's blocks, or, while a step in flight may still write
         them, hold them until its output is back. Returns whether they are fenced."""
-        if not (self.is_async and self.in_flight.is_in_flight(request.request_id)):
+        if not (self.is_async and self.config.kv_role == "kv_both"
+                and self.in_flight.is_in_flight(request.request_id)):
             self.kv.free(request)
             return False
         self.in_flight.fence(request.request_id, self.kv.pop_blocks(request))
@@ -534,8 +535,9 @@ class Scheduler:
             return set()
         loading = [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
         suspect, owners = set(invalid), {}
-        affected_loads = self._truncate_affected(loading, invalid, suspect, owners)
+        # running requests first: they own the failed blocks (impl/recovery.py)
         affected_running = self._truncate_affected(self.running, invalid, suspect, owners)
+        affected_loads = self._truncate_affected(loading, invalid, suspect, owners)
         # requests that ended while the step was in flight (fenced, or held for a send)
         ended = [[self.kv.pool.blocks[b] for b in self.kv.get_block_ids(rid)[0]]
                  for rid, r in self.requests.items() if r.is_finished()]
@@ -573,9 +575,10 @@ class Scheduler:
         return request.num_computed_tokens
 
     def _recover(self, request: Request, block_id: int, idx: int, owners: dict) -> None:
-        """The first request to meet a failed block recomputes it; later ones wait."""
+        """The first running request to meet a failed block recomputes it; later
+        ones wait, and so does every async loader (impl/recovery.py)."""
         owner = owners.setdefault(block_id, request.request_id)
-        if owner != request.request_id:
+        if owner != request.request_id or request.status != RequestStatus.RUNNING:
             self.recovery.waiters[request.request_id] = Waiter(block_id,
                                                                request.num_computed_tokens)
         self._truncate(request, compute_truncated_computed(idx, self.block_size,

@@ -55,6 +55,7 @@ GROUP_KINDS = ("full_attention",)
 BATCH_QUEUE_DEPTH = 2
 POLICIES = ("fcfs", "priority")
 FAILURE_POLICIES = ("recompute", "fail")
+KV_ROLES = ("kv_both", "kv_producer")
 
 
 def _bounded_int(instance, attribute, value) -> None:
@@ -113,6 +114,15 @@ class Config:
     #: before step N's output is applied (``AsyncScheduler`` driven as
     #: ``EngineCore.step_with_batch_queue`` does, ``BATCH_QUEUE_DEPTH`` steps deep)
     async_scheduling: bool = attrs.field(default=False, validator=_boolean)
+    #: the connector's role: "kv_both" loads and stores (a P/D consumer or an
+    #: offloading store); "kv_producer" only stores (a P/D prefill node), so
+    #: nothing is loaded and, under async scheduling, vLLM frees blocks at once
+    #: instead of fencing them behind the step in flight (``defer_block_free``)
+    kv_role: str = attrs.field(default="kv_both", validator=_one_of(KV_ROLES))
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_role == "kv_both"
 
     def __attrs_post_init__(self) -> None:
         slots = self.num_blocks * max(g.block_size for g in self.groups)

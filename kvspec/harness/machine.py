@@ -88,6 +88,8 @@ class KVSpecMachine(RuleBasedStateMachine):
             type(self).stats["actions"] += 1
 
     def _ext(self, ext: int, prompt: list[int]) -> int:
+        if not self.runner.config.is_kv_consumer:
+            return 0  # a producer's connector only stores
         return max(0, min(ext, len(prompt)))
 
     def _ids(self, indices) -> list[str]:
@@ -98,9 +100,10 @@ class KVSpecMachine(RuleBasedStateMachine):
                 max_model_len=st.integers(12, 24), threshold=st.sampled_from([0, 0, 1, 3, 5]),
                 policy=st.sampled_from(["fcfs", "priority"]),
                 failure_policy=st.sampled_from(["recompute", "recompute", "fail"]),
-                swarm=swarms, scheduling=st.sampled_from(["async", "async", "sync"]))
+                swarm=swarms, scheduling=st.sampled_from(["async", "async", "sync"]),
+                kv_role=st.sampled_from(["kv_both", "kv_both", "kv_both", "kv_producer"]))
     def configure(self, block_size, spare_blocks, budget, max_num_seqs, max_model_len,
-                  threshold, policy, failure_policy, swarm, scheduling):
+                  threshold, policy, failure_policy, swarm, scheduling, kv_role):
         self.swarm = swarm
         if scheduling not in self.profile.scheduling:
             scheduling = self.profile.scheduling[0]
@@ -117,7 +120,9 @@ class KVSpecMachine(RuleBasedStateMachine):
                              max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, long_prefill_token_threshold=threshold,
                              policy=policy, kv_load_failure_policy=failure_policy,
-                             async_scheduling=scheduling == "async")
+                             async_scheduling=scheduling == "async",
+                             kv_role=kv_role if kv_role in self.profile.kv_roles
+                             else self.profile.kv_roles[0])
         self.runner = Runner(self.target_name, config, self.kinds, self.design_rules)
 
     @precondition(lambda self: self.next_index < MAX_REQUESTS)

@@ -31,8 +31,8 @@ from jsonschema import validators
 
 from kvspec.harness.vllm_target import MAX_DRAFTS
 from kvspec.text import shown
-from kvspec.spec.state import (FAILURE_POLICIES, GROUP_KINDS, LIMITS, POLICIES, Config,
-                               GroupSpec)
+from kvspec.spec.state import (FAILURE_POLICIES, GROUP_KINDS, KV_ROLES, LIMITS, POLICIES,
+                               Config, GroupSpec)
 
 FORMAT = "kvspec-trace/1"
 OPS = ("add", "step", "abort", "reset_prefix_cache", "drain")
@@ -126,6 +126,7 @@ _CONFIG_SCHEMA = {
         "kv_load_failure_policy": {"enum": list(FAILURE_POLICIES)},
         "enable_prefix_caching": _BOOL,
         "async_scheduling": _BOOL,
+        "kv_role": {"enum": list(KV_ROLES)},
     },
 }
 
@@ -260,7 +261,8 @@ def schema_error(data) -> str | None:
 def check_semantics(config: Config, actions: list[dict]) -> str | None:
     """The first thing the environment could never produce, as ``where: why``:
     groups of different block sizes; an arrival that reuses an id, does not fit
-    under max_model_len, has a store holding more than its prompt, or cannot
+    under max_model_len, has a store holding more than its prompt (or anything,
+    for a connector that only stores), or cannot
     finish alone in the pool; a step, abort or fault naming a request not added
     before it."""
     sizes = sorted({g.block_size for g in config.groups})
@@ -284,6 +286,9 @@ def check_semantics(config: Config, actions: list[dict]) -> str | None:
             if ext > n and not action.get("overclaim_ok"):
                 return (f"{where}.ext: the store cannot hold {ext} tokens of a {n}-token prompt "
                         "(set overclaim_ok to test a contract violation)")
+            if ext and not config.is_kv_consumer:
+                return (f"{where}.ext: a {config.kv_role} connector loads nothing; "
+                        f"ext must be 0, not {ext}")
             # the KV a request computes before its last token: it must fit the pool alone
             need = -(-min(n + max_tokens - 1, config.max_model_len - 1) // block_size)
             if need > config.num_blocks:
@@ -352,6 +357,8 @@ def config_to_dict(config: Config) -> dict:
     data["groups"] = [attrs.asdict(g) for g in config.groups]
     if not data["async_scheduling"]:  # traces written before async scheduling stay as they were
         del data["async_scheduling"]
+    if data["kv_role"] == "kv_both":  # likewise: the role was always kv_both before
+        del data["kv_role"]
     return data
 
 

@@ -289,7 +289,7 @@ class VllmTarget:
                                    prefix_caching_hash_algo="sha256")
         kv_transfer_config = _only_known(
             c.KVTransferConfig, kv_connector="KVSpecConnector",
-            kv_connector_module_path="kvspec.harness.vllm_connector", kv_role="kv_both",
+            kv_connector_module_path="kvspec.harness.vllm_connector", kv_role=config.kv_role,
             kv_load_failure_policy=config.kv_load_failure_policy)
         if getattr(kv_transfer_config, "kv_load_failure_policy",
                    config.kv_load_failure_policy) != config.kv_load_failure_policy:
