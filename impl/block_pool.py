@@ -95,6 +95,9 @@ class BlockPool:
                 del self.cached[block.block_hash]
             block.block_hash = None
 
+    def cached_block_ids(self) -> list[int]:
+        return [block.block_id for block in self.cached.values()]
+
     def reset_prefix_cache(self) -> bool:
         if len(self.free_queue) != len(self.blocks):
             return False

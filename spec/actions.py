@@ -364,16 +364,34 @@ def abort_relation(t: Transition):
             yield f"abort of {t.request_id} changed {rid}"
 
 
+def is_preempted_view(r: RequestView) -> bool:
+    """Preempted with nothing kept: no computed tokens, no blocks."""
+    return (r.status == RequestStatus.PREEMPTED and r.num_computed_tokens == 0
+            and not any(r.block_ids or ()))
+
+
 @invariant(cites="seed 004 (reset_prefix_cache)", kind="relation")
 def reset_prefix_cache_relation(t: Transition):
-    """reset_prefix_cache. Effect: when it reports success the prefix cache is
-    empty. Unchanged: every request."""
+    """reset_prefix_cache. Guard: none; forced (``reset_running_requests``, as
+    after a weight update) it must succeed. Effect: when it reports success the
+    prefix cache is empty; forced, every running request is first preempted
+    (PREEMPTED, nothing computed, no blocks; its output in flight is stale,
+    #46066, #49860). Unchanged: every other request."""
     if t.action != "reset_prefix_cache":
         return
-    t.witness(t.request_id == "True")
-    if t.request_id == "True" and t.after.pool.cached:
+    forced, ok = t.request_id.startswith("forced:"), t.request_id.endswith("True")
+    t.witness(ok)
+    if forced and not ok:
+        yield "a forced reset_prefix_cache reported failure"
+    if ok and t.after.pool.cached:
         yield "reset_prefix_cache reported success but the cache is not empty"
     for rid, old in t.before.requests.items():
         new = t.after.requests.get(rid)
-        if new is None or _unchanged_fields(old, new):
+        if new is None:
+            yield f"reset_prefix_cache removed {rid}"
+        elif forced and old.status == RequestStatus.RUNNING:
+            if not is_preempted_view(new):
+                yield (f"forced reset_prefix_cache left {rid} {new.status.name} with "
+                       f"num_computed={new.num_computed_tokens}, blocks={new.block_ids}")
+        elif _unchanged_fields(old, new):
             yield f"reset_prefix_cache changed {rid}"

@@ -19,7 +19,8 @@ from typing import Iterator
 import attrs
 
 from kvspec.spec.effects import (ABORT_SHAPES, FINISHED, GHOST_FIELDS, LOADING, OBSERVED_FIELDS,
-                                 PREEMPTED, PRIMITIVES, RUNNING, STATUS_NAMES, STEP_SHAPES,
+                                 PREEMPTED, PRIMITIVES, RESET_SHAPES, RUNNING, STATUS_NAMES,
+                                 STEP_SHAPES,
                                  WAITING, Counters, Params, get_status_moves, is_initial)
 from kvspec.spec.registry import invariant
 from kvspec.spec.state import RequestStatus, RequestView
@@ -145,7 +146,8 @@ def _index(shapes) -> dict[tuple[int, int], tuple]:
 
 
 #: action -> (start status, end status) -> the shapes that can make that move
-SHAPES_BY_MOVE = {"step": _index(STEP_SHAPES), "abort": _index(ABORT_SHAPES)}
+SHAPES_BY_MOVE = {"step": _index(STEP_SHAPES), "abort": _index(ABORT_SHAPES),
+                  "reset_prefix_cache": _index(RESET_SHAPES)}
 
 
 @functools.lru_cache(maxsize=1 << 16)

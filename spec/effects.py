@@ -375,6 +375,9 @@ OUTPUT_RAN = (("keep_prefilling",), ("sample",), ("recover",), ("sample", "finis
 OUTPUT_IDLE = ((), ("recover",), ("recover", "finish"))
 #: an abort: the request ends (or had ended)
 ABORT_SHAPES = ((), ("finish",))
+#: a forced reset_prefix_cache: a running request is preempted (a step shape too,
+#: so its obligation is the step's)
+RESET_SHAPES = ((), ("preempt",))
 
 #: which statuses each primitive's guard admits, and the status it leaves
 _FLOW = {"schedule_waiting": ({WAITING, PREEMPTED}, RUNNING),

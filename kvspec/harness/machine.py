@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from kvspec.harness.profiles import FULL, EnvProfile
 from kvspec.harness.runner import ALL_KINDS, Counterexample, Runner
 from kvspec.harness.target import make_config
+from kvspec.spec.state import RequestStatus
 
 #: shared prefixes so that prefix caching and shared blocks matter
 PREFIXES = ((1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5), (2, 4, 6, 1, 3, 5, 7, 2, 4, 6, 1, 3),
@@ -139,7 +140,7 @@ class KVSpecMachine(RuleBasedStateMachine):
                   "max_tokens": max_tokens, "priority": priority, "ext": self._ext(ext, prompt),
                   "async": load_async, "none": none,
                   "send": send and (self.profile.async_load_with_send or not load_async),
-                  "offload": self.swarm.offload(offload)}
+                  "offload": self.swarm.offload(offload) and self.runner.config.is_kv_consumer}
         self.next_index += 1
         self._apply(action)
 
@@ -156,7 +157,8 @@ class KVSpecMachine(RuleBasedStateMachine):
             action = {"op": "add", "id": f"r{self.next_index}", "prompt": prompt, "max_tokens": 2,
                       "ext": self._ext(ext, prompt) if first else 0,
                       "async": self.swarm.load_async(load_async) and first,
-                      "offload": self.swarm.offload(False)}
+                      "offload": self.swarm.offload(False)
+                      and self.runner.config.is_kv_consumer}
             self.next_index += 1
             self._apply(action)
 
@@ -182,9 +184,19 @@ class KVSpecMachine(RuleBasedStateMachine):
         if index < self.next_index:
             self._apply({"op": "abort", "id": f"r{index}"})
 
-    @rule()
-    def reset_prefix_cache(self):
-        self._apply({"op": "reset_prefix_cache"})
+    @rule(running=st.sampled_from([False, False, True]))
+    def reset_prefix_cache(self, running):
+        """``running``: forced, preempting every running request first (what a
+        weight update or ``/reset_prefix_cache?reset_running_requests=true`` does)."""
+        # vLLM does not support a forced reset while KV is in transfer (its error
+        # says so): the environment does not ask for one then
+        running = running and not self._transfers_in_flight()
+        self._apply({"op": "reset_prefix_cache", **({"running": True} if running else {})})
+
+    def _transfers_in_flight(self) -> bool:
+        obs = self.runner.obs
+        return bool(self.runner.content.sends) or any(
+            r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in obs.requests.values())
 
     def teardown(self):
         if self.runner is not None and not self.failed:

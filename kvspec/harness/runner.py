@@ -368,26 +368,33 @@ class Runner:
     def _count_async_schedule(self, step: StepView) -> None:
         self.features["async_scheduling"] += bool(self.in_flight and
                                                    step.total_num_scheduled_tokens)
-        in_flight = {rid for job in self.in_flight for rid in job.step.num_scheduled_tokens
-                     if rid not in job.stale}
         self.features["output_in_flight_at_preemption"] += bool(
-            step.preempted_req_ids & in_flight)
+            step.preempted_req_ids & self._in_flight_ids())
+
+    def _in_flight_ids(self) -> set[str]:
+        """Requests with output still in flight that is not stale."""
+        return {rid for job in self.in_flight for rid in job.step.num_scheduled_tokens
+                if rid not in job.stale}
 
     def _note_placeholders_scheduled(self, step: StepView, mid: Observation) -> None:
         """The ghost's placeholder count (``placeholders_match_in_flight``): a
         preempted request's output in flight turns stale and owns none; a
         sampling step adds its share."""
         ghost = self.ghost.placeholders
-        for rid in step.preempted_req_ids:
-            ghost[rid] = 0
-            for job in self.in_flight:
-                if rid in job.step.num_scheduled_tokens:
-                    job.stale.add(rid)
+        self._note_preempted(step.preempted_req_ids)
         for rid, n in step.num_scheduled_tokens.items():
             held = ghost.get(rid, 0)
             drafts = len(step.scheduled_spec_decode_tokens.get(rid, ()))
             chunk = step.num_computed_before[rid] + n < mid.requests[rid].num_tokens + held
             ghost[rid] = compute_placeholders_after_schedule(held, drafts, chunk)
+
+    def _note_preempted(self, request_ids) -> None:
+        """A preempted request's output in flight is stale; it owns no placeholders."""
+        for rid in request_ids:
+            self.ghost.placeholders[rid] = 0
+            for job in self.in_flight:
+                if rid in job.step.num_scheduled_tokens:
+                    job.stale.add(rid)
 
     def _deliver_oldest(self, before: Observation, a: dict) -> list[Violation]:
         """The oldest step's output is back: its writes have all landed, then
@@ -401,8 +408,11 @@ class Runner:
         holders = _invalid_holders(before, report)
         self._note_placeholders_delivered(job, before, holders)
         departed = self._departed(before, after)
+        # one preempted since the step ran (its output is stale) recomputes anyway
+        readers = {rid: pos for rid, pos in report.garbage_readers.items()
+                   if rid not in job.stale}
         t = self._transition("update_from_output", before, after, departed, step=step,
-                             outcome=outcome, garbage_readers=report.garbage_readers)
+                             outcome=outcome, garbage_readers=readers)
         self._note_output_applied(before, after, report, outcome)
         self._count_features(step, outcome, mid)
         for rid in [rid for rid in self.ghost.placeholders if rid not in after.requests
@@ -522,11 +532,16 @@ class Runner:
         return self._settle(after, t, model_step=self._model_step(t))
 
     def _do_reset_prefix_cache(self, a: dict) -> list[Violation]:
-        before = self.obs
-        ok = self.target.reset_prefix_cache()
+        before, forced = self.obs, bool(a.get("running"))
+        ok = self.target.reset_prefix_cache(forced)
         self.features["prefix_cache_resets"] += bool(ok)
         after = self.target.observe()
-        t = self._transition("reset_prefix_cache", before, after, request_id=str(bool(ok)))
+        preempted = {rid for rid in before.running if rid in after.requests
+                     and after.requests[rid].status != RequestStatus.RUNNING}
+        self.features["output_in_flight_at_preemption"] += bool(preempted & self._in_flight_ids())
+        self._note_preempted(preempted)
+        t = self._transition("reset_prefix_cache", before, after,
+                             request_id=("forced:" if forced else "") + str(bool(ok)))
         return self._settle(after, t, model_step=self._model_step(t))
 
     def _do_drain(self, a: dict) -> list[Violation]:

@@ -91,7 +91,7 @@ ACTION_FIELDS: dict[str, tuple[dict, tuple[str, ...]]] = {
         "drafts": _int(0, MAX_DRAFTS),   # the target is configured for this many drafts
     }, ()),
     "abort": ({"id": _ID}, ("id",)),
-    "reset_prefix_cache": ({}, ()),
+    "reset_prefix_cache": ({"running": _BOOL}, ()),
     "drain": ({}, ()),
 }
 
@@ -286,9 +286,10 @@ def check_semantics(config: Config, actions: list[dict]) -> str | None:
             if ext > n and not action.get("overclaim_ok"):
                 return (f"{where}.ext: the store cannot hold {ext} tokens of a {n}-token prompt "
                         "(set overclaim_ok to test a contract violation)")
-            if ext and not config.is_kv_consumer:
-                return (f"{where}.ext: a {config.kv_role} connector loads nothing; "
-                        f"ext must be 0, not {ext}")
+            if (ext or action.get("offload")) and not config.is_kv_consumer:
+                key = "ext" if ext else "offload"
+                return (f"{where}.{key}: a {config.kv_role} connector loads nothing (an "
+                        "offloading store loads its KV back): no ext, no offload")
             # the KV a request computes before its last token: it must fit the pool alone
             need = -(-min(n + max_tokens - 1, config.max_model_len - 1) // block_size)
             if need > config.num_blocks:

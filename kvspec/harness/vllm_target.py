@@ -372,10 +372,11 @@ class VllmTarget:
         for i, rid in enumerate(cached.req_ids):
             before[rid] = cached.num_computed_tokens[i]
         resumed_ids = [rid for rid in cached.req_ids if rid in resumed]
-        preempted = getattr(out, "preempted_req_ids", None)
-        if preempted is None:  # releases without it: who was preempted during this call
-            preempted = {rid for rid, r in self.scheduler.requests.items()
-                         if getattr(r, "num_preemptions", 0) > preemptions.get(rid, 0)}
+        # who was preempted during this call (the output's preempted_req_ids, where
+        # a release has it, also names those a forced reset_prefix_cache preempted
+        # since the last call)
+        preempted = {rid for rid, r in self.scheduler.requests.items()
+                     if getattr(r, "num_preemptions", 0) > preemptions.get(rid, 0)}
         return StepView(
             num_scheduled_tokens=dict(out.num_scheduled_tokens),
             num_computed_before=before,
@@ -430,8 +431,11 @@ class VllmTarget:
         with _LocateAsserts():
             s.finish_requests(request_id, m_status(self.m, "FINISHED_ABORTED"))
 
-    def reset_prefix_cache(self) -> bool:
-        return bool(self.scheduler.reset_prefix_cache())
+    def reset_prefix_cache(self, running: bool = False) -> bool:
+        if not running:
+            return bool(self.scheduler.reset_prefix_cache())
+        with _LocateAsserts():
+            return bool(self.scheduler.reset_prefix_cache(reset_running_requests=True))
 
     # -- the observation map ------------------------------------------------------
     def _status(self, r) -> RequestStatus:
