@@ -184,11 +184,19 @@ RECOVERY_MISSES_REQUESTS_ENDED_MID_STEP = AcceptedFinding(
     "async scheduling: load-failure recovery does not scan a request that ended while the "
     "failing step was in flight; its blocks computed past the failed one stay cached",
     ("vllm-0.32.0-recovery-misses-requests-ended-mid-step.json",),
-    (("scheduling", ("sync",)),))
+    (("scheduling", ("sync",)),), fix="recovery-evicts-blocks-of-requests-ended-mid-step")
+
+FORCED_RESET_RAISES_UNDER_DEFERRED_FREES = AcceptedFinding(
+    "forced-reset-raises-under-deferred-frees",
+    "async scheduling with a consumer connector: a forced reset_prefix_cache with a step in "
+    "flight preempts every running request, then raises RuntimeError (their blocks are fenced)",
+    ("vllm-0.32.0-forced-reset-raises-under-deferred-frees.json",),
+    (("scheduling", ("sync",)),), fix="forced-reset-evicts-fenced-blocks")
 
 ACCEPTED: dict[str, tuple[AcceptedFinding, ...]] = {
     "0.32.0": _0_32_0_AND_0_31_0 + (ASYNC_RECOVERY_KEEPS_PLACEHOLDERS,
-                                     RECOVERY_MISSES_REQUESTS_ENDED_MID_STEP),
+                                     RECOVERY_MISSES_REQUESTS_ENDED_MID_STEP,
+                                     FORCED_RESET_RAISES_UNDER_DEFERRED_FREES),
     "0.31.0": _0_32_0_AND_0_31_0,
     "0.28.0": _0_28_0_AND_0_24_0 + (SPEC_PAD_PAST_MAX_MODEL_LEN, SPEC_PAD_CLIPPED_0_28_0),
     "0.24.0": _0_28_0_AND_0_24_0 + (STATS_RESET_AFTER_PREEMPTION,),

@@ -95,6 +95,10 @@ FIXES: dict[str, Patch] = {p.id: p for p in [
           "one of requests that ended while the failing step was in flight (blocks deferred "
           "or held for a send), before they return to the pool",
           "vllm-0.32.0-recovery-misses-requests-ended-mid-step"),
+    Patch("forced-reset-evicts-fenced-blocks", "fix",
+          "a forced reset_prefix_cache (reset_running_requests) whose preempted requests' "
+          "blocks are fenced behind the step in flight drops every hash instead of raising",
+          "vllm-0.32.0-forced-reset-raises-under-deferred-frees"),
     # Backports of upstream fixes for findings of older releases only (0.32.0 has
     # the fix already, so they fit only the releases named in their variants).
     Patch("async-load-counts-whole-block", "fix",
