@@ -217,6 +217,13 @@ def insert(index: int, new: object):
 
 
 _DROP = object()
+
+
+def _both(*changes):
+    def change(trace):
+        for c in changes:
+            c(trace)
+    return change
 ADD = {"op": "add", "id": "r9", "prompt": [1, 2, 3], "max_tokens": 1}
 
 TRACES = {
@@ -286,6 +293,8 @@ TRACES = {
     "prefix-caching-string": (config(enable_prefix_caching="yes"), "expected true or false"),
     "prefix-caching-number": (config(enable_prefix_caching=1), "expected true or false"),
     "config-extra-field": (config(num_gpus=1), "unknown field 'num_gpus'"),
+    "kv-role-unknown": (config(kv_role="kv_consumer_only"), "kv_role: must be one of"),
+    "async-scheduling-string": (config(async_scheduling="yes"), "expected true or false"),
     "config-required-missing": (config(num_blocks=_DROP), "missing field 'num_blocks'"),
     # action shapes
     "action-number": (insert(1, 5), "actions[1]: expected an object"),
@@ -376,6 +385,13 @@ TRACES = {
     "impossible-prompt-too-long": (action(0, prompt=list(range(1000))),
                                    "1000 tokens do not fit"),
     "impossible-ext-past-prompt": (action(0, ext=6), "cannot hold 6 tokens of a 5-token"),
+    "impossible-ext-under-a-producer": (_both(config(kv_role="kv_producer"), action(0, ext=2)),
+                                        "actions[0].ext: a kv_producer connector loads nothing"),
+    "impossible-offload-under-a-producer": (
+        _both(config(kv_role="kv_producer"), action(0, ext=0, offload=True)),
+        "actions[0].offload: a kv_producer connector loads nothing"),
+    "reset-running-string": (insert(1, {"op": "reset_prefix_cache", "running": "yes"}),
+                             "running: expected true or false"),
     "impossible-abort-unknown": (insert(1, {"op": "abort", "id": "zz"}),
                                  "'zz' names no request added before it"),
     "impossible-abort-before-add": (insert(0, {"op": "abort", "id": "r0"}),

@@ -260,3 +260,18 @@ def test_a_failed_async_loads_retry_may_look_up_again(tmp_path):
     for target in ("vllm", "impl"):
         failure = Runner(target, config).run(actions)
         assert failure is None, f"{target}: " + "; ".join(map(str, failure.violations))
+
+
+def test_async_scheduler_inherits_the_patched_scheduler():
+    """A fix patches Scheduler; AsyncScheduler (async scheduling, vLLM's default)
+    subclasses it in another module, which is executed again so that it inherits
+    the patched class: otherwise no fix would apply under async scheduling."""
+    from kvspec.harness.vllm_patches import patched
+    applied = patched("all")
+    if not applied.applied:
+        pytest.skip(f"no fix fits vLLM {VERSION}")
+    scheduler = applied.get("vllm.v1.core.sched.scheduler", "Scheduler")
+    async_scheduler = applied.get("vllm.v1.core.sched.async_scheduler", "AsyncScheduler")
+    assert issubclass(async_scheduler, scheduler)
+    # the patched module's code is compiled under a name that lists the patches
+    assert "kvspec patches" in scheduler.update_from_output.__code__.co_filename
