@@ -261,14 +261,180 @@ MUTANTS.update({m.name: m for m in [
            AsyncLoadCountedShort),
 ]})
 
-#: mutants that need spec features not built yet (several KV cache groups,
-#: async scheduling): listed so the zoo table shows them as pending.
+# -- async scheduling (issue 10): steps in flight, placeholders, stale output, fences --
+
+class PlaceholderSnapshotBeforeIncrement(Scheduler):
+    """#27644 review: the boundary a scheduled step exposes is read with the
+    placeholder count from before the step's own increment. Modelled as the
+    increment booked late: until the scheduler's next call (while the connector
+    and the cache read ``num_computed_tokens - num_output_placeholders``) the
+    count is the one from before this step, so the position the step samples
+    counts as known."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._unbooked: dict[str, int] = {}
+
+    def _book_increments(self) -> None:
+        for rid, delta in self._unbooked.items():
+            request = self.requests.get(rid)
+            if request is not None:
+                request.num_output_placeholders += delta
+        self._unbooked = {}
+
+    def schedule(self):
+        self._book_increments()
+        before = {rid: r.num_output_placeholders for rid, r in self.requests.items()}
+        output = super().schedule()
+        for rid in output.num_scheduled_tokens:
+            request = self.requests[rid]
+            self._unbooked[rid] = request.num_output_placeholders - before.get(rid, 0)
+            request.num_output_placeholders = before.get(rid, 0)
+        return output
+
+    def update_from_output(self, output, runner):
+        self._book_increments()
+        return super().update_from_output(output, runner)
+
+    def finish_requests(self, request_ids, status):
+        self._book_increments()
+        super().finish_requests(request_ids, status)
+
+    def reset_prefix_cache(self, *args, **kwargs):
+        self._book_increments()
+        return super().reset_prefix_cache(*args, **kwargs)
+
+
+class PreemptKeepsPlaceholders(Scheduler):
+    """#48245 (root cause; vLLM before 0.28): a preemption restarts the request
+    from 0 but leaves the placeholders of its step in flight, whose output is
+    dropped and never gives them back."""
+
+    def _preempt(self, request, plan):
+        held = request.num_output_placeholders
+        fenced = super()._preempt(request, plan)
+        request.num_output_placeholders = held
+        return fenced
+
+
+class StaleOutputReturnsShare(Scheduler):
+    """#47900, #48245 (and #46066 on the reset path): output made stale by a
+    preemption is dropped, yet still takes its share off the placeholder count
+    the preemption already zeroed."""
+
+    def update_from_output(self, output, runner):
+        if self.is_async:
+            for rid in output.num_scheduled_tokens:
+                request = self.requests.get(rid)
+                tokens = runner.sampled_token_ids.get(rid, ())
+                if request is None or request.is_finished() or not tokens:
+                    continue
+                if self.in_flight.stale.get(rid, 0) > 0:
+                    drafts = len(output.scheduled_spec_decode_tokens.get(rid, ()))
+                    self.in_flight.return_share(request, drafts, len(tokens))
+        return super().update_from_output(output, runner)
+
+
+class StaleOutputDelivered(Scheduler):
+    """#38624, #50297 (drop mode), and the 0.32.0 finding
+    async-recovery-keeps-placeholders: output in flight that a preemption or a
+    recovery cut made stale is applied when it arrives, as if the request had
+    kept running.
+    The stale bookkeeping is kept (the count drains, the zeroed placeholders are
+    not touched, as vLLM 0.28+ does for a stale frame it delivers); only the
+    tokens are appended where they should have been dropped."""
+
+    def update_from_output(self, output, runner):
+        stale = [rid for rid in output.num_scheduled_tokens
+                 if self.is_async and self.in_flight.stale.get(rid, 0) > 0]
+        new_tokens = super().update_from_output(output, runner)
+        for rid in stale:
+            request = self.requests.get(rid)
+            tokens = list(runner.sampled_token_ids.get(rid, []))
+            if request is not None and not request.is_finished() and tokens:
+                new_tokens[rid] = self._append_tokens(request, tokens)
+        return new_tokens
+
+
+class FreeUnderStepInFlight(Scheduler):
+    """#45357 (before defer_block_free; vllm-ascend #14055): the blocks of a
+    request that ends or is preempted while a step in flight still writes them
+    go back to the pool at once, not when that step's output is processed."""
+
+    def _free_or_fence(self, request):
+        self.kv.free(request)
+        return False
+
+
+class PreemptPastFencedVictim(Scheduler):
+    """#49674 (fixed by #49675; vllm-ascend #16315): the allocation retry
+    assumes every preemption frees the victim's blocks at once, so after a
+    victim whose blocks are fenced behind a step in flight it goes on
+    preempting, down to the request itself."""
+
+    def _preempt(self, request, plan):
+        super()._preempt(request, plan)
+        return False
+
+
+class StatsResetByDroppedFirstOutput(Scheduler):
+    """#36755 area (seed 001): the cache-hit stats travel with a request's first
+    output, and a first output dropped as stale (the request was preempted in
+    step N+1 while step N's output was in flight, or cut back by a load failure)
+    re-arms them, so its next scheduling sets them again."""
+
+    def update_from_output(self, output, runner):
+        rearm = [rid for rid in output.num_scheduled_tokens
+                 if self.is_async and self.in_flight.stale.get(rid, 0) > 0
+                 and runner.sampled_token_ids.get(rid)
+                 and rid in self.requests and not self.requests[rid].output_token_ids]
+        new_tokens = super().update_from_output(output, runner)
+        for rid in rearm:
+            request = self.requests.get(rid)
+            if request is not None and not request.is_finished() \
+                    and not request.output_token_ids:
+                request.num_cached_tokens = STATS_UNSET
+        return new_tokens
+
+
+MUTANTS.update({m.name: m for m in [
+    Mutant("placeholder_snapshot_before_increment",
+           "the boundary a scheduled step exposes uses the placeholder count from before "
+           "the step's increment",
+           "#27644 review (seed 002)", "placeholders_match_in_flight",
+           PlaceholderSnapshotBeforeIncrement),
+    Mutant("preempt_keeps_placeholders",
+           "a preemption with output in flight restarts the request but keeps its placeholders",
+           "#48245, #47900 (vLLM < 0.28)", "computed_within_tokens", PreemptKeepsPlaceholders),
+    Mutant("stale_output_returns_share",
+           "dropped stale output still takes its share off the placeholders a preemption zeroed",
+           "#47900, #48245, #46066", "placeholders_nonnegative", StaleOutputReturnsShare),
+    Mutant("stale_output_delivered",
+           "output in flight made stale by a preemption or a recovery cut is delivered, "
+           "not dropped",
+           "#38624, #50297; finding 0.32.0 async-recovery-keeps-placeholders",
+           "output_is_the_sampled_sequence",
+           StaleOutputDelivered),
+    Mutant("free_under_step_in_flight",
+           "blocks of a request that ends or is preempted are freed at once while a step in "
+           "flight still writes them",
+           "#45357, vllm-ascend #14055", "no_caching_of_invalid_blocks",
+           FreeUnderStepInFlight),
+    Mutant("preempt_past_fenced_victim",
+           "the preemption loop goes on after a victim whose blocks are fenced",
+           "#49674 (fixed by #49675)", "every_request_finishes", PreemptPastFencedVictim),
+    Mutant("stats_reset_by_dropped_first_output",
+           "cache-hit stats re-armed when a request's first output is dropped as stale "
+           "(preempted with it in flight), and set again",
+           "#36755 area, #36859 (seed 001)", "stats_set_exactly_once",
+           StatsResetByDroppedFirstOutput),
+]})
+
+#: mutants that need spec features not built yet (several KV cache groups):
+#: listed so the zoo table shows them as pending.
 PENDING_MUTANTS = {
     "hybrid_per_group_accounting": ("per-group affected-token accounting inside the group loop",
                                     "#35223 first version (seed 003)"),
     "hybrid_single_group_unpack": ("recovery unpacks a single group on a hybrid model: crash",
                                    "#45474"),
-    "placeholder_snapshot_before_increment": (
-        "connector sees the placeholder count taken before it is incremented",
-        "#27644 review (seed 002)"),
 }
