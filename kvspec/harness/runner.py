@@ -261,6 +261,9 @@ class Runner:
         self._update_ghost(mid, lowered_ok=frozenset())  # stats set by this schedule()
         violations = self._check(mid, kinds=("state",),
                                  transition=self._transition("schedule", before, mid, step=step))
+        if violations:  # the worker cannot run a broken step (positions past the tokens)
+            self.obs = mid
+            return violations
         report = self._execute(step, mid, a)
         self.content.complete(report.step_id)  # synchronous: its output is back at once
         self.ghost.just_loaded |= report.loaded_ok
@@ -356,14 +359,19 @@ class Runner:
         self._update_ghost(mid, lowered_ok=frozenset())
         self._count_async_schedule(step)
         self._note_placeholders_scheduled(step, mid)
+        t = self._transition("schedule", before, mid, step=step)
+        found = self._check(mid, kinds=("state",), transition=t)
+        if found:  # the worker cannot run a broken step (positions past the tokens)
+            self.obs = mid
+            return step, mid, found
         pending = self._pending_tokens()
         report = self._execute(step, mid, a, pending)
         self.ghost.just_loaded |= report.loaded_ok
         sampled = self._sample(step, mid, a, pending)
         self.in_flight.append(InFlight(step, mid, report, sampled))
-        t = self._transition("schedule", before, mid, step=step)
         self.obs = mid
-        return step, mid, self._check(mid, kinds=("state", "data"), transition=t)
+        # the state again, synced (the real boundary), with the data the step wrote
+        return step, mid, self._check(mid, kinds=("state", "data"))
 
     def _count_async_schedule(self, step: StepView) -> None:
         self.features["async_scheduling"] += bool(self.in_flight and
