@@ -82,7 +82,9 @@ class InFlightBook:
             request.num_output_placeholders, num_drafts, num_sampled, False)
 
     def forget(self, request_id: str) -> None:
+        """The request is gone (its blocks freed or fenced already)."""
         self.stale.pop(request_id, None)
+        self.last_step.pop(request_id, None)
 
     # -- fenced frees -----------------------------------------------------------
     def fence(self, request_id: str, blocks: list) -> None:
