@@ -1,10 +1,23 @@
 """KV-load failure recovery: which requests a failed block affects, where
 their computed prefix ends, and who recomputes a block that several share.
 
-A failed block is recomputed by exactly one request: the first affected one in
-scan order. Every other request holding it becomes a *waiter*: it is not
-scheduled while a running holder is still recomputing its next block, and it
-resumes over every leading block some running holder has recomputed since.
+Every affected request is cut back at its first failed block. A failed block is
+recomputed by exactly one request, and nobody reads it before that:
+
+- Running requests are scanned first, in running order; the first running
+  request to meet a failed block *owns* it and recomputes it.
+- Every other request holding it becomes a *waiter*: a later running holder,
+  and every async loader (a request in WAITING_FOR_REMOTE_KVS), whether or not a
+  running request holds the block (a loader cannot recompute before its load
+  finishes and it is promoted, and two loaders may share a block no running
+  request holds).
+- A waiter is not scheduled (in the running loop, or promoted once its load
+  finished) while a running holder that is not itself a waiter has not yet
+  recomputed its next block; it resumes over every leading block some running
+  holder has recomputed since, never past the prefix it had. So where no
+  running request recomputes a block, the first of its waiters to be scheduled
+  does, and a later waiter in the same step sees it running and waits.
+
 Blocks past the failed one were computed on top of it in the failing step, so
 they count as not yet valid until a holder recomputes them too.
 """
