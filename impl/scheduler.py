@@ -597,5 +597,17 @@ class Scheduler:
             if request is not None and request.status == RequestStatus.RUNNING:
                 request.spec_token_ids = list(tokens)
 
-    def reset_prefix_cache(self) -> bool:
-        return self.kv.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Empty the prefix cache; only with every block free, unless forced
+        (``reset_running_requests``, as after a weight update): then every
+        running request is preempted first (its output in flight turns stale),
+        and the hashes go even from blocks still held, fenced behind a step in
+        flight or by a load: dropping a hash only costs a later hit."""
+        if not reset_running_requests:
+            return self.kv.reset_prefix_cache()
+        plan = StepPlan(budget=0)  # outside schedule(): nothing is scheduled
+        for request in reversed(list(self.running)):
+            self._preempt(request, plan)
+        if not self.kv.reset_prefix_cache():
+            self.kv.uncache_blocks(self.kv.pool.cached_block_ids())
+        return True
