@@ -19,6 +19,13 @@ class Mutant:
     upstream: str
     expected_invariant: str
     cls: type
+    #: other claims the bug breaks directly: which one a run meets first depends
+    #: on what the fuzzer explores first
+    also_caught_by: tuple[str, ...] = ()
+
+    @property
+    def catching_claims(self) -> set[str]:
+        return {self.expected_invariant, *self.also_caught_by}
 
     def scheduler_class(self) -> type:
         return self.cls
@@ -73,7 +80,8 @@ class PreemptKeepsBlocks(Scheduler):
 MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("async_block_rounding",
            "async load sets num_computed_tokens = len(blocks) * block_size (pre-#34616)",
-           "#34616 (seed 000)", "no_caching_of_invalid_blocks", AsyncBlockRounding),
+           "#34616 (seed 000)", "no_caching_of_invalid_blocks", AsyncBlockRounding,
+           also_caught_by=("computed_means_valid",)),
     Mutant("stats_reset_on_reschedule",
            "num_external_computed_tokens re-set on every re-scheduling",
            "#36859, #36533, #36755 (seed 001)", "stats_set_exactly_once", StatsResetOnReschedule),
@@ -258,7 +266,7 @@ MUTANTS.update({m.name: m for m in [
     Mutant("async_load_counted_short",
            "a finished async load counts only whole blocks (rounded down)",
            "planted (review of kvspec, issue 9)", "transition_admitted_by_model",
-           AsyncLoadCountedShort),
+           AsyncLoadCountedShort, also_caught_by=("idle_waiting_holds_no_blocks",)),
 ]})
 
 # -- async scheduling (issue 10): steps in flight, placeholders, stale output, fences --

@@ -39,7 +39,7 @@ def test_mutant_is_caught_with_a_short_replayable_trace(name, tmp_path):
     assert result.counterexample is not None, f"{target} survived a 60 s fuzz"
     ce = result.counterexample
     caught_by = {v.invariant for v in ce.violations}
-    assert MUTANTS[name].expected_invariant in caught_by, caught_by
+    assert MUTANTS[name].catching_claims & caught_by, caught_by
     assert len(ce.runner.log) <= 15, [s.action for s in ce.runner.log]
 
     first = replay_trace(result.trace_path)

@@ -261,9 +261,6 @@ class Runner:
         self._update_ghost(mid, lowered_ok=frozenset())  # stats set by this schedule()
         violations = self._check(mid, kinds=("state",),
                                  transition=self._transition("schedule", before, mid, step=step))
-        if violations:  # the worker cannot run a broken step (positions past the tokens)
-            self.obs = mid
-            return violations
         report = self._execute(step, mid, a)
         self.content.complete(report.step_id)  # synchronous: its output is back at once
         self.ghost.just_loaded |= report.loaded_ok
