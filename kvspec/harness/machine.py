@@ -16,7 +16,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from kvspec.harness.profiles import FULL, EnvProfile
 from kvspec.harness.runner import ALL_KINDS, Counterexample, Runner
 from kvspec.harness.target import make_config
-from kvspec.spec.state import RequestStatus
 
 #: shared prefixes so that prefix caching and shared blocks matter
 PREFIXES = ((1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5), (2, 4, 6, 1, 3, 5, 7, 2, 4, 6, 1, 3),
@@ -190,13 +189,8 @@ class KVSpecMachine(RuleBasedStateMachine):
         weight update or ``/reset_prefix_cache?reset_running_requests=true`` does)."""
         # vLLM does not support a forced reset while KV is in transfer (its error
         # says so): the environment does not ask for one then
-        running = running and not self._transfers_in_flight()
+        running = running and not self.runner.is_kv_in_transfer()
         self._apply({"op": "reset_prefix_cache", **({"running": True} if running else {})})
-
-    def _transfers_in_flight(self) -> bool:
-        obs = self.runner.obs
-        return bool(self.runner.content.sends) or any(
-            r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in obs.requests.values())
 
     def teardown(self):
         if self.runner is not None and not self.failed:

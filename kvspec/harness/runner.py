@@ -536,8 +536,21 @@ class Runner:
         t = self._transition("abort", before, after, request_id=a["id"])
         return self._settle(after, t, model_step=self._model_step(t))
 
+    def is_kv_in_transfer(self) -> bool:
+        """KV of a transfer is held outside the running requests: a load under
+        way, a loaded request not yet running, a send, or a request that ended
+        and holds its blocks until the worker reports its transfer."""
+        return bool(self.content.loads) or bool(self.content.sends) or any(
+            r.status != RequestStatus.RUNNING and any(r.block_ids or ())
+            for r in self.obs.requests.values())
+
     def _do_reset_prefix_cache(self, a: dict) -> list[Violation]:
         before, forced = self.obs, bool(a.get("running"))
+        if forced and self.is_kv_in_transfer():
+            # vLLM raises then, saying it does not support it: not a call the
+            # environment makes (the machine never asks for one)
+            raise EnvironmentContractViolation(
+                "a forced reset_prefix_cache while KV is in transfer (vLLM does not support it)")
         ok = self.target.reset_prefix_cache(forced)
         self.features["prefix_cache_resets"] += bool(ok)
         after = self.target.observe()
