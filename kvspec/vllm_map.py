@@ -106,6 +106,7 @@ CONSTRAINS: dict[str, str] = {
                           "`KVConnectorBase_V1.request_finished` "
                           "(distributed/kv_transfer/kv_connector/v1/base.py).",
     "failed_block_recomputed_once": f"`Scheduler._update_requests_with_invalid_blocks` ({S}): "
-                                    "`marked_invalid_block_ids`, the first request in scan order "
-                                    "owns the recompute.",
+                                    "`marked_invalid_block_ids`, the first running request to "
+                                    "meet a failed block owns the recompute; "
+                                    "`_waits_for_recompute` holds the others.",
 }
