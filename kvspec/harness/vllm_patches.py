@@ -111,6 +111,15 @@ FIXES: dict[str, Patch] = {p.id: p for p in [
     Patch("spec-pad-past-max-model-len", "fix",
           "(backport of #53962) a new request is padded with placeholder drafts only when "
           "there is room for the sampled token", "vllm-0.28.0-spec-pad-past-max-model-len"),
+    Patch("preemption-drops-output-in-flight", "fix",
+          "(what #48245 and #50297 do from 0.28 on, in the release's own discard idiom) under "
+          "async scheduling a request preempted with output in flight has that output "
+          "discarded and its placeholders zeroed",
+          "vllm-0.24.0-preemption-keeps-placeholders"),
+    Patch("preemption-stops-at-fenced-victim", "fix",
+          "(backport of #49675) the allocate/preempt loop stops at a victim whose blocks are "
+          "fenced behind a step in flight instead of preempting on, the requester included",
+          "vllm-0.28.0-preemption-cascades-past-fenced-victims"),
 ]}
 
 PLANTED: dict[str, Patch] = {p.id: p for p in [
