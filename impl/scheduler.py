@@ -539,12 +539,12 @@ class Scheduler:
         affected_running = self._truncate_affected(self.running, invalid, suspect, owners)
         affected_loads = self._truncate_affected(loading, invalid, suspect, owners)
         # requests that ended while the step was in flight (fenced, or held for a send)
-        ended = [[self.kv.pool.blocks[b] for b in self.kv.get_block_ids(rid)[0]]
-                 for rid, r in self.requests.items() if r.is_finished()]
-        for table in [*released, *ended]:
-            idx = next((i for i, b in enumerate(table) if b.block_id in invalid), None)
+        ended = [self.kv.get_block_ids(rid)[0] for rid, r in self.requests.items()
+                 if r.is_finished()]
+        for ids in [[b.block_id for b in table] for table in released] + ended:
+            idx = first_invalid_index(ids, len(ids) * self.block_size, self.block_size, invalid)
             if idx is not None:
-                suspect.update(b.block_id for b in table[idx:])
+                suspect.update(ids[idx:])
         self.failed_recving |= affected_loads
         if self.is_async:  # their output in flight was computed on the failed KV
             for req_id in affected_running:

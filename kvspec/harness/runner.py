@@ -112,7 +112,6 @@ class Runner:
         self.violation_counts: Counter = Counter()
         #: async scheduling: steps in flight, oldest first
         self.in_flight: list[InFlight] = []
-        #: steps the conformance model could not judge (async scheduling)
         self.obs: Observation = self.target.observe()
 
     def _observe_request(self, request_id: str):
@@ -386,15 +385,16 @@ class Runner:
         preempted request's output in flight turns stale and owns none; a
         sampling step adds its share."""
         ghost = self.ghost.placeholders
-        self._note_preempted(step.preempted_req_ids)
+        self._drop_output_in_flight(step.preempted_req_ids)
         for rid, n in step.num_scheduled_tokens.items():
             held = ghost.get(rid, 0)
             drafts = len(step.scheduled_spec_decode_tokens.get(rid, ()))
             chunk = step.num_computed_before[rid] + n < mid.requests[rid].num_tokens + held
             ghost[rid] = compute_placeholders_after_schedule(held, drafts, chunk)
 
-    def _note_preempted(self, request_ids) -> None:
-        """A preempted request's output in flight is stale; it owns no placeholders."""
+    def _drop_output_in_flight(self, request_ids) -> None:
+        """Their output still in flight is stale (a preemption, or a recovery cut
+        back under it): it is dropped, and they own no placeholders."""
         for rid in request_ids:
             self.ghost.placeholders[rid] = 0
             for job in self.in_flight:
@@ -441,12 +441,8 @@ class Runner:
             drafts = len(job.step.scheduled_spec_decode_tokens.get(rid, ()))
             ghost[rid] = compute_placeholders_after_output(ghost[rid], drafts, len(tokens),
                                                            False)
-        running = {rid for rid in before.running}
-        for rid in ((set(job.report.garbage_readers) - job.stale) | holders) & running:
-            ghost[rid] = 0
-            for later in self.in_flight:
-                if rid in later.step.num_scheduled_tokens:
-                    later.stale.add(rid)
+        cut = ((set(job.report.garbage_readers) - job.stale) | holders) & set(before.running)
+        self._drop_output_in_flight(cut)
 
     def _hints(self, before, mid, ended: dict, step: StepView, outcome: WorkerOutcome,
                answers_before: dict, asked: list) -> dict[str, Hints]:
@@ -557,14 +553,15 @@ class Runner:
         preempted = {rid for rid in before.running if rid in after.requests
                      and after.requests[rid].status != RequestStatus.RUNNING}
         self.features["output_in_flight_at_preemption"] += bool(preempted & self._in_flight_ids())
-        self._note_preempted(preempted)
+        self._drop_output_in_flight(preempted)
         t = self._transition("reset_prefix_cache", before, after,
                              request_id=("forced:" if forced else "") + str(bool(ok)))
         return self._settle(after, t, model_step=self._model_step(t))
 
     def _do_drain(self, a: dict) -> list[Violation]:
         """The healed phase: no faults, every load and send completes."""
-        bound = 20 + BATCH_QUEUE_DEPTH + sum(len(r.prompt_token_ids) + r.max_tokens for r in self.obs.requests.values())
+        bound = 20 + BATCH_QUEUE_DEPTH + sum(len(r.prompt_token_ids) + r.max_tokens
+                                             for r in self.obs.requests.values())
         self.ghost.draining = {r.request_id for r in self.obs.requests.values()
                                if not r.status.is_finished}
         for _ in range(bound):
