@@ -571,8 +571,12 @@ class Scheduler:
         return affected
 
     def _recovery_scan_limit(self, request: Request) -> int:
-        """Tokens whose blocks may hold failed external KV: all computed ones."""
-        return request.num_computed_tokens
+        """Tokens whose blocks may hold failed external KV: all computed ones up
+        to the real boundary. Under async scheduling the positions past it
+        belong to steps scheduled after the failing one, in blocks that may be
+        fresh (a freed block whose id a failed load reported): cutting there
+        would drop the output in flight and leave nothing to recompute."""
+        return request.num_computed_tokens - request.num_output_placeholders
 
     def _recover(self, request: Request, block_id: int, idx: int, owners: dict) -> None:
         """The first running request to meet a failed block recomputes it; later

@@ -88,6 +88,16 @@ def _invalid_holders(obs: Observation, report) -> set[str]:
             if report.invalid_block_ids & {b for table in r.block_ids for b in table}}
 
 
+def _was_cut(rid: str, job: InFlight, before: Observation, after: Observation) -> bool:
+    """Its computed count fell at this delivery by more than its rejected drafts."""
+    was, now = before.requests.get(rid), after.requests.get(rid)
+    if was is None or now is None:
+        return False
+    drafts = len(job.step.scheduled_spec_decode_tokens.get(rid, ()))
+    rejected = drafts - (len(job.sampled[rid]) - 1) if drafts and rid in job.sampled else 0
+    return now.num_computed_tokens < was.num_computed_tokens - rejected
+
+
 class Runner:
     def __init__(self, target_name: str, config: Config, kinds=ALL_KINDS,
                  design_rules: bool = True, ignore=frozenset()) -> None:
@@ -411,7 +421,7 @@ class Runner:
         self.target.update_from_output(outcome)
         after = self.target.observe()
         holders = _invalid_holders(before, report)
-        self._note_placeholders_delivered(job, before, holders)
+        self._note_placeholders_delivered(job, before, after)
         departed = self._departed(before, after)
         # one preempted since the step ran (its output is stale) recomputes anyway
         readers = {rid: pos for rid, pos in report.garbage_readers.items()
@@ -429,11 +439,12 @@ class Runner:
         return self._settle(after, t, lowered_ok=holders)
 
     def _note_placeholders_delivered(self, job: InFlight, before: Observation,
-                                     holders: set[str]) -> None:
+                                     after: Observation) -> None:
         """A step's output returns its share. A running request that read KV a
-        load failure invalidated, or holds such a block, is cut back: its
-        output of this step and of every later step in flight was computed on
-        top of the failure and is discarded, so it owns no placeholders."""
+        load failure invalidated, or that recovery cut back (which blocks of a
+        holder of a failed block count is the scheduler's choice), has its
+        output of this step and of every later step in flight computed on top
+        of the failure: it is discarded, so it owns no placeholders."""
         ghost = self.ghost.placeholders
         for rid, tokens in job.sampled.items():
             if rid in job.stale or rid not in ghost:
@@ -441,7 +452,8 @@ class Runner:
             drafts = len(job.step.scheduled_spec_decode_tokens.get(rid, ()))
             ghost[rid] = compute_placeholders_after_output(ghost[rid], drafts, len(tokens),
                                                            False)
-        cut = ((set(job.report.garbage_readers) - job.stale) | holders) & set(before.running)
+        readers = set(job.report.garbage_readers) - job.stale
+        cut = {rid for rid in before.running if rid in readers or _was_cut(rid, job, before, after)}
         self._drop_output_in_flight(cut)
 
     def _hints(self, before, mid, ended: dict, step: StepView, outcome: WorkerOutcome,
