@@ -127,6 +127,24 @@ WHY = {
         "fires at the drop (set, now unset), and `running_request_has_stats` when recovery cut "
         "the request back without preempting it (the shrunk trace); after a preemption the "
         "resumed request would record new values. Stats are invisible to the data oracle."),
+    "rejection_keeps_placeholders": (
+        "Spec decode under async scheduling: the placeholders a step reserves cover its drafts, "
+        "so its rejected drafts must come off them with its output. The ghost count of "
+        "`placeholders_match_in_flight` (the shares of the steps in flight) sees the excess at "
+        "the first delivery that rejects a draft. The data oracle cannot: too many placeholders "
+        "only hide real KV, they never expose missing KV."),
+    "stale_rejection_rolls_back": (
+        "The #46066 shape: a frame made stale by a preemption or a recovery cut still rolls "
+        "back its rejected drafts, on a request that restarted and owns fresh placeholders. "
+        "The count goes below the ghost's (`placeholders_match_in_flight`) and below zero "
+        "(`placeholders_nonnegative`). The data oracle sees the computed count rolled back too "
+        "only when it lands below a block boundary another request reads."),
+    "draft_count_ignores_placeholders": (
+        "Under async scheduling the positions past a request's tokens include the placeholders "
+        "of its step in flight, so a step cut short (by the budget, the long-prefill cap or "
+        "max_model_len) runs fewer drafts than were reserved. Counting from the tokens alone "
+        "schedules every reserved draft for positions the step does not run: "
+        "`schedule_relation` compares the drafts with the positions past the known tokens."),
 }
 
 
@@ -158,7 +176,8 @@ def main() -> None:
              "shared with other work (times are upper bounds of a quiet machine's). The "
              "async-scheduling rows (issue 10, from placeholder_snapshot_before_increment on) "
              "come from a later run restricted to them (`--mutant`, 365 s for the seven), "
-             "merged into the same file.", "",
+             "merged into the same file; the three spec-decode rows (issue 10, item 4, from "
+             "rejection_keeps_placeholders on) from a third such run, beside a vLLM check.", "",
              f"Caught: {len(caught)} of {sum(r['status'] != 'pending' for r in rows)}; "
              f"median time to detection {statistics.median(times):.2f} s, "
              f"max {max(times):.2f} s." if times else "", "",

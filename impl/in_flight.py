@@ -9,6 +9,11 @@ Two things follow, each kept here:
   tokens (#27644). A preemption, or a load failure that cuts the request back,
   makes its output still in flight stale: it is dropped when it arrives (the
   request samples those positions again) and owns no placeholders.
+- **Placeholder drafts.** With spec decode the drafter runs on the worker
+  after each step, so the scheduler plans the next step with ``-1`` drafts,
+  as if every draft in flight were accepted. When the output comes back the
+  rejected drafts come off both ``num_computed_tokens`` and the placeholders;
+  the worker has already run the next step at positions shifted down by them.
 - **Fenced frees.** A block freed while a step in flight may still write it is
   held back until that step's output is processed: a connector's load is not
   ordered with the compute stream, and would be overwritten (vLLM's
@@ -20,6 +25,9 @@ import attrs
 
 from kvspec.spec.arith import (compute_placeholders_after_output,
                                compute_placeholders_after_schedule)
+
+#: a draft the scheduler reserves before the worker has proposed it (vLLM's -1)
+DRAFT_PLACEHOLDER = -1
 
 
 @attrs.define
@@ -36,9 +44,12 @@ class InFlightBook:
 
     # -- steps ---------------------------------------------------------------
     def on_schedule(self, requests: dict, plan_tokens: dict[str, int],
-                    spec_tokens: dict[str, list[int]]) -> None:
+                    spec_tokens: dict[str, list[int]], num_drafts: int) -> None:
         """Placeholders of the step just scheduled (before ``num_computed_tokens``
-        advances); remembers which step last ran each request."""
+        advances); remembers which step last ran each request. A sampling step
+        also reserves ``num_drafts`` placeholder drafts (-1) for the next step:
+        the worker's drafter proposes them from this step's output, which the
+        scheduler has not seen when it schedules the next step."""
         self.scheduled_seq += 1  # one per schedule(), as one output per step comes back
         for rid, n in plan_tokens.items():
             request = requests[rid]
@@ -46,6 +57,7 @@ class InFlightBook:
             chunk = request.num_computed_tokens + n < request.num_tokens + held
             request.num_output_placeholders = compute_placeholders_after_schedule(
                 held, len(spec_tokens.get(rid, ())), chunk)
+            request.spec_token_ids = [] if chunk else [DRAFT_PLACEHOLDER] * num_drafts
             self.last_step[rid] = self.scheduled_seq
 
     def is_in_flight(self, request_id: str) -> bool:
@@ -72,9 +84,11 @@ class InFlightBook:
         return True
 
     def make_stale(self, request) -> None:
-        """Its output in flight will be dropped; it owns no placeholders."""
+        """Its output in flight will be dropped; it owns no placeholders, and
+        no placeholder drafts (nothing it sampled will be drafted from)."""
         self.stale[request.request_id] = self.num_in_flight(request.request_id)
         request.num_output_placeholders = 0
+        request.spec_token_ids = []
 
     @staticmethod
     def return_share(request, num_drafts: int, num_sampled: int) -> None:

@@ -438,6 +438,67 @@ MUTANTS.update({m.name: m for m in [
            StatsResetByDroppedFirstOutput),
 ]})
 
+class RejectionKeepsPlaceholders(Scheduler):
+    """#24799 (async scheduling with spec decode; #22262 before it): the
+    placeholders a step reserved cover its drafts, but rejected drafts come off
+    ``num_computed_tokens`` only, so the placeholder count keeps them and the
+    next step schedules positions nothing will fill."""
+
+    def _apply_spec_rejections(self, request, output, tokens):
+        super()._apply_spec_rejections(request, output, tokens)
+        drafts = output.scheduled_spec_decode_tokens.get(request.request_id)
+        if self.is_async and drafts and tokens:
+            request.num_output_placeholders += len(drafts) - (len(tokens) - 1)
+
+
+class StaleRejectionRollsBack(Scheduler):
+    """#46066 (vLLM up to 0.24 on the preemption path too): the rejection
+    adjustment runs before the stale check, so output made stale by a
+    preemption still takes its rejected drafts off the restarted request's
+    ``num_computed_tokens`` and placeholders (each only guarded by ``> 0``)."""
+
+    def update_from_output(self, output, runner):
+        for rid in output.num_scheduled_tokens:
+            request = self.requests.get(rid)
+            drafts = output.scheduled_spec_decode_tokens.get(rid)
+            tokens = runner.sampled_token_ids.get(rid)
+            if (self.is_async and request is not None and not request.is_finished()
+                    and drafts and tokens and self.in_flight.stale.get(rid, 0) > 0):
+                rejected = len(drafts) - (len(tokens) - 1)
+                if request.num_computed_tokens > 0:
+                    request.num_computed_tokens -= rejected
+                if request.num_output_placeholders > 0:
+                    request.num_output_placeholders -= rejected
+        return super().update_from_output(output, runner)
+
+
+class DraftCountIgnoresPlaceholders(Scheduler):
+    """#24799 review: under async scheduling the positions past a request's
+    tokens include the placeholders of its step in flight; counting them as
+    drafts schedules every placeholder draft even when the step was cut short
+    (by the token budget, the long-prefill cap or ``max_model_len``)."""
+
+    def _schedule_spec_tokens(self, request, num_new, plan):
+        num_spec = num_new + request.num_computed_tokens - request.num_tokens
+        if request.spec_token_ids and num_spec > 0:
+            plan.spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+        request.spec_token_ids = []
+
+
+MUTANTS.update({m.name: m for m in [
+    Mutant("rejection_keeps_placeholders",
+           "under async scheduling rejected drafts come off num_computed_tokens but not "
+           "off the placeholders",
+           "#24799, #22262", "placeholders_match_in_flight", RejectionKeepsPlaceholders),
+    Mutant("stale_rejection_rolls_back",
+           "output made stale by a preemption still rolls back its rejected drafts, on the "
+           "restarted request",
+           "#46066 (vLLM <= 0.24)", "placeholders_match_in_flight", StaleRejectionRollsBack),
+    Mutant("draft_count_ignores_placeholders",
+           "the drafts scheduled count the placeholder positions of the step in flight",
+           "#24799", "schedule_relation", DraftCountIgnoresPlaceholders),
+]})
+
 #: mutants that need spec features not built yet (several KV cache groups):
 #: listed so the zoo table shows them as pending.
 PENDING_MUTANTS = {

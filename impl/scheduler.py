@@ -175,7 +175,8 @@ class Scheduler:
         output = self._make_output(plan)
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
         if self.is_async:
-            self.in_flight.on_schedule(self.requests, plan.num_scheduled_tokens, plan.spec_tokens)
+            self.in_flight.on_schedule(self.requests, plan.num_scheduled_tokens, plan.spec_tokens,
+                                       self.config.num_speculative_tokens)
         self._advance_computed(plan)
         return output
 
@@ -210,9 +211,11 @@ class Scheduler:
         return min(num_new, self.config.max_model_len - 1 - request.num_computed_tokens)
 
     def _is_output_complete_in_flight(self, request: Request) -> bool:
-        """Async scheduling: the steps in flight already sample its last tokens."""
-        return (request.num_output_placeholders > 0 and request.num_output_tokens
-                + request.num_output_placeholders >= request.max_tokens)
+        """Async scheduling: the step in flight samples its last token. It
+        samples at least one (however many of its drafts are rejected), and
+        only one step is in flight when the next is scheduled."""
+        return (request.num_output_placeholders > 0
+                and request.num_output_tokens + 1 >= request.max_tokens)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan) -> bool:
         while self.kv.allocate_slots(request, num_new) is None:
@@ -267,7 +270,10 @@ class Scheduler:
         return fenced
 
     def _schedule_spec_tokens(self, request: Request, num_new: int, plan: StepPlan) -> None:
-        num_spec = num_new + request.num_computed_tokens - request.num_tokens
+        """The positions past its known tokens (and the placeholders of the step
+        in flight) are drafts."""
+        num_spec = (num_new + request.num_computed_tokens - request.num_tokens
+                    - request.num_output_placeholders)
         if request.spec_token_ids and num_spec > 0:
             plan.spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
         request.spec_token_ids = []

@@ -27,7 +27,10 @@ ACCEPTANCE_MUTANTS = ["async_block_rounding", "stats_reset_on_reschedule",
                       # async scheduling (issue 10): placeholders, stale output, fenced frees
                       "placeholder_snapshot_before_increment", "preempt_keeps_placeholders",
                       "stale_output_returns_share", "stale_output_delivered",
-                      "free_under_step_in_flight", "stats_reset_by_dropped_first_output"]
+                      "free_under_step_in_flight", "stats_reset_by_dropped_first_output",
+                      # spec decode under async scheduling (issue 10, item 4)
+                      "rejection_keeps_placeholders", "stale_rejection_rolls_back",
+                      "draft_count_ignores_placeholders"]
 # preempt_past_fenced_victim (#49674) is caught only by every_request_finishes: a
 # liveness counterexample carries the healed phase (20+ rows), past the 15 allowed here.
 

@@ -53,6 +53,9 @@ MAX_KV_TOKENS = 1 << 22
 GROUP_KINDS = ("full_attention",)
 #: steps in flight under async scheduling: vLLM's batch queue (2 without pipeline parallelism)
 BATCH_QUEUE_DEPTH = 2
+#: the most drafts a step schedules per request (vLLM's ``num_speculative_tokens``
+#: on the vLLM target; the environment proposes 0 to this many)
+MAX_DRAFTS = 2
 POLICIES = ("fcfs", "priority")
 FAILURE_POLICIES = ("recompute", "fail")
 KV_ROLES = ("kv_both", "kv_producer")
@@ -77,6 +80,13 @@ def _one_of(options):
 def _boolean(instance, attribute, value) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{attribute.name} must be true or false, got {value!r:.60}")
+
+
+def _draft_count(instance, attribute, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{attribute.name} must be an integer, got {value!r:.60}")
+    if not 0 <= value <= MAX_DRAFTS:
+        raise ValueError(f"{attribute.name} must be in 0..{MAX_DRAFTS}, got {value}")
 
 
 def _groups(instance, attribute, value) -> None:
@@ -119,12 +129,20 @@ class Config:
     #: nothing is loaded and, under async scheduling, vLLM frees blocks at once
     #: instead of fencing them behind the step in flight (``defer_block_free``)
     kv_role: str = attrs.field(default="kv_both", validator=_one_of(KV_ROLES))
+    #: spec decode under async scheduling: the drafts the scheduler reserves for
+    #: each decode step, as ``-1`` placeholders the worker's drafter fills (vLLM's
+    #: ``num_speculative_tokens``). Synchronous runs take drafts from the
+    #: environment after each step (``update_draft_token_ids``) and leave it 0.
+    num_speculative_tokens: int = attrs.field(default=0, validator=_draft_count)
 
     @property
     def is_kv_consumer(self) -> bool:
         return self.kv_role == "kv_both"
 
     def __attrs_post_init__(self) -> None:
+        if self.num_speculative_tokens and not self.async_scheduling:
+            raise ValueError("num_speculative_tokens applies to async scheduling only "
+                             "(synchronous runs take drafts from the environment)")
         slots = self.num_blocks * max(g.block_size for g in self.groups)
         if slots > MAX_KV_TOKENS:
             raise ValueError(f"num_blocks * block_size = {slots} KV token slots, more than "

@@ -213,6 +213,16 @@ PREEMPTION_CASCADES_PAST_FENCED_VICTIMS = AcceptedFinding(
     ("vllm-0.28.0-preemption-cascades-past-fenced-victims.json",),
     (("scheduling", ("sync",)),), fix="preemption-stops-at-fenced-victim")
 
+# Found by the async target with spec decode on 0.24.0 (issue 10, item 4): upstream
+# #46066, fixed from 0.28.0 on. A producer connector keeps the forced reset legal.
+STALE_OUTPUT_ROLLS_BACK_REJECTED_DRAFTS = AcceptedFinding(
+    "stale-output-rolls-back-rejected-drafts",
+    "async scheduling with spec decode: output made stale by a preemption (here a forced "
+    "reset_prefix_cache) still takes its rejected drafts off the restarted request's "
+    "num_computed_tokens and placeholders, which go negative",
+    ("vllm-0.24.0-stale-output-rolls-back-rejected-drafts.json",),
+    (("async_spec_decode", False),))
+
 #: The async findings of 0.32.0 whose traces fail as recorded on the older releases
 #: too (the forced reset only where frees are deferred, 0.24.0 on).
 _ASYNC_RECOVERY = (ASYNC_RECOVERY_KEEPS_PLACEHOLDERS, RECOVERY_MISSES_REQUESTS_ENDED_MID_STEP)
@@ -226,14 +236,14 @@ ACCEPTED: dict[str, tuple[AcceptedFinding, ...]] = {
     "0.28.0": _0_28_0_AND_0_24_0 + (SPEC_PAD_PAST_MAX_MODEL_LEN, SPEC_PAD_CLIPPED_0_28_0)
     + _ASYNC_0_24_0_ON + (PREEMPTION_CASCADES_PAST_FENCED_VICTIMS,),
     "0.24.0": _0_28_0_AND_0_24_0 + (STATS_RESET_AFTER_PREEMPTION,) + _ASYNC_0_24_0_ON + (
-        PREEMPTION_KEEPS_PLACEHOLDERS,),
+        PREEMPTION_KEEPS_PLACEHOLDERS, STALE_OUTPUT_ROLLS_BACK_REJECTED_DRAFTS),
     "0.18.1": _0_18_1_AND_0_14_1 + (
         _only_traces("abort-mid-load-frees-under-send",
                      "vllm-0.32.0-abort-mid-load-send-assert.json"),
         FULL_ASYNC_HIT_EXTERNAL_EXCEEDS_CACHED) + _ASYNC_RECOVERY + (
-        PREEMPTION_KEEPS_PLACEHOLDERS,),
+        PREEMPTION_KEEPS_PLACEHOLDERS, STALE_OUTPUT_ROLLS_BACK_REJECTED_DRAFTS),
     "0.14.1": _0_18_1_AND_0_14_1 + (ASYNC_LOAD_COUNTS_WHOLE_BLOCK,) + _ASYNC_RECOVERY + (
-        PREEMPTION_KEEPS_PLACEHOLDERS,),
+        PREEMPTION_KEEPS_PLACEHOLDERS, STALE_OUTPUT_ROLLS_BACK_REJECTED_DRAFTS),
 }
 
 

@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from kvspec.harness.profiles import FULL, EnvProfile
 from kvspec.harness.runner import ALL_KINDS, Counterexample, Runner
 from kvspec.harness.target import make_config
+from kvspec.spec.state import MAX_DRAFTS
 
 #: shared prefixes so that prefix caching and shared blocks matter
 PREFIXES = ((1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5), (2, 4, 6, 1, 3, 5, 7, 2, 4, 6, 1, 3),
@@ -101,9 +102,10 @@ class KVSpecMachine(RuleBasedStateMachine):
                 policy=st.sampled_from(["fcfs", "priority"]),
                 failure_policy=st.sampled_from(["recompute", "recompute", "fail"]),
                 swarm=swarms, scheduling=st.sampled_from(["async", "async", "sync"]),
-                kv_role=st.sampled_from(["kv_both", "kv_both", "kv_both", "kv_producer"]))
+                kv_role=st.sampled_from(["kv_both", "kv_both", "kv_both", "kv_producer"]),
+                async_drafts=st.sampled_from([0, MAX_DRAFTS]))
     def configure(self, block_size, spare_blocks, budget, max_num_seqs, max_model_len,
-                  threshold, policy, failure_policy, swarm, scheduling, kv_role):
+                  threshold, policy, failure_policy, swarm, scheduling, kv_role, async_drafts):
         self.swarm = swarm
         if scheduling not in self.profile.scheduling:
             scheduling = self.profile.scheduling[0]
@@ -122,7 +124,10 @@ class KVSpecMachine(RuleBasedStateMachine):
                              policy=policy, kv_load_failure_policy=failure_policy,
                              async_scheduling=scheduling == "async",
                              kv_role=kv_role if kv_role in self.profile.kv_roles
-                             else self.profile.kv_roles[0])
+                             else self.profile.kv_roles[0],
+                             # spec decode under async: drafts the worker fills
+                             num_speculative_tokens=async_drafts * (scheduling == "async")
+                             * self.profile.async_spec_decode)
         self.runner = Runner(self.target_name, config, self.kinds, self.design_rules)
 
     @precondition(lambda self: self.next_index < MAX_REQUESTS)

@@ -26,6 +26,8 @@ class EnvProfile:
     min_spare_blocks: int = 1
     #: scheduling modes drawn: async (vLLM's default since 0.32) and sync
     scheduling: tuple[str, ...] = ("async", "sync")
+    #: under async scheduling, spec decode (placeholder drafts) may be configured
+    async_spec_decode: bool = True
     #: connector roles drawn: kv_both (loads and stores), kv_producer (stores only)
     kv_roles: tuple[str, ...] = ("kv_both", "kv_producer")
     #: why each restriction is there (accepted finding ids)

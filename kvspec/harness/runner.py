@@ -65,7 +65,7 @@ UNMODELLED_STEPS = "async_steps_outside_conformance_model"
 FEATURES = ("load_failures", "async_loads", "preemptions", "spec_decode",
             "failure_policy_recompute", "failure_policy_fail", "policy_fcfs", "policy_priority",
             "sends", "prefix_cache_resets", "async_scheduling",
-            "output_in_flight_at_preemption")
+            "output_in_flight_at_preemption", "draft_rollback_in_flight")
 
 
 @attrs.define
@@ -371,13 +371,39 @@ class Runner:
             self.obs = mid
             return step, mid, found
         pending = self._pending_tokens()
-        report = self._execute(step, mid, a, pending)
+        work = self._worker_view(step, a, pending)
+        report = self._execute(work, mid, a, pending)
         self.ghost.just_loaded |= report.loaded_ok
-        sampled = self._sample(step, mid, a, pending)
+        sampled = self._sample(work, mid, a, pending)
         self.in_flight.append(InFlight(step, mid, report, sampled))
         self.obs = mid
         # the state again, synced (the real boundary), with the data the step wrote
         return step, mid, self._check(mid, kinds=("state", "data"))
+
+    def _worker_view(self, step: StepView, a: dict, pending: dict) -> StepView:
+        """The step as the worker runs it. The scheduler planned it as if every
+        draft of the step in flight were accepted; the worker has that step's
+        output, so it runs each request from its real boundary, shifted down by
+        the drafts rejected there, and fills the placeholder drafts (-1) with
+        its drafter's proposals: ``drafts`` of them (the rest stay -1, as vLLM
+        pads drafts a grammar rejects), each guessed for its real position."""
+        starts, drafts = dict(step.num_computed_before), dict(step.scheduled_spec_decode_tokens)
+        for rid in step.num_scheduled_tokens:
+            starts[rid] -= self._rejected_in_flight(rid)
+            if drafts.get(rid):
+                first = self.obs.requests[rid].num_tokens + len(pending.get(rid, ()))
+                drafts[rid] = tuple(draft_token(rid, first + k, k) if k < a.get("drafts", 0)
+                                    and token < 0 else token
+                                    for k, token in enumerate(drafts[rid]))
+        self.features["draft_rollback_in_flight"] += starts != step.num_computed_before
+        return attrs.evolve(step, num_computed_before=starts,
+                            scheduled_spec_decode_tokens=drafts)
+
+    def _rejected_in_flight(self, rid: str) -> int:
+        """Drafts of its steps in flight (output not stale) that their output rejects."""
+        return sum(len(job.step.scheduled_spec_decode_tokens.get(rid, ())) + 1
+                   - len(job.sampled[rid]) for job in self.in_flight
+                   if rid in job.sampled and rid not in job.stale)
 
     def _count_async_schedule(self, step: StepView) -> None:
         self.features["async_scheduling"] += bool(self.in_flight and

@@ -41,7 +41,8 @@ class ImplTarget:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             policy=config.policy, kv_load_failure_policy=config.kv_load_failure_policy,
             enable_prefix_caching=config.enable_prefix_caching,
-            async_scheduling=config.async_scheduling, kv_role=config.kv_role)
+            async_scheduling=config.async_scheduling, kv_role=config.kv_role,
+            num_speculative_tokens=config.num_speculative_tokens)
         self.scheduler = (scheduler_factory or Scheduler)(sched_config, connector)
         self._outputs: list = []  # scheduler outputs whose model output is pending
         self._requests: dict[str, object] = {}  # every request added, to see how it ended
@@ -122,11 +123,12 @@ class ImplTarget:
 def make_config(block_size=4, num_blocks=16, max_num_batched_tokens=16, max_num_seqs=4,
                 max_model_len=32, long_prefill_token_threshold=0, policy="fcfs",
                 kv_load_failure_policy="recompute", enable_prefix_caching=True,
-                async_scheduling=False, kv_role="kv_both") -> Config:
+                async_scheduling=False, kv_role="kv_both", num_speculative_tokens=0) -> Config:
     return Config(groups=(GroupSpec(block_size),), num_blocks=num_blocks,
                   max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                   max_model_len=max_model_len,
                   long_prefill_token_threshold=long_prefill_token_threshold, policy=policy,
                   kv_load_failure_policy=kv_load_failure_policy,
                   enable_prefix_caching=enable_prefix_caching,
-                  async_scheduling=async_scheduling, kv_role=kv_role)
+                  async_scheduling=async_scheduling, kv_role=kv_role,
+                  num_speculative_tokens=num_speculative_tokens)

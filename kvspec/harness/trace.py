@@ -29,10 +29,9 @@ import attrs
 import jsonschema
 from jsonschema import validators
 
-from kvspec.harness.vllm_target import MAX_DRAFTS
 from kvspec.text import shown
-from kvspec.spec.state import (FAILURE_POLICIES, GROUP_KINDS, KV_ROLES, LIMITS, POLICIES,
-                               Config, GroupSpec)
+from kvspec.spec.state import (FAILURE_POLICIES, GROUP_KINDS, KV_ROLES, LIMITS, MAX_DRAFTS,
+                               POLICIES, Config, GroupSpec)
 
 FORMAT = "kvspec-trace/1"
 OPS = ("add", "step", "abort", "reset_prefix_cache", "drain")
@@ -127,6 +126,7 @@ _CONFIG_SCHEMA = {
         "enable_prefix_caching": _BOOL,
         "async_scheduling": _BOOL,
         "kv_role": {"enum": list(KV_ROLES)},
+        "num_speculative_tokens": _int(0, MAX_DRAFTS),
     },
 }
 
@@ -360,6 +360,8 @@ def config_to_dict(config: Config) -> dict:
         del data["async_scheduling"]
     if data["kv_role"] == "kv_both":  # likewise: the role was always kv_both before
         del data["kv_role"]
+    if not data["num_speculative_tokens"]:  # likewise: no drafts under async before
+        del data["num_speculative_tokens"]
     return data
 
 

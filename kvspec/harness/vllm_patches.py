@@ -116,6 +116,12 @@ FIXES: dict[str, Patch] = {p.id: p for p in [
           "async scheduling a request preempted with output in flight has that output "
           "discarded and its placeholders zeroed",
           "vllm-0.24.0-preemption-keeps-placeholders"),
+    Patch("stale-output-rolls-back-rejected-drafts", "fix",
+          "(#46066's guard, fixed upstream from 0.28 on) under async scheduling with spec "
+          "decode, a stale frame's rejected drafts no longer come off the restarted "
+          "request's num_computed_tokens and placeholders; on 0.24.0 a forced reset also "
+          "discards one frame per request, not one per placeholder",
+          "vllm-0.24.0-stale-output-rolls-back-rejected-drafts"),
     Patch("preemption-stops-at-fenced-victim", "fix",
           "(backport of #49675) the allocate/preempt loop stops at a victim whose blocks are "
           "fenced behind a step in flight instead of preempting on, the requester included",

@@ -50,7 +50,13 @@ Mapping decisions, each one a place where vLLM and the spec name things differen
   drafts arrive through ``update_draft_token_ids``. With it vLLM pads a new
   request that has one token left to ``1 + MAX_DRAFTS`` positions with
   placeholder drafts (-1); they appear in ``scheduled_spec_decode_tokens``
-  exactly as vLLM scheduled them.
+  exactly as vLLM scheduled them. Under async scheduling drafts never reach
+  the scheduler (they stay on the worker): with ``Config.num_speculative_tokens``
+  set, the target configures that many, vLLM schedules ``-1`` placeholder
+  drafts after each sampling step, and the runner (playing the worker) fills
+  them. vLLM accepts only model-based drafters (EAGLE, MTP, a draft model,
+  GPU n-gram) with async scheduling; the scheduler reads nothing of the
+  method but ``num_speculative_tokens``, so "ngram" stands in for them.
 """
 from __future__ import annotations
 
@@ -64,8 +70,8 @@ from pathlib import Path
 import attrs
 
 from kvspec.harness.env import EOS_TOKEN_ID, RequestSpec
-from kvspec.spec.state import (STATS_UNSET, Config, Observation, PoolView, RequestStatus,
-                               RequestView, StepView, WorkerOutcome)
+from kvspec.spec.state import (MAX_DRAFTS, STATS_UNSET, Config, Observation, PoolView,
+                               RequestStatus, RequestView, StepView, WorkerOutcome)
 
 TINY_MODEL = Path(__file__).with_name("tiny_model")
 TINY_MODEL_CONFIG = {
@@ -76,8 +82,6 @@ TINY_MODEL_CONFIG = {
     "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 0,
     "tie_word_embeddings": False, "torch_dtype": "float32",
 }
-#: the most drafts the environment proposes per step (kvspec.harness.machine: drafts <= 2)
-MAX_DRAFTS = 2
 #: vLLM's block 0 is the null block; kvspec block b is vLLM block b + NULL_BLOCKS
 NULL_BLOCKS = 1
 
@@ -296,10 +300,11 @@ class VllmTarget:
             raise RuntimeError("this vLLM release ignores kv_load_failure_policy")
         # Drafts reach a vLLM scheduler only with spec decode configured (its
         # metrics are sized by num_speculative_tokens). "ngram" needs no model.
-        # Under async scheduling drafts stay on the worker (vLLM never calls
-        # update_draft_token_ids then) and vLLM refuses "ngram": no spec decode.
-        speculative_config = None if config.async_scheduling else _only_known(
-            c.SpeculativeConfig, method="ngram", num_speculative_tokens=MAX_DRAFTS,
+        # Under async scheduling drafts stay on the worker: the scheduler only
+        # reserves num_speculative_tokens placeholder drafts per decode step.
+        num_drafts = config.num_speculative_tokens if config.async_scheduling else MAX_DRAFTS
+        speculative_config = None if not num_drafts else _only_known(
+            c.SpeculativeConfig, method="ngram", num_speculative_tokens=num_drafts,
             prompt_lookup_max=2, prompt_lookup_min=1)
         vllm_config = _only_known(
             c.VllmConfig, model_config=m.model_config(config.max_model_len),
@@ -308,9 +313,11 @@ class VllmTarget:
             device_config=c.DeviceConfig("cpu"))
         vllm_config.cache_config.num_gpu_blocks = num_blocks
         if config.async_scheduling:
-            # vLLM's CPU platform turns async scheduling off while validating;
-            # the scheduler only reads the flag (two batches in flight, which
-            # also turns on deferred frees for a consumer connector)
+            # vLLM's CPU platform turns async scheduling off while validating
+            # (and with it refuses "ngram", which only a model-based drafter
+            # replaces there); the scheduler only reads the flag (two batches
+            # in flight, which also turns on deferred frees for a consumer
+            # connector)
             vllm_config.scheduler_config.async_scheduling = True
         # VllmConfig may adjust what it was given; the spec's config must hold.
         sc = vllm_config.scheduler_config
