@@ -118,9 +118,11 @@ WHY = {
         "victim's blocks are fenced: the retry preempts the whole running queue down to the "
         "request itself and frees nothing this step; next step all resume and the cycle "
         "repeats (the thrashing of vllm-ascend #16315). No safety claim sees it (each victim "
-        "is the policy's, every count is right); `every_request_finishes` does, but a liveness "
-        "counterexample carries the healed phase, so the trace is far past the 12-row bar. It "
-        "is kept out of the acceptance list and out of `model_tests/regressions/`."),
+        "is the policy's, every count is right). The design rule "
+        "`preemption_stops_at_fenced_victim` (vLLM's own since #49675: at most one fenced "
+        "victim per schedule) sees the second fenced victim at once; before it, only the "
+        "liveness claim `every_request_finishes` did, with a 56-row trace that carries the "
+        "healed phase."),
     "stats_reset_by_dropped_first_output": (
         "A first output dropped as stale leaves the request without output, and the mutant "
         "takes that as 'stats not reported yet' and unsets them: `stats_set_exactly_once` "
@@ -175,7 +177,7 @@ def main() -> None:
              "run of `kvspec zoo --budget 60s --json` on the 2-core development machine, "
              "shared with other work (times are upper bounds of a quiet machine's). The "
              "async-scheduling rows (issue 10, from placeholder_snapshot_before_increment on) "
-             "come from a later run restricted to them (`--mutant`, 365 s for the seven), "
+             "come from a later run restricted to them (`--mutant`, 365 s for the seven; preempt_past_fenced_victim again once its design rule existed), "
              "merged into the same file; the three spec-decode rows (issue 10, item 4, from "
              "rejection_keeps_placeholders on) from a third such run, beside a vLLM check.", "",
              f"Caught: {len(caught)} of {sum(r['status'] != 'pending' for r in rows)}; "

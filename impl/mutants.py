@@ -430,7 +430,8 @@ MUTANTS.update({m.name: m for m in [
            FreeUnderStepInFlight),
     Mutant("preempt_past_fenced_victim",
            "the preemption loop goes on after a victim whose blocks are fenced",
-           "#49674 (fixed by #49675)", "every_request_finishes", PreemptPastFencedVictim),
+           "#49674 (fixed by #49675)", "preemption_stops_at_fenced_victim",
+           PreemptPastFencedVictim, also_caught_by=("every_request_finishes",)),
     Mutant("stats_reset_by_dropped_first_output",
            "cache-hit stats re-armed when a request's first output is dropped as stale "
            "(preempted with it in flight), and set again",

@@ -20,6 +20,10 @@ CONSTRAINS: dict[str, str] = {
                                         "allocation, `running[-1]` under FCFS, "
                                         "`max(running, key=(priority, arrival_time))` under "
                                         "PRIORITY; `_preempt_request`.",
+    "preemption_stops_at_fenced_victim": f"`Scheduler.schedule` ({S}): the allocation retry "
+                                         "stops at a victim `_request_blocks_can_be_freed` "
+                                         "refuses (frees deferred behind the step in flight, "
+                                         "`deferred_frees`, `defer_block_free`).",
     "schedule_relation": f"`Scheduler.schedule`, `_preempt_request`, `_update_after_schedule` "
                          f"({S}): token budget, `max_model_len` clip, spec-decode padding, "
                          "victim choice (`running[-1]` or the worst priority), "

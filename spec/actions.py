@@ -8,6 +8,8 @@ invariants (kind "relation") so one registry lists every claim.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import attrs
 
 from kvspec.spec.arith import compute_computed_after_rejection
@@ -171,6 +173,31 @@ def preemption_victim_follows_policy(t: Transition):
         if kept and t.before.requests[rid].priority < max(kept):
             yield f"PRIORITY preempted {rid} (priority {t.before.requests[rid].priority}) " \
                   f"while a request of priority {max(kept)} kept running"
+
+
+@invariant(cites="#49674, #49675; vllm-ascend #16315", kind="relation", role="design",
+           action="schedule")
+def preemption_stops_at_fenced_victim(t: Transition):
+    """A schedule preempts at most one request whose blocks are fenced (held
+    back behind a step in flight, ``defer_block_free``).
+
+    A rule of vLLM's design from 0.31 on (#49675), not a safety claim: such a
+    victim frees nothing this step, so preempting on makes no room and only
+    restarts more requests; under async scheduling nearly every victim is
+    fenced, and the cascade of #49674 preempted the whole running queue every
+    step, so requests never finished. vLLM 0.31 and later refuse a fenced
+    victim outright; the reference preempts one and stops. Witnessed by a step
+    that preempted."""
+    if not t.step.preempted_req_ids:
+        return
+    t.witness()
+    newly_fenced = Counter(t.after.pool.fenced) - Counter(t.before.pool.fenced)
+    fenced = sorted(rid for rid in t.step.preempted_req_ids
+                    if any(b in newly_fenced for table in t.before.requests[rid].block_ids
+                           for b in table))
+    if len(fenced) > 1:
+        yield (f"preempted {len(fenced)} requests whose blocks are fenced ({', '.join(fenced)}): "
+               "the first freed nothing, so the rest made no room")
 
 
 def _get_known_tokens(t: Transition, rid: str) -> int:

@@ -68,7 +68,7 @@ def test_a_claim_whose_antecedent_never_holds_is_not_witnessed():
 def test_claims_have_a_role_and_design_rules_are_named():
     design = {name for name, inv in REGISTRY.items() if inv.role == "design"}
     assert design == {"failed_block_recomputed_once", "long_prefill_cap",
-                      "preemption_victim_follows_policy"}
+                      "preemption_victim_follows_policy", "preemption_stops_at_fenced_victim"}
 
 
 @pytest.mark.parametrize("name", ["conservative_recovery", "largest_victim"])
