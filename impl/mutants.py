@@ -72,7 +72,7 @@ class PreemptKeepsBlocks(Scheduler):
         free = self.kv.free
         self.kv.free = lambda req: None
         try:
-            super()._preempt(request, plan)
+            return super()._preempt(request, plan)  # whether its blocks were fenced
         finally:
             self.kv.free = free
 

@@ -191,10 +191,12 @@ def preemption_stops_at_fenced_victim(t: Transition):
     if not t.step.preempted_req_ids:
         return
     t.witness()
+    # a block the victim alone held tells whose free it is (a shared prefix
+    # block is fenced by whichever holder's free came last)
     newly_fenced = Counter(t.after.pool.fenced) - Counter(t.before.pool.fenced)
     fenced = sorted(rid for rid in t.step.preempted_req_ids
-                    if any(b in newly_fenced for table in t.before.requests[rid].block_ids
-                           for b in table))
+                    if any(b in newly_fenced and t.before.pool.ref_cnt[b] == 1
+                           for table in t.before.requests[rid].block_ids for b in table))
     if len(fenced) > 1:
         yield (f"preempted {len(fenced)} requests whose blocks are fenced ({', '.join(fenced)}): "
                "the first freed nothing, so the rest made no room")
