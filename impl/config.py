@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from kvspec.spec.state import (FAILURE_POLICIES, KV_ROLES, LIMITS, MAX_DRAFTS, MAX_KV_TOKENS,
-                               POLICIES)
+from kvspec.spec.state import FAILURE_POLICIES, KV_ROLES, LIMITS, MAX_KV_TOKENS, POLICIES
 
 
 def _is_int(value) -> bool:
@@ -40,13 +39,6 @@ def _block_sizes(instance, attribute, value):
                          "hybrid groups, which the reference scheduler does not have")
 
 
-def _draft_count(instance, attribute, value):
-    if not _is_int(value):
-        raise TypeError(f"{attribute.name} must be an integer, got {value!r:.60}")
-    if not 0 <= value <= MAX_DRAFTS:
-        raise ValueError(f"{attribute.name} must be in 0..{MAX_DRAFTS}, got {value}")
-
-
 def _one_of(options: tuple[str, ...]):
     def check(instance, attribute, value):
         if not isinstance(value, str) or value not in options:
@@ -79,7 +71,7 @@ class SchedulerConfig:
     kv_role: str = attrs.field(default="kv_both", validator=_one_of(KV_ROLES))
     #: async scheduling only: placeholder drafts reserved per decode step (the
     #: worker's drafter fills them; see impl/in_flight.py)
-    num_speculative_tokens: int = attrs.field(default=0, validator=_draft_count)
+    num_speculative_tokens: int = attrs.field(default=0, validator=_within_limits)
 
     def __attrs_post_init__(self) -> None:
         if self.num_speculative_tokens and not self.async_scheduling:

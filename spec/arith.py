@@ -34,6 +34,12 @@ def compute_external_stat(num_cached, num_local):
     return Max(0, num_cached - num_local)
 
 
+def compute_num_rejected(num_drafts, num_sampled):
+    """Spec decode: the drafts a step's output rejects (it samples the accepted
+    drafts and one token)."""
+    return num_drafts - (num_sampled - 1)
+
+
 def compute_computed_after_rejection(num_computed, num_drafts, num_accepted):
     """Spec decode: rejected drafts are no longer computed."""
     return num_computed - (num_drafts - num_accepted)
@@ -87,7 +93,7 @@ def compute_placeholders_after_output(num_placeholders, num_drafts, num_sampled,
     appended tokens stop being placeholders, which is the step's whole share
     (1 + drafts). Output made stale by a preemption in between no longer owns a
     share: the preemption zeroed them (#47900, #48245)."""
-    num_rejected = num_drafts - (num_sampled - 1)
+    num_rejected = compute_num_rejected(num_drafts, num_sampled)
     return If(is_stale, num_placeholders, num_placeholders - num_rejected - num_sampled)
 
 

@@ -40,6 +40,10 @@ class RequestStatus(enum.Enum):
                         RequestStatus.PREEMPTED)
 
 
+#: the most drafts a step schedules per request (vLLM's ``num_speculative_tokens``
+#: on the vLLM target; the environment proposes 0 to this many)
+MAX_DRAFTS = 2
+
 #: Bounds on a configuration (inclusive): wide enough for every run kvspec makes
 #: (the benchmarks' largest pool, N=256, has 3,328 blocks), narrow enough that no
 #: configuration allocates gigabytes or steps for hours (a step observes the whole
@@ -47,15 +51,13 @@ class RequestStatus(enum.Enum):
 #: and room for one output token, or no request could ever be added.
 LIMITS = {"block_size": (1, 1024), "num_blocks": (1, 16_384), "groups": (1, 8),
           "max_num_batched_tokens": (1, 1 << 20), "max_num_seqs": (1, 4096),
-          "max_model_len": (2, 8192), "long_prefill_token_threshold": (0, 1 << 20)}
+          "max_model_len": (2, 8192), "long_prefill_token_threshold": (0, 1 << 20),
+          "num_speculative_tokens": (0, MAX_DRAFTS)}
 #: the most KV token slots (num_blocks * block_size) a configuration may have
 MAX_KV_TOKENS = 1 << 22
 GROUP_KINDS = ("full_attention",)
 #: steps in flight under async scheduling: vLLM's batch queue (2 without pipeline parallelism)
 BATCH_QUEUE_DEPTH = 2
-#: the most drafts a step schedules per request (vLLM's ``num_speculative_tokens``
-#: on the vLLM target; the environment proposes 0 to this many)
-MAX_DRAFTS = 2
 POLICIES = ("fcfs", "priority")
 FAILURE_POLICIES = ("recompute", "fail")
 KV_ROLES = ("kv_both", "kv_producer")
@@ -80,13 +82,6 @@ def _one_of(options):
 def _boolean(instance, attribute, value) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{attribute.name} must be true or false, got {value!r:.60}")
-
-
-def _draft_count(instance, attribute, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{attribute.name} must be an integer, got {value!r:.60}")
-    if not 0 <= value <= MAX_DRAFTS:
-        raise ValueError(f"{attribute.name} must be in 0..{MAX_DRAFTS}, got {value}")
 
 
 def _groups(instance, attribute, value) -> None:
@@ -133,7 +128,7 @@ class Config:
     #: each decode step, as ``-1`` placeholders the worker's drafter fills (vLLM's
     #: ``num_speculative_tokens``). Synchronous runs take drafts from the
     #: environment after each step (``update_draft_token_ids``) and leave it 0.
-    num_speculative_tokens: int = attrs.field(default=0, validator=_draft_count)
+    num_speculative_tokens: int = attrs.field(default=0, validator=_bounded_int)
 
     @property
     def is_kv_consumer(self) -> bool:

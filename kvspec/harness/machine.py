@@ -126,8 +126,8 @@ class KVSpecMachine(RuleBasedStateMachine):
                              kv_role=kv_role if kv_role in self.profile.kv_roles
                              else self.profile.kv_roles[0],
                              # spec decode under async: drafts the worker fills
-                             num_speculative_tokens=async_drafts * (scheduling == "async")
-                             * self.profile.async_spec_decode)
+                             num_speculative_tokens=async_drafts if scheduling == "async"
+                             and self.profile.async_spec_decode else 0)
         self.runner = Runner(self.target_name, config, self.kinds, self.design_rules)
 
     @precondition(lambda self: self.next_index < MAX_REQUESTS)

@@ -16,7 +16,7 @@ from kvspec.harness.env import (EOS_TOKEN_ID, EnvConnector, EnvironmentContractV
 from kvspec.harness.targets import make_target
 from kvspec.impl.connector import ConnectorContractError
 from kvspec.spec.actions import Transition
-from kvspec.spec.arith import (compute_placeholders_after_output,
+from kvspec.spec.arith import (compute_num_rejected, compute_placeholders_after_output,
                                compute_placeholders_after_schedule)
 from kvspec.spec.conformance import Hints, ModelBook, ModelStep
 from kvspec.spec.invariants import Context, Ghost
@@ -88,14 +88,20 @@ def _invalid_holders(obs: Observation, report) -> set[str]:
             if report.invalid_block_ids & {b for table in r.block_ids for b in table}}
 
 
+def _num_rejected(job: InFlight, rid: str) -> int:
+    """Drafts of the request that this step's output rejects (0 if it samples nothing)."""
+    drafts = len(job.step.scheduled_spec_decode_tokens.get(rid, ()))
+    if not drafts or rid not in job.sampled:
+        return 0
+    return compute_num_rejected(drafts, len(job.sampled[rid]))
+
+
 def _was_cut(rid: str, job: InFlight, before: Observation, after: Observation) -> bool:
     """Its computed count fell at this delivery by more than its rejected drafts."""
     was, now = before.requests.get(rid), after.requests.get(rid)
     if was is None or now is None:
         return False
-    drafts = len(job.step.scheduled_spec_decode_tokens.get(rid, ()))
-    rejected = drafts - (len(job.sampled[rid]) - 1) if drafts and rid in job.sampled else 0
-    return now.num_computed_tokens < was.num_computed_tokens - rejected
+    return now.num_computed_tokens < was.num_computed_tokens - _num_rejected(job, rid)
 
 
 class Runner:
@@ -372,6 +378,8 @@ class Runner:
             return step, mid, found
         pending = self._pending_tokens()
         work = self._worker_view(step, a, pending)
+        self.features["draft_rollback_in_flight"] += (work.num_computed_before
+                                                      != step.num_computed_before)
         report = self._execute(work, mid, a, pending)
         self.ghost.just_loaded |= report.loaded_ok
         sampled = self._sample(work, mid, a, pending)
@@ -395,15 +403,12 @@ class Runner:
                 drafts[rid] = tuple(draft_token(rid, first + k, k) if k < a.get("drafts", 0)
                                     and token < 0 else token
                                     for k, token in enumerate(drafts[rid]))
-        self.features["draft_rollback_in_flight"] += starts != step.num_computed_before
         return attrs.evolve(step, num_computed_before=starts,
                             scheduled_spec_decode_tokens=drafts)
 
     def _rejected_in_flight(self, rid: str) -> int:
         """Drafts of its steps in flight (output not stale) that their output rejects."""
-        return sum(len(job.step.scheduled_spec_decode_tokens.get(rid, ())) + 1
-                   - len(job.sampled[rid]) for job in self.in_flight
-                   if rid in job.sampled and rid not in job.stale)
+        return sum(_num_rejected(job, rid) for job in self.in_flight if rid not in job.stale)
 
     def _count_async_schedule(self, step: StepView) -> None:
         self.features["async_scheduling"] += bool(self.in_flight and

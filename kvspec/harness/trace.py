@@ -120,13 +120,12 @@ _CONFIG_SCHEMA = {
                                             "kind": {"enum": list(GROUP_KINDS)}}}},
         **{name: _int(*LIMITS[name]) for name in (
             "num_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-            "long_prefill_token_threshold")},
+            "long_prefill_token_threshold", "num_speculative_tokens")},
         "policy": {"enum": list(POLICIES)},
         "kv_load_failure_policy": {"enum": list(FAILURE_POLICIES)},
         "enable_prefix_caching": _BOOL,
         "async_scheduling": _BOOL,
         "kv_role": {"enum": list(KV_ROLES)},
-        "num_speculative_tokens": _int(0, MAX_DRAFTS),
     },
 }
 
