@@ -177,7 +177,7 @@ def main() -> None:
              "run of `kvspec zoo --budget 60s --json` on the 2-core development machine, "
              "shared with other work (times are upper bounds of a quiet machine's). The "
              "async-scheduling rows (issue 10, from placeholder_snapshot_before_increment on) "
-             "come from a later run restricted to them (`--mutant`, 365 s for the seven; preempt_past_fenced_victim again once its design rule existed), "
+             "come from a later run restricted to them (`--mutant`, 365 s for the seven; preempt_past_fenced_victim and preempt_keeps_blocks again once that rule existed), "
              "merged into the same file; the three spec-decode rows (issue 10, item 4, from "
              "rejection_keeps_placeholders on) from a third such run, beside a vLLM check.", "",
              f"Caught: {len(caught)} of {sum(r['status'] != 'pending' for r in rows)}; "
