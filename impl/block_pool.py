@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Hashable, Iterable
 
+from kvspec.spec.groups import NULL_BLOCK
+
 
 class KVCacheBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash")
@@ -16,6 +18,14 @@ class KVCacheBlock:
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_cnt})"
+
+    @property
+    def is_null(self) -> bool:
+        return self.block_id == NULL_BLOCK
+
+
+#: the entry of a block a windowed group gave back: never held, never freed
+NULL = KVCacheBlock(NULL_BLOCK)
 
 
 class FreeQueue:
@@ -68,12 +78,16 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on cache hits, pulling free ones out of the queue."""
         for block in blocks:
+            if block.is_null:
+                continue
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, blocks_in_eviction_order: Iterable[KVCacheBlock]) -> None:
         for block in blocks_in_eviction_order:
+            if block.is_null:
+                continue
             assert block.ref_cnt > 0, f"block pool: double free of block {block.block_id}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:

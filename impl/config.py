@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import attrs
 
-from kvspec.spec.state import FAILURE_POLICIES, KV_ROLES, LIMITS, MAX_KV_TOKENS, POLICIES
+from kvspec.spec.state import (FAILURE_POLICIES, KV_ROLES, LIMITS, MAX_KV_TOKENS, POLICIES,
+                               GroupSpec)
 
 
 def _is_int(value) -> bool:
@@ -72,8 +73,19 @@ class SchedulerConfig:
     #: async scheduling only: placeholder drafts reserved per decode step (the
     #: worker's drafter fills them; see impl/in_flight.py)
     num_speculative_tokens: int = attrs.field(default=0, validator=_within_limits)
+    #: the KV cache groups with their kinds (``spec/groups.py``); by default one
+    #: full-attention group per entry of ``block_sizes``
+    groups: tuple = attrs.field(default=())
 
     def __attrs_post_init__(self) -> None:
+        if not self.groups:
+            object.__setattr__(self, "groups", tuple(GroupSpec(b) for b in self.block_sizes))
+        if not all(isinstance(g, GroupSpec) for g in self.groups) or \
+                tuple(g.block_size for g in self.groups) != self.block_sizes:
+            raise ValueError(f"groups {self.groups!r:.80} must be GroupSpecs with the "
+                             f"block_sizes {self.block_sizes}")
+        if self.groups[0].kind != "full_attention":
+            raise ValueError("the first KV cache group must be full attention")
         if self.num_speculative_tokens and not self.async_scheduling:
             raise ValueError("num_speculative_tokens applies to async scheduling only "
                              "(synchronous drafts come through update_draft_token_ids)")

@@ -41,6 +41,8 @@ class InFlightBook:
     stale: dict[str, int] = attrs.Factory(dict)
     #: (step, blocks) freed under a step in flight, oldest first
     fenced: list[tuple[int, list]] = attrs.Factory(list)
+    #: request id -> (step, num_computed_tokens it started from) per step in flight
+    starts: dict[str, list[tuple[int, int]]] = attrs.Factory(dict)
 
     # -- steps ---------------------------------------------------------------
     def on_schedule(self, requests: dict, plan_tokens: dict[str, int],
@@ -59,6 +61,8 @@ class InFlightBook:
                 held, len(spec_tokens.get(rid, ())), chunk)
             request.spec_token_ids = [] if chunk else [DRAFT_PLACEHOLDER] * num_drafts
             self.last_step[rid] = self.scheduled_seq
+            self.starts.setdefault(rid, []).append((self.scheduled_seq,
+                                                    request.num_computed_tokens))
 
     def is_in_flight(self, request_id: str) -> bool:
         return self.last_step.get(request_id, 0) > self.processed_seq
@@ -66,9 +70,20 @@ class InFlightBook:
     def num_in_flight(self, request_id: str) -> int:
         return max(0, self.last_step.get(request_id, 0) - self.processed_seq)
 
+    def get_oldest_start(self, request_id: str) -> int | None:
+        """Where the oldest step in flight of the request started (None: none
+        in flight): what it reads, a failure it reports may still concern."""
+        live = [start for step, start in self.starts.get(request_id, ())
+                if step > self.processed_seq]
+        return min(live) if live else None
+
     def on_output(self) -> list:
         """A step's output is back: the blocks fenced behind it may go."""
         self.processed_seq += 1
+        for rid in list(self.starts):
+            self.starts[rid] = [e for e in self.starts[rid] if e[0] > self.processed_seq]
+            if not self.starts[rid]:
+                del self.starts[rid]
         ready = [blocks for step, blocks in self.fenced if step <= self.processed_seq]
         self.fenced = [(step, blocks) for step, blocks in self.fenced
                        if step > self.processed_seq]
@@ -99,6 +114,7 @@ class InFlightBook:
         """The request is gone (its blocks freed or fenced already)."""
         self.stale.pop(request_id, None)
         self.last_step.pop(request_id, None)
+        self.starts.pop(request_id, None)
 
     # -- fenced frees -----------------------------------------------------------
     def fence(self, request_id: str, blocks: list) -> None:

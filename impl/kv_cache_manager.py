@@ -1,14 +1,21 @@
 """The KV cache manager: per-group block tables over one shared block pool.
 
-Built for several KV cache groups; today every group is full attention with
-the same block size, so a prefix hit is the same number of blocks in each.
+Each KV cache group is of its kind (``spec/groups.py``): full attention keeps
+every block; a sliding-window or last-state group gives back the blocks behind
+its read window, and its table holds ``NULL`` there. A prefix hit counts only as
+far as every group can serve it: full attention needs every block of the hit
+cached, a windowed group the blocks it reads from the hit's end. Cached blocks
+are keyed by hash and group (``get_group_cache_key``).
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
-from kvspec.impl.block_pool import BlockPool, KVCacheBlock
+from kvspec.impl.block_pool import NULL, BlockPool, KVCacheBlock
 from kvspec.impl.request import Request
+from kvspec.spec.groups import get_group_cache_key, get_needed_blocks, is_windowed
+from kvspec.spec.groups import compute_num_skipped_blocks
+from kvspec.spec.state import GroupSpec
 
 Blocks = tuple[list[KVCacheBlock], ...]  # one list per group
 
@@ -18,17 +25,28 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, block_sizes: tuple[int, ...], num_blocks: int,
+    def __init__(self, groups: tuple[GroupSpec, ...], num_blocks: int,
                  enable_caching: bool = True) -> None:
-        assert len(set(block_sizes)) == 1, "kv cache manager: mixed block sizes need hybrid groups"
-        self.block_sizes = block_sizes
-        self.block_size = block_sizes[0]
-        self.num_groups = len(block_sizes)
+        assert len({g.block_size for g in groups}) == 1, \
+            "kv cache manager: groups of different block sizes are not modelled"
+        self.groups = groups
+        self.block_size = groups[0].block_size
+        self.num_groups = len(groups)
+        #: some group frees blocks behind its window (vLLM's hybrid KV cache manager)
+        self.is_hybrid = any(is_windowed(g) for g in groups)
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, Blocks] = {}
         # per request and group: how many leading blocks are in the prefix cache
         self.num_cached_block: dict[str, list[int]] = {}
+        #: what becomes of blocks a windowed group gives back (the scheduler
+        #: fences them behind a step in flight that may still read them)
+        self.release_skipped: Callable[[Request, list], None] = \
+            lambda request, blocks: self.free_blocks(blocks)
+        #: the computed prefix behind which a windowed group may give blocks
+        #: back (the scheduler keeps what a step in flight reads)
+        self.get_skip_base: Callable[[Request, int], int] = \
+            lambda request, num_computed: num_computed - request.num_output_placeholders
 
     # -- reads --------------------------------------------------------------
     def empty_blocks(self) -> Blocks:
@@ -41,39 +59,71 @@ class KVCacheManager:
         return tuple([b.block_id for b in group] for group in self.get_blocks(request_id))
 
     def get_computed_blocks(self, request: Request) -> tuple[Blocks, int]:
-        """Longest prefix-cache hit, leaving at least one token to compute."""
+        """Longest prefix-cache hit every group can serve, leaving at least one
+        token to compute."""
         if not self.enable_caching:
             return self.empty_blocks(), 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hit: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hit.append(block)
-        return tuple(list(hit) for _ in range(self.num_groups)), len(hit) * self.block_size
+        for num_blocks in range(self._num_full_hit_blocks(request, max_hit_blocks), 0, -1):
+            hit = self._get_hit(request, num_blocks)
+            if hit is not None:
+                return hit, num_blocks * self.block_size
+        return self.empty_blocks(), 0
+
+    def _num_full_hit_blocks(self, request: Request, limit: int) -> int:
+        num = 0
+        while num < limit and self._cached(request, 0, num) is not None:
+            num += 1
+        return num
+
+    def _cached(self, request: Request, group: int, index: int) -> KVCacheBlock | None:
+        return self.pool.get_cached_block(
+            get_group_cache_key(request.block_hashes[index], group))
+
+    def _get_hit(self, request: Request, num_blocks: int) -> Blocks | None:
+        """Each group's blocks for a hit of ``num_blocks`` blocks, or None if a
+        group misses a block it would read."""
+        hit = self.empty_blocks()
+        for g, group in enumerate(self.groups):
+            needed = get_needed_blocks(group, num_blocks * self.block_size)
+            for index in range(num_blocks):
+                block = self._cached(request, g, index) if index in needed else NULL
+                if block is None:
+                    return None
+                hit[g].append(block)
+        return hit
 
     # -- allocation ---------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
                        new_computed_blocks: Blocks | None = None,
-                       delay_cache_blocks: bool = False) -> Blocks | None:
+                       delay_cache_blocks: bool = False,
+                       num_external_tokens: int = 0) -> Blocks | None:
         """Give the request room for ``num_new_tokens`` more tokens after its
-        computed ones (local hits included); None if the pool cannot."""
+        computed ones (local hits included); None if the pool cannot.
+        ``num_external_tokens`` of the new ones arrive by a load: a windowed
+        group needs no block behind the window at the load's end."""
         new_computed = new_computed_blocks or self.empty_blocks()
-        held = self.get_blocks(request.request_id)
         total_computed = request.num_computed_tokens + num_new_computed_tokens
+        self.remove_skipped_blocks(request, self.get_skip_base(request, total_computed))
+        held = self.get_blocks(request.request_id)
         need = cdiv(total_computed + num_new_tokens, self.block_size)
-        num_new = [max(0, need - len(held[g]) - len(new_computed[g]))
-                   for g in range(self.num_groups)]
+        first = [len(held[g]) + len(new_computed[g]) for g in range(self.num_groups)]
+        # a full-prompt hit recomputes its last token, which reads the window before it
+        resume = min(total_computed + num_external_tokens, request.num_tokens - 1)
+        skipped = [max(first[g], min(need, compute_num_skipped_blocks(group, resume)))
+                   for g, group in enumerate(self.groups)]
+        num_new = [max(0, need - skipped[g]) for g in range(self.num_groups)]
         if sum(num_new) + self._num_free_among(new_computed) > self.pool.get_num_free_blocks():
             return None
         table = self.req_to_blocks.setdefault(request.request_id, self.empty_blocks())
         self.num_cached_block.setdefault(request.request_id, [0] * self.num_groups)
         new_blocks = self.empty_blocks()
-        for g in range(self.num_groups):
+        for g in range(self.num_groups):  # every hit is held before any new block is taken
             self.pool.touch(new_computed[g])
+        for g in range(self.num_groups):
             table[g].extend(new_computed[g])
+            table[g].extend([NULL] * (skipped[g] - first[g]))
             new_blocks[g].extend(self.pool.get_new_blocks(num_new[g]))
             table[g].extend(new_blocks[g])
         if self.enable_caching and not delay_cache_blocks:
@@ -81,8 +131,24 @@ class KVCacheManager:
         return new_blocks
 
     def _num_free_among(self, blocks: Blocks) -> int:
-        seen = {b.block_id for group in blocks for b in group if b.ref_cnt == 0}
+        seen = {b.block_id for group in blocks for b in group
+                if b.ref_cnt == 0 and not b.is_null}
         return len(seen)
+
+    def remove_skipped_blocks(self, request: Request, num_computed: int) -> None:
+        """Windowed groups give back the blocks no step from ``num_computed`` on
+        reads; their entries become ``NULL``."""
+        table = self.req_to_blocks.get(request.request_id)
+        if table is None:
+            return
+        for g, group in enumerate(self.groups):
+            if not is_windowed(group):
+                continue
+            skipped = min(compute_num_skipped_blocks(group, num_computed), len(table[g]))
+            gone = [b for b in table[g][:skipped] if not b.is_null]
+            table[g][:skipped] = [NULL] * skipped
+            if gone:
+                self.release_skipped(request, gone)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Put the request's full blocks under ``num_tokens`` in the prefix cache."""
@@ -92,8 +158,22 @@ class KVCacheManager:
         cached = self.num_cached_block[request.request_id]
         for g, table in enumerate(self.req_to_blocks[request.request_id]):
             for i in range(cached[g], min(num_full, len(table))):
-                self.pool.cache_block(table[i], request.block_hashes[i])
+                if not table[i].is_null:
+                    self.pool.cache_block(table[i],
+                                          get_group_cache_key(request.block_hashes[i], g))
             cached[g] = max(cached[g], min(num_full, len(table)))
+
+    def get_windowed_cached_ids(self, request: Request, first: int) -> list[int]:
+        """Blocks cached under the request's hashes from block ``first`` on in
+        the windowed groups, whoever holds them."""
+        found = []
+        for g, group in enumerate(self.groups):
+            if is_windowed(group):
+                for block_hash in request.block_hashes[first:]:
+                    block = self.pool.get_cached_block(get_group_cache_key(block_hash, g))
+                    if block is not None:
+                        found.append(block.block_id)
+        return found
 
     def uncache_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop blocks whose content is invalid from the prefix cache, and
@@ -113,7 +193,7 @@ class KVCacheManager:
         frees them later (tail blocks first) with ``free_blocks``."""
         table = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
-        return [b for blocks in (table or ()) for b in blocks]
+        return [b for blocks in (table or ()) for b in blocks if not b.is_null]
 
     def free_blocks(self, blocks: list) -> None:
         self.pool.free_blocks(reversed(blocks))

@@ -114,9 +114,11 @@ class EagerCachingKVCacheManager(KVCacheManager):
     """Caches a request's blocks at allocation even when asked to delay."""
 
     def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
-                       new_computed_blocks=None, delay_cache_blocks=False):
+                       new_computed_blocks=None, delay_cache_blocks=False,
+                       num_external_tokens=0):
         return super().allocate_slots(request, num_new_tokens, num_new_computed_tokens,
-                                      new_computed_blocks, delay_cache_blocks=False)
+                                      new_computed_blocks, delay_cache_blocks=False,
+                                      num_external_tokens=num_external_tokens)
 
 
 class AsyncCachesBeforeLoad(Scheduler):
@@ -125,8 +127,10 @@ class AsyncCachesBeforeLoad(Scheduler):
 
     def __init__(self, config, connector=None):
         super().__init__(config, connector)
-        self.kv = EagerCachingKVCacheManager(config.block_sizes, config.num_blocks,
+        self.kv = EagerCachingKVCacheManager(config.groups, config.num_blocks,
                                              config.enable_prefix_caching)
+        self.kv.release_skipped = self._release_skipped
+        self.kv.get_skip_base = self._get_skip_base
 
 
 class SyncRecoveryUsesCachedTokens(Scheduler):

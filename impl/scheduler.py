@@ -18,6 +18,7 @@ from kvspec.impl.recovery import RecoveryBook, Waiter, first_invalid_index, lowe
 from kvspec.impl.request import Request
 from kvspec.impl.request_queue import RequestQueue
 from kvspec.spec.arith import compute_truncated_computed
+from kvspec.spec.groups import NULL_BLOCK
 from kvspec.spec.state import STATS_UNSET, RequestStatus
 
 
@@ -54,8 +55,10 @@ class Scheduler:
                             f"{type(config).__name__} {config!r:.60}")
         self.config = config
         self.connector = connector or NoConnector()
-        self.kv = KVCacheManager(config.block_sizes, config.num_blocks,
+        self.kv = KVCacheManager(config.groups, config.num_blocks,
                                  config.enable_prefix_caching)
+        self.kv.release_skipped = self._release_skipped
+        self.kv.get_skip_base = self._get_skip_base
         self.block_size = config.block_size
         self.requests: dict[str, Request] = {}
         self.waiting = RequestQueue(config.policy)
@@ -159,6 +162,25 @@ class Scheduler:
         self.in_flight.fence(request.request_id, self.kv.pop_blocks(request))
         return True
 
+    def _get_skip_base(self, request: Request, num_computed: int) -> int:
+        """Windowed groups free behind the real boundary (drafts a step in
+        flight may reject are read again), and behind where the oldest step in
+        flight started: a load failure it reports must still find the blocks it
+        read in the request's table."""
+        base = num_computed - request.num_output_placeholders
+        oldest = self.in_flight.get_oldest_start(request.request_id)
+        return base if oldest is None else min(base, oldest)
+
+    def _release_skipped(self, request: Request, blocks: list) -> None:
+        """Blocks a windowed group gave back: a step in flight may still read
+        them, so under a consumer connector they wait for its output like any
+        other free (a load into them would race that read)."""
+        if self.is_async and self.config.kv_role == "kv_both" \
+                and self.in_flight.is_in_flight(request.request_id):
+            self.in_flight.fence(request.request_id, blocks)
+        else:
+            self.kv.free_blocks(blocks)
+
     def _release_claims(self, request: Request) -> None:
         """A leaving request stops waiting; its waiters see one holder fewer."""
         self.recovery.forget(request.request_id)
@@ -255,8 +277,9 @@ class Scheduler:
         self._release_claims(request)
         # Blocks cached past the computed prefix (by this step's allocation, or a
         # sync load that will now never run) hold no KV yet: do not serve them.
-        (block_ids, *_) = self.kv.get_block_ids(request.request_id)
-        self.kv.uncache_blocks(block_ids[request.num_computed_tokens // self.block_size:])
+        keep = request.num_computed_tokens // self.block_size
+        self.kv.uncache_blocks(b for table in self.kv.get_block_ids(request.request_id)
+                               for b in table[keep:])
         fenced = self._free_or_fence(request)
         self._load_origin.pop(request.request_id, None)
         if self.is_async:
@@ -374,7 +397,8 @@ class Scheduler:
             num_new = self._clip_new_tokens(request.num_tokens - computed, plan.budget)
         new_blocks = self.kv.allocate_slots(
             request, num_new + computed - request.num_computed_tokens - num_local,
-            num_local, local_blocks, delay_cache_blocks=load_async)
+            num_local, local_blocks, delay_cache_blocks=load_async,
+            num_external_tokens=num_external)
         if new_blocks is None:
             return "blocked"
         if request.request_id not in self._loaded:
@@ -540,17 +564,22 @@ class Scheduler:
         if not invalid:
             return set()
         loading = [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+        if self.kv.is_hybrid:
+            invalid = self._get_tainted(invalid, self.running + loading, released)
         suspect, owners = set(invalid), {}
         # running requests first: they own the failed blocks (impl/recovery.py)
         affected_running = self._truncate_affected(self.running, invalid, suspect, owners)
         affected_loads = self._truncate_affected(loading, invalid, suspect, owners)
         # requests that ended while the step was in flight (fenced, or held for a send)
-        ended = [self.kv.get_block_ids(rid)[0] for rid, r in self.requests.items()
-                 if r.is_finished()]
+        ended = [table for rid, r in self.requests.items() if r.is_finished()
+                 for table in self.kv.get_block_ids(rid)]
         for ids in [[b.block_id for b in table] for table in released] + ended:
             idx = first_invalid_index(ids, len(ids) * self.block_size, self.block_size, invalid)
             if idx is not None:
-                suspect.update(ids[idx:])
+                # a released list holds every group's blocks one after another:
+                # with several kinds of group none of them is safe
+                suspect.update(b for b in ids[0 if self.kv.is_hybrid else idx:]
+                               if b != NULL_BLOCK)
         self.failed_recving |= affected_loads
         if self.is_async:  # their output in flight was computed on the failed KV
             for req_id in affected_running:
@@ -561,20 +590,62 @@ class Scheduler:
             self.finish_requests(affected_loads | affected_running, RequestStatus.FINISHED_ERROR)
         return affected_running
 
+    def _get_tainted(self, invalid: set[int], requests, released) -> set[int]:
+        """With several kinds of group a request may read a failed block's
+        garbage without holding the block: through a block of another group a
+        holder computed on top of it in the failing step and shared (a hit).
+        Every block computed past a failed one, in any group, and every block
+        computed past those, to a fixed point, counts as failed."""
+        bad = set(invalid)
+        lists = [[b.block_id for b in table] for table in released]
+        while True:
+            before = len(bad)
+            for request in requests:
+                tables = self.kv.get_block_ids(request.request_id)
+                limit = self._recovery_scan_limit(request)
+                firsts = [i for t in tables if (i := first_invalid_index(
+                    t, limit, self.block_size, bad)) is not None]
+                if firsts:
+                    bad.update(b for t in tables for b in t[min(firsts):] if b != NULL_BLOCK)
+            for ids in lists:
+                if bad & set(ids):
+                    bad.update(ids)
+            if len(bad) == before:
+                return bad
+
     def _truncate_affected(self, requests, invalid: set[int], suspect: set[int],
                            owners: dict) -> set[str]:
         affected = set()
         for request in list(requests):
-            (block_ids, *_) = self.kv.get_block_ids(request.request_id)
-            idx = first_invalid_index(block_ids, self._recovery_scan_limit(request),
-                                      self.block_size, invalid)
-            if idx is None:
+            tables = self.kv.get_block_ids(request.request_id)
+            limit = self._recovery_scan_limit(request)
+            firsts = [first_invalid_index(t, limit, self.block_size, invalid) for t in tables]
+            if all(idx is None for idx in firsts):
                 continue
             affected.add(request.request_id)
-            # Blocks past a failed one were computed on top of it in the failing step.
-            suspect.update(block_ids[idx:])
-            self._recover(request, block_ids[idx], idx, owners)
+            # Blocks past a failed one were computed on top of it in the failing
+            # step, in every group (each layer reads the one before it).
+            first = min(idx for idx in firsts if idx is not None)
+            suspect.update(b for table in tables for b in table[first:] if b != NULL_BLOCK)
+            # and so were blocks a windowed group gave back since (they left its
+            # table but keep their hash): dropping a hash costs a hit at most
+            suspect.update(self.kv.get_windowed_cached_ids(request, first))
+            if self.kv.is_hybrid:
+                self._restart_from_zero(request)
+            else:
+                self._recover(request, tables[0][firsts[0]], firsts[0], owners)
         return affected
+
+    def _restart_from_zero(self, request: Request) -> None:
+        """Recovery with several kinds of group (seed 003, #35223): a windowed
+        group has given back the blocks behind its window, so no shorter prefix
+        can be served (``compute_recovered_computed`` admits the cut only where
+        every group serves it; the reference always takes zero). The request
+        gives its blocks back and recomputes from the start in fresh blocks: no
+        block another request holds is written twice, and nobody waits on
+        another's recompute across groups."""
+        self._free_or_fence(request)
+        self._truncate(request, 0)
 
     def _recovery_scan_limit(self, request: Request) -> int:
         """Tokens whose blocks may hold failed external KV: all computed ones up

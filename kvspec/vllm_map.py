@@ -80,6 +80,11 @@ CONSTRAINS: dict[str, str] = {
                              "`SingleTypeKVCacheManager.allocate_new_blocks` and "
                              "`allocate_external_computed_blocks` "
                              "(v1/core/single_type_kv_cache_manager.py).",
+    "every_group_serves_computed": "`SlidingWindowManager.remove_skipped_blocks` / "
+                                   "`get_num_skipped_tokens`, `MambaManager`, "
+                                   "`find_longest_cache_hit` (v1/core/single_type_kv_cache_manager"
+                                   ".py); `HybridKVCacheCoordinator` (v1/core/kv_cache_coordinator"
+                                   f".py); `_update_requests_with_invalid_blocks` ({S}).",
     "queues_match_status": f"`Scheduler._enqueue_waiting_request`, the skip and re-queue paths of "
                            f"`schedule`, `finish_requests` ({S}); `waiting`, `kv_holding_waiting`, "
                            "`running`.",

@@ -74,7 +74,9 @@ def get_params(name: str, hints: Hints, after: Counters, before: Counters) -> Pa
     ended = after.status == FINISHED
     stats = (after.num_cached, after.num_external) if not ended else \
         hints.scheduled_stats or (before.num_cached, before.num_external)
-    blocks = hints.scheduled_blocks if ended and hints.scheduled_blocks is not None \
+    # ... and so are the blocks of one that gave them back to recover from zero
+    gave_back = ended or (hints.first_invalid_block is not None and after.num_blocks == 0)
+    blocks = hints.scheduled_blocks if gave_back and hints.scheduled_blocks is not None \
         else after.num_blocks
     if name in ("schedule_waiting", "issue_async_load"):
         recorded = hints.scheduled_stats or stats
@@ -104,7 +106,8 @@ def get_params(name: str, hints: Hints, after: Counters, before: Counters) -> Pa
             return None
         valid = after.num_computed if after.status != FINISHED else 0
         return Params(first_invalid_block=hints.first_invalid_block, num_valid=valid,
-                      num_cached=stats[0], num_external=stats[1])
+                      num_cached=stats[0], num_external=stats[1],
+                      keeps=int(valid > 0 or after.num_blocks > 0))
     return Params()
 
 

@@ -328,12 +328,13 @@ def act_keep_prefilling(c: Counters, p):
     return And(c.status == RUNNING, c.num_computed < c.num_tokens), c
 
 
-@primitive("first_invalid_block", "num_valid", "num_cached", "num_external")
+@primitive("first_invalid_block", "num_valid", "num_cached", "num_external", "keeps")
 def act_recover(c: Counters, p):
     """A load failure is reported on a block under the request's computed
     prefix: it keeps at most the tokens before that block (recomputing from zero
-    is correct too), and its stats may be lowered in any way that keeps them
-    ordered, never raised."""
+    is correct too, and then it may give its blocks back: ``keeps`` 0, as with
+    several kinds of KV cache group), and its stats may be lowered in any way
+    that keeps them ordered, never raised."""
     first_bad = p.first_invalid_block * c.block_size
     stats_ok = If(has_stats(c),
                   is_admissible_lowering(c.num_cached, c.num_external,
@@ -343,8 +344,10 @@ def act_recover(c: Counters, p):
     guard = And(Or(c.status == RUNNING, c.status == LOADING), p.first_invalid_block >= 0,
                 first_bad < c.num_computed, first_bad < c.num_tokens, p.num_valid >= 0,
                 p.num_valid <= first_bad, stats_ok)
+    keeps = getattr(p, "keeps", 1)
     return guard, attrs.evolve(c, num_computed=p.num_valid, num_cached=p.num_cached,
                                num_external=p.num_external,
+                               num_blocks=If(And(p.num_valid == 0, keeps == 0), 0, c.num_blocks),
                                num_recoveries=c.num_recoveries + 1,
                                num_resume_limit=Min(c.num_computed, c.num_tokens - 1))
 

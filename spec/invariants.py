@@ -15,6 +15,7 @@ from typing import Iterator
 import attrs
 
 from kvspec.spec.arith import compute_first_external
+from kvspec.spec.groups import NULL_BLOCK, get_needed_blocks
 from kvspec.spec.predicates import (is_blocks_cover_computed, is_cached_le_computed,
                                     is_computed_within_tokens, is_free_iff_unreferenced,
                                     is_load_target_held,
@@ -349,6 +350,38 @@ def blocks_cover_computed(ctx: Context):
                        f"{r.num_computed_tokens} computed tokens")
 
 
+@invariant(cites="seed 003 (#35223); #45474",
+           unwitnessed_because="only windowed groups give blocks back, and hybrid layouts "
+                               "are drawn by the HYBRID profile only until issue 11 is done")
+def every_group_serves_computed(ctx: Context):
+    """In every KV cache group, the blocks a request's next step reads hold a
+    block, not ``NULL_BLOCK``: full attention every block under its computed
+    prefix, a sliding window the blocks of its last ``w - 1`` positions, a
+    last-state group the block of the state after its last computed token
+    (``spec/groups.py``). The prefix counted is the real one (without the
+    placeholders of steps in flight): a step runs from it at the earliest.
+
+    Protects hybrid models (Gemma 3, gpt-oss, Jamba): a windowed group gives
+    blocks back as the window moves on, so a recovery or a prefix hit that
+    counts a prefix by the full-attention group alone leaves the window behind
+    it empty, and the model reads whatever the freed block holds next.
+    #35223's review found the per-group accounting of exactly this wrong.
+    Witnessed by a request whose windowed group has given a block back."""
+    groups = ctx.obs.config.groups
+    for r in ctx.live():
+        real = get_real_computed(r)
+        for g, table in enumerate(r.block_ids):
+            ctx.witness(NULL_BLOCK in table)
+            missing = [i for i in get_needed_blocks(groups[g], real)
+                       if i >= len(table) or table[i] == NULL_BLOCK]
+            if groups[g].kind == "full_attention" and NULL_BLOCK in table:
+                missing = [table.index(NULL_BLOCK)]
+            if missing:
+                yield (f"{r.request_id}: group {g} ({groups[g].kind}) reads block "
+                       f"{missing[0]} from {real} computed tokens, but its table holds "
+                       f"no block there: {list(table)}")
+
+
 # -- queues and limits --------------------------------------------------------
 
 @invariant(cites="seed 004 (schedule, finish_requests)")
@@ -393,7 +426,8 @@ def _holders(ctx: Context) -> list[int]:
     for r in ctx.obs.requests.values():
         for table in r.block_ids:
             for b in table:
-                count[b] += 1
+                if b != NULL_BLOCK:  # a block a windowed group gave back
+                    count[b] += 1
     for b in ctx.obs.pool.fenced:
         count[b] += 1
     return count

@@ -6,6 +6,13 @@ tokens up to and including that position (the KV of a position depends on the
 whole prefix). ``GARBAGE`` is anything else: never written, a failed load, or
 computed from garbage.
 
+With several KV cache groups a slot's content is tagged with its group (a
+sliding-window layer's KV is not a full-attention layer's), and each group is
+read as its kind reads (``spec/groups.py``): full attention every earlier
+position, a sliding window the last ``w - 1``, a last-state group the state
+after the previous token, kept at that token's position. A load writes the
+positions a group holds blocks for.
+
 Timing follows vLLM's worker:
 - in one step every scheduled token's KV is written before any attention of
   that step reads, so a block recomputed by one request is valid for another
@@ -29,8 +36,9 @@ from typing import Hashable, Iterator
 
 import attrs
 
+from kvspec.spec.groups import NULL_BLOCK, get_read_positions, split_cache_key
 from kvspec.spec.predicates import is_cached_block_valid
-from kvspec.spec.state import Observation, RequestView, StepView
+from kvspec.spec.state import GroupSpec, Observation, RequestView, StepView
 
 GARBAGE = None
 
@@ -62,10 +70,16 @@ class KeyBook:
         self._book.pop(request_id, None)
 
 
+def get_content(group_index: int, keys, pos: int):
+    """What a valid slot of ``group_index`` holds for position ``pos``."""
+    return keys[pos] if group_index == 0 else (group_index, keys[pos])
+
+
 @attrs.define
 class LoadJob:
     request_id: str
-    block_ids: tuple[int, ...]
+    #: one table per group
+    block_ids: tuple[tuple[int, ...], ...]
     start: int
     num_tokens: int
     is_async: bool
@@ -87,14 +101,20 @@ class ExecReport:
 def _count_holders(obs: Observation) -> dict[int, int]:
     count: dict[int, int] = {}
     for r in obs.requests.values():
-        for b in (r.block_ids[0] if r.block_ids else ()):
+        for b in _held(r):
             count[b] = count.get(b, 0) + 1
     return count
 
 
+def _held(r: RequestView) -> set[int]:
+    return {b for table in r.block_ids for b in table if b != NULL_BLOCK}
+
+
 class KVContent:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int,
+                 groups: tuple[GroupSpec, ...] | None = None) -> None:
         self.block_size = block_size
+        self.groups = groups or (GroupSpec(block_size),)
         self.slots: list[list] = [[GARBAGE] * block_size for _ in range(num_blocks)]
         self.expected_by_hash: dict[Hashable, tuple] = {}
         self.loads: dict[str, LoadJob] = {}
@@ -128,18 +148,26 @@ class KVContent:
         b, s = self._slot(blocks, pos)
         return self.slots[b][s]
 
-    def first_invalid(self, blocks, keys, upto: int) -> int | None:
-        for pos in range(upto):
-            if pos // self.block_size >= len(blocks) or self._read(blocks, pos) != keys[pos]:
-                return pos
-        return None
+    def _is_valid(self, blocks, g: int, keys, pos: int) -> bool:
+        index = pos // self.block_size
+        return (index < len(blocks) and blocks[index] != NULL_BLOCK
+                and self._read(blocks, pos) == get_content(g, keys, pos))
+
+    def first_invalid(self, tables, keys, upto: int) -> int | None:
+        """The first position a step starting at ``upto`` reads, in any group,
+        that does not hold valid content (None if all do)."""
+        bad = [pos for g, group in enumerate(self.groups)
+               for pos in get_read_positions(group, upto)
+               if not self._is_valid(tables[g] if g < len(tables) else (), g, keys, pos)][:1]
+        return bad[0] if bad else None
 
     # -- the connector's jobs (registered by the environment) ----------------
     def add_load(self, request: RequestView, block_ids, start: int, num_tokens: int,
                  is_async: bool) -> None:
         keys = self.book.keys(request.request_id, request.all_token_ids)
         self.loads[request.request_id] = LoadJob(
-            request.request_id, tuple(block_ids), start, num_tokens, is_async, keys)
+            request.request_id, tuple(tuple(t) for t in block_ids), start, num_tokens,
+            is_async, keys)
 
     def cancel_load(self, request_id: str) -> None:
         self.loads.pop(request_id, None)
@@ -152,6 +180,7 @@ class KVContent:
         return bool(self.failed_blocks) or any(job.is_async for job in self.loads.values())
 
     def start_send(self, request_id: str, block_ids, num_tokens: int) -> None:
+        """A send ships the full-attention group's KV (``block_ids``: its table)."""
         self.sends[request_id] = {
             self._slot(block_ids, p): self._read(block_ids, p) for p in range(num_tokens)}
 
@@ -161,7 +190,8 @@ class KVContent:
     # -- one step of the worker ---------------------------------------------
     def execute(self, step: StepView, obs: Observation, finish_async: set[str],
                 fail: set[str], fail_offset: int, fail_blocks: int = 1,
-                pending: dict[str, tuple[int, ...]] | None = None) -> ExecReport:
+                pending: dict[str, tuple[int, ...]] | None = None,
+                fail_group: int = 0) -> ExecReport:
         """Run one step: finished async loads, sync loads, then the compute.
         ``pending``: per request, the tokens steps in flight sampled that the
         scheduler has not seen yet (the worker feeds them to this step)."""
@@ -170,7 +200,8 @@ class KVContent:
         self.next_step_id += 1
         self.in_flight[report.step_id] = {}
         for rid in [r for r in finish_async if r in self.loads and self.loads[r].is_async]:
-            self._run_load(self.loads.pop(rid), rid in fail, fail_offset, fail_blocks, report)
+            self._run_load(self.loads.pop(rid), rid in fail, fail_offset, fail_blocks, report,
+                           fail_group)
             report.finished_recving.add(rid)
             if rid not in fail:
                 report.loaded_ok.add(rid)
@@ -178,10 +209,10 @@ class KVContent:
             job = self.loads.get(rid)
             if job is not None and not job.is_async:
                 self._run_load(self.loads.pop(rid), rid in fail, fail_offset, fail_blocks,
-                               report)
+                               report, fail_group)
         self._compute(step, obs, report, pending or {})
         self.unreported[report.step_id] = set(report.invalid_block_ids) | {
-            b for rid in report.garbage_readers for b in obs.requests[rid].block_ids[0]}
+            b for rid in report.garbage_readers for b in _held(obs.requests[rid])}
         return report
 
     def get_unreported_blocks(self) -> set[int]:
@@ -199,22 +230,33 @@ class KVContent:
                 self.slots[slot[0]][slot[1]] = value
 
     def _run_load(self, job: LoadJob, failing: bool, fail_offset: int, fail_blocks: int,
-                  report: ExecReport) -> None:
-        """A failing load leaves garbage in ``fail_blocks`` consecutive blocks from
-        the one at ``fail_offset`` (both wrapped into the load's range): one bad
-        block, or a transfer that broke off and lost the rest."""
-        first_block = job.start // self.block_size
-        last_block = (job.start + job.num_tokens - 1) // self.block_size
-        bad = set()
-        if failing:
-            start = first_block + fail_offset % (last_block - first_block + 1)
-            bad = set(range(start, min(start + max(fail_blocks, 1), last_block + 1)))
-        for pos in range(job.start, job.start + job.num_tokens):
-            ok = pos // self.block_size not in bad
-            self._write(job.block_ids, pos, job.keys[pos] if ok else GARBAGE)
-        for index in sorted(bad):
-            report.invalid_block_ids.add(job.block_ids[index])
-            self.failed_blocks.add(job.block_ids[index])
+                  report: ExecReport, fail_group: int = 0) -> None:
+        """A failing load leaves garbage in ``fail_blocks`` consecutive blocks of
+        group ``fail_group`` (wrapped into the groups there are) from the one at
+        ``fail_offset`` among the blocks the load writes there: one bad block,
+        or a transfer that broke off and lost the rest."""
+        g_bad = fail_group % len(self.groups)
+        for g, group in enumerate(self.groups):
+            table = job.block_ids[g] if g < len(job.block_ids) else ()
+            positions = self._load_positions(group, table, job)
+            written = sorted({pos // self.block_size for pos in positions})
+            bad = set()
+            if failing and g == g_bad and written:
+                start = fail_offset % len(written)
+                bad = set(written[start:start + max(fail_blocks, 1)])
+            for pos in positions:
+                ok = pos // self.block_size not in bad
+                self._write(table, pos, get_content(g, job.keys, pos) if ok else GARBAGE)
+            for index in sorted(bad):
+                report.invalid_block_ids.add(table[index])
+                self.failed_blocks.add(table[index])
+
+    def _load_positions(self, group: GroupSpec, table, job: LoadJob) -> list[int]:
+        """Positions a load writes in one group: those the group holds blocks
+        for (a last-state group: the states kept in them)."""
+        return [p for p in range(job.start, job.start + job.num_tokens)
+                if p // self.block_size < len(table)
+                and table[p // self.block_size] != NULL_BLOCK]
 
     def _compute(self, step: StepView, obs: Observation, report: ExecReport,
                  pending: dict[str, tuple[int, ...]]) -> None:
@@ -231,10 +273,10 @@ class KVContent:
             keys = list(self.book.keys(rid, req.all_token_ids))
             extend_prefix_keys(keys, known + tuple(spec), len(keys))
             start = step.num_computed_before[rid]
-            writes[rid] = (req.block_ids[0], keys, start, n)
-            for pos in range(start, start + n):
-                self._write(req.block_ids[0], pos, keys[pos])
-                slot = self._slot(req.block_ids[0], pos)
+            writes[rid] = (req.block_ids, keys, start, n)
+            for g, table, pos in self._computed_slots(req.block_ids, start, n):
+                self._write(table, pos, get_content(g, keys, pos))
+                slot = self._slot(table, pos)
                 if slot[0] in self.failed_blocks:
                     recomputed.add(slot[0])
                 if writer.setdefault(slot, rid) != rid:
@@ -244,21 +286,30 @@ class KVContent:
         changed = True
         while changed:  # garbage read -> garbage written, to a fixed point
             changed = False
-            for rid, (blocks, keys, start, n) in writes.items():
-                bad = self.first_invalid(blocks, keys, start)
+            for rid, (tables, keys, start, n) in writes.items():
+                bad = self.first_invalid(tables, keys, start)
                 if bad is None or rid in report.garbage_readers:
                     continue
                 report.garbage_readers[rid] = bad
-                for pos in range(start, start + n):
-                    self._write(blocks, pos, GARBAGE)
+                for _g, table, pos in self._computed_slots(tables, start, n):
+                    self._write(table, pos, GARBAGE)
                 changed = True
         self._record_stream_writes(writes, report.step_id)
 
+    def _computed_slots(self, tables, start: int, n: int):
+        """(group, table, position) of every slot a step computing ``[start,
+        start + n)`` writes: each group's entries that hold a block."""
+        for g, table in enumerate(tables):
+            for pos in range(start, start + n):
+                index = pos // self.block_size
+                if index < len(table) and table[index] != NULL_BLOCK:
+                    yield g, table, pos
+
     def _record_stream_writes(self, writes: dict, step_id: int) -> None:
         mine = self.in_flight[step_id]
-        for blocks, _keys, start, n in writes.values():
-            for pos in range(start, start + n):
-                slot = self._slot(blocks, pos)
+        for tables, _keys, start, n in writes.values():
+            for _g, table, pos in self._computed_slots(tables, start, n):
+                slot = self._slot(table, pos)
                 self.stream_writer[slot] = step_id
                 mine[slot] = self.slots[slot[0]][slot[1]]
 
@@ -280,7 +331,8 @@ class KVContent:
         for job in self.loads.values():
             if job.is_async and job.num_tokens > 0:
                 first, last = job.start // size, (job.start + job.num_tokens - 1) // size
-                found.update(job.block_ids[first:last + 1])
+                found.update(b for table in job.block_ids for b in table[first:last + 1]
+                             if b != NULL_BLOCK)
         return found
 
     def check_cache(self, obs: Observation) -> Iterator[str]:
@@ -288,24 +340,33 @@ class KVContent:
         loading bits the pool proof reasons about."""
         loading = self.loading_blocks()
         unreported = self.get_unreported_blocks()
-        for block_hash, block in obs.pool.cached:
+        for key, block in obs.pool.cached:
+            block_hash, g = split_cache_key(key)
             expected = self.expected_by_hash.get(block_hash)
-            if expected is None or block in unreported:
+            if expected is None or block in unreported or g >= len(self.groups):
                 continue
-            valid = tuple(self.slots[block]) == expected
+            valid = self._holds(block, g, expected)
             if not is_cached_block_valid(True, valid, block in loading):
                 why = "an async load is still writing it" if valid else \
                     "it does not hold the content its hash names"
                 yield f"block {block} is in the prefix cache but {why}"
 
+    def _holds(self, block: int, g: int, expected: tuple) -> bool:
+        """The block holds the content ``expected`` names, as group ``g`` keeps
+        it: every slot, or for a last-state group the state at its end."""
+        want = [get_content(g, expected, i) for i in range(len(expected))]
+        if self.groups[g].kind == "last_state":
+            return self.slots[block][-1] == want[-1]
+        return self.slots[block] == want
+
     def check_request(self, obs: Observation, r: RequestView) -> Iterator[str]:
         """Every real computed token (``num_computed_tokens`` less the output
         placeholders of steps in flight) holds valid KV."""
-        if self.get_unreported_blocks() & set(r.block_ids[0] if r.block_ids else ()):
+        if self.get_unreported_blocks() & _held(r):
             return  # a failure the scheduler has not been told of yet
         keys = self.book.keys(r.request_id, r.all_token_ids)
         real = min(r.num_computed_tokens - r.num_output_placeholders, len(keys))
-        bad = self.first_invalid(r.block_ids[0] if r.block_ids else (), keys, real)
+        bad = self.first_invalid(r.block_ids, keys, real)
         if bad is not None:
             yield (f"{r.request_id}: token {bad} is counted as computed "
                    f"(num_computed={r.num_computed_tokens}) but its KV is not valid")

@@ -5,9 +5,9 @@ observed after every call and mapped into these classes. The spec never looks
 at anything else, so two schedulers that agree on an ``Observation`` are the
 same scheduler as far as kvspec is concerned.
 
-The state is shaped for several KV cache groups (one block table and one block
-size per group) and for async scheduling (``num_output_placeholders``), even
-where the current checks exercise one full-attention group and sync scheduling.
+The state holds several KV cache groups (one block table per group, each of
+its kind: full attention, sliding window, last state; see ``spec/groups.py``)
+and async scheduling (``num_output_placeholders``).
 """
 from __future__ import annotations
 
@@ -55,7 +55,10 @@ LIMITS = {"block_size": (1, 1024), "num_blocks": (1, 16_384), "groups": (1, 8),
           "num_speculative_tokens": (0, MAX_DRAFTS)}
 #: the most KV token slots (num_blocks * block_size) a configuration may have
 MAX_KV_TOKENS = 1 << 22
-GROUP_KINDS = ("full_attention",)
+#: full attention reads every earlier position; a sliding window the last
+#: ``sliding_window`` positions; a last-state group (Mamba-like) only the state
+#: after the previous token (``spec/groups.py``)
+GROUP_KINDS = ("full_attention", "sliding_window", "last_state")
 #: steps in flight under async scheduling: vLLM's batch queue (2 without pipeline parallelism)
 BATCH_QUEUE_DEPTH = 2
 POLICIES = ("fcfs", "priority")
@@ -90,14 +93,34 @@ def _groups(instance, attribute, value) -> None:
         raise TypeError(f"groups must be a tuple of GroupSpec, got {value!r:.60}")
     if not lo <= len(value) <= hi:
         raise ValueError(f"groups must hold {lo} to {hi} KV cache groups, got {len(value)}")
+    if value[0].kind != "full_attention":
+        # group 0 names the prefix (its block hashes) every other group aligns to
+        raise ValueError(f"groups: the first KV cache group must be full attention, "
+                         f"got {value[0].kind}")
+    if len({g.block_size for g in value}) > 1:
+        raise ValueError(f"groups: block sizes {sorted({g.block_size for g in value})} "
+                         f"differ; kvspec models groups of one block size")
+
+
+def _window(instance, attribute, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"sliding_window must be an integer, got {value!r:.60}")
+    if instance.kind == "sliding_window" and not 1 <= value <= LIMITS["max_model_len"][1]:
+        raise ValueError(f"a sliding_window group needs a window of 1.."
+                         f"{LIMITS['max_model_len'][1]} tokens, got {value}")
+    if instance.kind != "sliding_window" and value != 0:
+        raise ValueError(f"sliding_window applies to sliding_window groups only, "
+                         f"not {instance.kind}")
 
 
 @attrs.frozen
 class GroupSpec:
-    """One KV cache group: its kind and its block size."""
+    """One KV cache group: its kind and its block size (and a sliding window's
+    width in tokens)."""
 
     block_size: int = attrs.field(validator=_bounded_int)
     kind: str = attrs.field(default="full_attention", validator=_one_of(GROUP_KINDS))
+    sliding_window: int = attrs.field(default=0, validator=_window)
 
 
 @attrs.frozen
@@ -147,6 +170,11 @@ class Config:
     def block_size(self) -> int:
         """The block size of the first (full-attention) group."""
         return self.groups[0].block_size
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some group is not full attention (vLLM's hybrid KV cache manager)."""
+        return any(g.kind != "full_attention" for g in self.groups)
 
 
 @attrs.frozen

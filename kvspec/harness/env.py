@@ -128,7 +128,7 @@ class EnvConnector:
             return
         view = self.observe_request(request.request_id)
         start, _ = self.answers.get(request.request_id, (0, 0))
-        self.content.add_load(view, block_ids[0], start, num_external_tokens,
+        self.content.add_load(view, block_ids, start, num_external_tokens,
                               self.plans[request.request_id].load_async)
 
     def build_connector_meta(self, scheduler_output):

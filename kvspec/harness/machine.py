@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from kvspec.harness.profiles import FULL, EnvProfile
 from kvspec.harness.runner import ALL_KINDS, Counterexample, Runner
 from kvspec.harness.target import make_config
-from kvspec.spec.state import MAX_DRAFTS
+from kvspec.spec.state import MAX_DRAFTS, GroupSpec
 
 #: shared prefixes so that prefix caching and shared blocks matter
 PREFIXES = ((1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5), (2, 4, 6, 1, 3, 5, 7, 2, 4, 6, 1, 3),
@@ -54,6 +54,19 @@ class Swarm:
 swarms = st.builds(Swarm, store=st.sampled_from(["mixed", "offloading", "plain"]),
                    loads=st.sampled_from(["mixed", "sync", "async"]),
                    fault_odds=st.sampled_from([1, 1, 2, 3]))
+
+
+#: KV cache group layouts: what current models have (Llama: one full-attention
+#: group; Gemma 3 / gpt-oss: full attention and sliding window; Jamba / Qwen3-Next:
+#: full attention and a last-state group; and all three kinds together)
+LAYOUTS = {"full": (), "sliding": ("sliding_window",), "state": ("last_state",),
+           "sliding+state": ("sliding_window", "last_state")}
+
+
+def make_groups(layout: str, block_size: int, window: int) -> tuple[GroupSpec, ...]:
+    return (GroupSpec(block_size),) + tuple(
+        GroupSpec(block_size, kind, window if kind == "sliding_window" else 0)
+        for kind in LAYOUTS[layout])
 
 
 def make_prompt(index: int, prefix: int, prefix_len: int, suffix_len: int) -> list[int]:
@@ -103,10 +116,17 @@ class KVSpecMachine(RuleBasedStateMachine):
                 failure_policy=st.sampled_from(["recompute", "recompute", "fail"]),
                 swarm=swarms, scheduling=st.sampled_from(["async", "async", "sync"]),
                 kv_role=st.sampled_from(["kv_both", "kv_both", "kv_both", "kv_producer"]),
-                async_drafts=st.sampled_from([0, MAX_DRAFTS]))
+                async_drafts=st.sampled_from([0, MAX_DRAFTS]),
+                layout=st.sampled_from(sorted(LAYOUTS)), window=st.integers(1, 9))
     def configure(self, block_size, spare_blocks, budget, max_num_seqs, max_model_len,
-                  threshold, policy, failure_policy, swarm, scheduling, kv_role, async_drafts):
+                  threshold, policy, failure_policy, swarm, scheduling, kv_role, async_drafts,
+                  layout="full", window=1):
         self.swarm = swarm
+        if layout not in self.profile.layouts:
+            layout = self.profile.layouts[0]
+        if scheduling == "async" and not self.profile.async_hybrid:
+            layout = "full"
+        groups = make_groups(layout, block_size, window)
         if scheduling not in self.profile.scheduling:
             scheduling = self.profile.scheduling[0]
         if policy not in self.profile.policies:
@@ -115,9 +135,10 @@ class KVSpecMachine(RuleBasedStateMachine):
             failure_policy = self.profile.failure_policies[0]
         if 0 < threshold < self.profile.min_prefill_threshold:
             threshold = self.profile.min_prefill_threshold
-        # The pool always fits one request of max_model_len, as vLLM checks at start-up.
+        # The pool always fits one request of max_model_len in every group, as
+        # vLLM checks at start-up.
         spare_blocks = max(spare_blocks, self.profile.min_spare_blocks)
-        num_blocks = -(-max_model_len // block_size) + spare_blocks
+        num_blocks = len(groups) * -(-max_model_len // block_size) + spare_blocks
         config = make_config(block_size=block_size, num_blocks=num_blocks,
                              max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, long_prefill_token_threshold=threshold,
@@ -127,7 +148,7 @@ class KVSpecMachine(RuleBasedStateMachine):
                              else self.profile.kv_roles[0],
                              # spec decode under async: drafts the worker fills
                              num_speculative_tokens=async_drafts if scheduling == "async"
-                             and self.profile.async_spec_decode else 0)
+                             and self.profile.async_spec_decode else 0, groups=groups)
         self.runner = Runner(self.target_name, config, self.kinds, self.design_rules)
 
     @precondition(lambda self: self.next_index < MAX_REQUESTS)
@@ -168,9 +189,10 @@ class KVSpecMachine(RuleBasedStateMachine):
 
     @rule(finish_loads=ids, fail=ids, fail_roll=st.integers(0, 3),
           fail_offset=st.integers(0, 3), fail_blocks=st.integers(1, 4), eos=ids,
-          finish_sends=ids, accept=st.integers(0, 3), drafts=st.integers(0, 2))
+          finish_sends=ids, accept=st.integers(0, 3), drafts=st.integers(0, 2),
+          fail_group=st.integers(0, 2))
     def step(self, finish_loads, fail, fail_roll, fail_offset, fail_blocks, eos, finish_sends,
-             accept, drafts):
+             accept, drafts, fail_group=0):
         fail_all = fail_roll >= 4 - self.swarm.fault_odds
         if not self.profile.load_failures:
             fail, fail_all = set(), False
@@ -178,6 +200,8 @@ class KVSpecMachine(RuleBasedStateMachine):
                      "fail": self._ids(fail), "fail_all": fail_all,
                      "fail_offset": fail_offset,
                      **({"fail_blocks": fail_blocks} if fail_blocks > 1 else {}),
+                     **({"fail_group": fail_group % len(self.runner.config.groups)}
+                        if len(self.runner.config.groups) > 1 else {}),
                      "eos": self._ids(eos),
                      "finish_sends": self._ids(finish_sends), "accept": accept,
                      "drafts": drafts})

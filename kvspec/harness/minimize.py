@@ -20,7 +20,7 @@ from kvspec.harness.trace import check_semantics
 from kvspec.spec.state import Config
 
 #: step arguments worth trying without, most likely to be noise first
-STEP_ARGS = ("drafts", "accept", "eos", "finish_sends", "fail_blocks", "fail_offset", "fail",
+STEP_ARGS = ("drafts", "accept", "eos", "finish_sends", "fail_blocks", "fail_group", "fail_offset", "fail",
              "fail_all",
              "finish_loads")
 #: step arguments that name requests

@@ -30,8 +30,17 @@ class EnvProfile:
     async_spec_decode: bool = True
     #: connector roles drawn: kv_both (loads and stores), kv_producer (stores only)
     kv_roles: tuple[str, ...] = ("kv_both", "kv_producer")
+    #: KV cache group layouts drawn (``machine.LAYOUTS``): one full-attention
+    #: group, or hybrid ones with sliding-window and last-state groups
+    #: (hybrid layouts are opt-in until the reference's cross-group recovery
+    #: passes the fuzzer: ``HYBRID``; docs/notes/hybrid-groups.md)
+    layouts: tuple[str, ...] = ("full",)
+    #: hybrid layouts are drawn under async scheduling too
+    async_hybrid: bool = True
     #: why each restriction is there (accepted finding ids)
     because: tuple[str, ...] = ()
 
 
 FULL = EnvProfile("full")
+#: work in progress (issue 11): several KV cache groups of every kind
+HYBRID = EnvProfile("hybrid", layouts=("full", "sliding", "sliding+state", "state"))

@@ -19,6 +19,7 @@ from kvspec.spec.actions import Transition
 from kvspec.spec.arith import (compute_num_rejected, compute_placeholders_after_output,
                                compute_placeholders_after_schedule)
 from kvspec.spec.conformance import Hints, ModelBook, ModelStep
+from kvspec.spec.groups import NULL_BLOCK
 from kvspec.spec.invariants import Context, Ghost
 from kvspec.spec.oracle import KVContent
 from kvspec.spec.predicates import is_admissible_lowering
@@ -82,10 +83,23 @@ class InFlight:
     stale: set[str] = attrs.Factory(set)
 
 
+def _tainted_blocks(obs: Observation, report) -> set[int]:
+    """Blocks the step's failed loads left invalid; with several kinds of group
+    also the blocks a reader of invalid KV wrote (a request can read another
+    group's block computed on top of a failed one without holding the failed
+    block)."""
+    bad = set(report.invalid_block_ids)
+    if bad and obs.config.is_hybrid:
+        bad |= {b for rid in report.garbage_readers if rid in obs.requests
+                for table in obs.requests[rid].block_ids for b in table if b != NULL_BLOCK}
+    return bad
+
+
 def _invalid_holders(obs: Observation, report) -> set[str]:
-    """Requests holding a block the step's failed loads left invalid."""
+    """Requests holding a tainted block (``_tainted_blocks``)."""
+    bad = _tainted_blocks(obs, report)
     return {r.request_id for r in obs.requests.values()
-            if report.invalid_block_ids & {b for table in r.block_ids for b in table}}
+            if bad & {b for table in r.block_ids for b in table}}
 
 
 def _num_rejected(job: InFlight, rid: str) -> int:
@@ -115,7 +129,7 @@ class Runner:
         self.design_rules = design_rules
         self.target_name = target_name
         self.config = config
-        self.content = KVContent(config.num_blocks, config.block_size)
+        self.content = KVContent(config.num_blocks, config.block_size, config.groups)
         self.env = EnvConnector(self.content, self._observe_request)
         self.target = make_target(target_name, config, self.env)
         self.ghost = Ghost()
@@ -290,7 +304,8 @@ class Runner:
         self._note_output_applied(mid, after, report, outcome)
         self._count_features(step, outcome, mid)
         hints = self._hints(before, mid, after.requests | departed, step, outcome,
-                            answers_before, self.env.answer_log[asked:])
+                            answers_before, self.env.answer_log[asked:],
+                            _tainted_blocks(mid, report))
         whole_step = self._transition("step", before, after, departed)
         return violations + self._settle(after, t, lowered_ok=holders,
                                          model_step=self._model_step(whole_step, hints))
@@ -302,7 +317,7 @@ class Runner:
             failing |= set(self.content.loads)
         return self.content.execute(step, mid, set(a.get("finish_loads", ())), failing,
                                     a.get("fail_offset", 0), a.get("fail_blocks", 1),
-                                    pending=pending)
+                                    pending=pending, fail_group=a.get("fail_group", 0))
 
     def _outcome(self, report, sampled: dict, a: dict, before: Observation) -> WorkerOutcome:
         """The worker's report of a step; its loads that landed are noted."""
@@ -488,7 +503,7 @@ class Runner:
         self._drop_output_in_flight(cut)
 
     def _hints(self, before, mid, ended: dict, step: StepView, outcome: WorkerOutcome,
-               answers_before: dict, asked: list) -> dict[str, Hints]:
+               answers_before: dict, asked: list, tainted=frozenset()) -> dict[str, Hints]:
         """What the observation fixes about each request's step (spec/conformance.py);
         ``ended``: every request after the step, departed ones as they ended."""
         answers = {rid: (local, external) for rid, local, external in asked}
@@ -497,8 +512,12 @@ class Runner:
             old, was = before.requests.get(rid), mid.requests.get(rid)
             if old is None:
                 continue
-            table = was.block_ids[0] if was is not None and was.block_ids else ()
-            bad = next((i for i, b in enumerate(table) if b in outcome.invalid_block_ids), None)
+            tables = was.block_ids if was is not None else ()
+            table = tables[0] if tables else ()
+            # the first failed block in any group: with several groups the
+            # recovery rule is stated at the earliest one (spec/groups.py)
+            bad = min((i for t in tables for i, b in enumerate(t)
+                       if b in (tainted or outcome.invalid_block_ids)), default=None)
             hints[rid] = Hints(
                 num_new=step.num_scheduled_tokens.get(rid, 0),
                 num_drafts=len(step.scheduled_spec_decode_tokens.get(rid, ())),
@@ -520,6 +539,23 @@ class Runner:
         f[f"failure_policy_{cfg.kv_load_failure_policy}"] += bool(outcome.invalid_block_ids)
         f[f"policy_{cfg.policy}"] += live >= 2
         f["sends"] += bool(outcome.finished_sending)
+        if len(cfg.groups) > 1:
+            self._count_group_features(step, outcome, mid)
+
+    def _count_group_features(self, step: StepView, outcome: WorkerOutcome,
+                              mid: Observation) -> None:
+        """Several KV cache groups at work: a step over them; a sliding-window
+        or last-state table that gave blocks back; a failed block outside the
+        full-attention group."""
+        f, groups = self.features, self.config.groups
+        f["hybrid_groups"] += bool(step.num_scheduled_tokens)
+        tables = [(groups[g].kind, t) for r in mid.requests.values()
+                  for g, t in enumerate(r.block_ids)]
+        for kind, feature in (("sliding_window", "sliding_window"),
+                              ("last_state", "last_state_group")):
+            f[feature] += any(k == kind and NULL_BLOCK in t for k, t in tables)
+        f["load_failure_in_non_full_group"] += any(
+            k != "full_attention" and set(t) & outcome.invalid_block_ids for k, t in tables)
 
     def _sample(self, step: StepView, mid: Observation, a: dict,
                 pending: dict[str, tuple[int, ...]] | None = None) -> dict:

@@ -34,7 +34,7 @@ class ImplTarget:
         from kvspec.impl import Scheduler, SchedulerConfig
         self.config = config
         sched_config = SchedulerConfig(
-            block_sizes=tuple(g.block_size for g in config.groups),
+            block_sizes=tuple(g.block_size for g in config.groups), groups=config.groups,
             num_blocks=config.num_blocks,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
@@ -123,8 +123,9 @@ class ImplTarget:
 def make_config(block_size=4, num_blocks=16, max_num_batched_tokens=16, max_num_seqs=4,
                 max_model_len=32, long_prefill_token_threshold=0, policy="fcfs",
                 kv_load_failure_policy="recompute", enable_prefix_caching=True,
-                async_scheduling=False, kv_role="kv_both", num_speculative_tokens=0) -> Config:
-    return Config(groups=(GroupSpec(block_size),), num_blocks=num_blocks,
+                async_scheduling=False, kv_role="kv_both", num_speculative_tokens=0,
+                groups=None) -> Config:
+    return Config(groups=groups or (GroupSpec(block_size),), num_blocks=num_blocks,
                   max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                   max_model_len=max_model_len,
                   long_prefill_token_threshold=long_prefill_token_threshold, policy=policy,

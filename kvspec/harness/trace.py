@@ -85,6 +85,7 @@ ACTION_FIELDS: dict[str, tuple[dict, tuple[str, ...]]] = {
         "finish_loads": _IDS, "fail": _IDS, "fail_all": _BOOL,
         "fail_offset": _int(0, LIMITS["max_model_len"][1]),
         "fail_blocks": _int(1, LIMITS["num_blocks"][1]),  # consecutive failed blocks
+        "fail_group": _int(0, LIMITS["groups"][1] - 1),  # the KV cache group the failure hits
         "eos": _IDS, "finish_sends": _IDS,
         "accept": _int(0, 16),
         "drafts": _int(0, MAX_DRAFTS),   # the target is configured for this many drafts
@@ -117,7 +118,9 @@ _CONFIG_SCHEMA = {
                    "items": {"type": "object", "required": ["block_size"],
                              "additionalProperties": False,
                              "properties": {"block_size": _int(*LIMITS["block_size"]),
-                                            "kind": {"enum": list(GROUP_KINDS)}}}},
+                                            "kind": {"enum": list(GROUP_KINDS)},
+                                            "sliding_window": _int(
+                                                0, LIMITS["max_model_len"][1])}}},
         **{name: _int(*LIMITS[name]) for name in (
             "num_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
             "long_prefill_token_threshold", "num_speculative_tokens")},
@@ -354,7 +357,9 @@ def check_size(config: Config, actions: list[dict]) -> str | None:
 
 def config_to_dict(config: Config) -> dict:
     data = attrs.asdict(config)
-    data["groups"] = [attrs.asdict(g) for g in config.groups]
+    # a group without a window is written as before sliding windows existed
+    data["groups"] = [{k: v for k, v in attrs.asdict(g).items()
+                       if k != "sliding_window" or v} for g in config.groups]
     if not data["async_scheduling"]:  # traces written before async scheduling stay as they were
         del data["async_scheduling"]
     if data["kv_role"] == "kv_both":  # likewise: the role was always kv_both before

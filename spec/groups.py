@@ -1,0 +1,104 @@
+"""KV cache groups: what a step reads in each kind of group, what a group may
+free, and which computed prefix a group can serve.
+
+Hybrid models (Gemma 3, gpt-oss, Qwen3-Next, Jamba) give each kind of layer
+its own KV cache group with its own block table over one block pool (vLLM's
+hybrid KV cache manager). Every group's table covers the same positions, block
+``i`` holding positions ``[i * block_size, (i + 1) * block_size)``; a group
+that no longer needs a block gives it back and its table holds ``NULL_BLOCK``
+there (vLLM's null block).
+
+What a step that starts at ``num_computed_tokens = n`` reads, per kind:
+
+- **full attention**: every earlier position, ``[0, n)``;
+- **sliding window** of ``w`` tokens: the last ``w - 1`` positions, ``[n - w + 1, n)``
+  (the token at ``n`` attends to itself and the ``w - 1`` before it);
+- **last state** (Mamba-like): the state after ``n`` tokens, which the worker
+  keeps at position ``n - 1``: ``[n - 1, n)``.
+
+Everything before the read start is never read again (positions only grow), so
+a group may free those blocks. The functions are written with ``spec.logic``'s
+connectives: the group is concrete, the positions may be Z3 terms.
+"""
+from __future__ import annotations
+
+from kvspec.spec.logic import And, If, Max, Or, fdiv
+from kvspec.spec.state import GroupSpec
+
+#: a table entry a group gave back (vLLM's null block): never read, never held
+NULL_BLOCK = -1
+
+
+def is_windowed(group: GroupSpec) -> bool:
+    """The group frees blocks behind its read window (not full attention)."""
+    return group.kind != "full_attention"
+
+
+def compute_read_start(group: GroupSpec, num_computed):
+    """First position a step starting at ``num_computed`` reads in this group."""
+    if group.kind == "sliding_window":
+        return Max(0, num_computed - group.sliding_window + 1)
+    if group.kind == "last_state":
+        return Max(0, num_computed - 1)
+    return 0
+
+
+def compute_num_skipped_blocks(group: GroupSpec, num_computed):
+    """Leading blocks no step from ``num_computed`` on reads: the group may free them."""
+    return fdiv(compute_read_start(group, num_computed), group.block_size)
+
+
+def is_served(group: GroupSpec, num_computed, first_present, first_invalid):
+    """The group can serve a prefix of ``num_computed`` tokens when what a step
+    from there reads lies in ``[first_present, first_invalid)``: the positions
+    it holds valid content for. An empty prefix needs nothing."""
+    return Or(num_computed == 0,
+              And(compute_read_start(group, num_computed) >= first_present,
+                  num_computed <= first_invalid))
+
+
+def compute_recovered_computed(groups, cut, first_present, first_invalid):
+    """``num_computed_tokens`` after a failed load, across groups: the cut at
+    the first failed block if every group can serve it, else zero (a group that
+    cannot roll back to the cut recomputes from the start, seed 003 / #35223).
+    ``first_present`` and ``first_invalid``: per group, as for ``is_served``."""
+    ok = And(*[is_served(g, cut, p, f) for g, p, f in zip(groups, first_present, first_invalid)])
+    return If(ok, cut, 0)
+
+
+def get_group_cache_key(block_hash, group_index: int):
+    """The prefix cache keys a block by its content's hash and its group (a
+    sliding-window block and a full-attention block of one prefix hold
+    different KV). Group 0 keeps the plain hash."""
+    return block_hash if group_index == 0 else ("group", group_index, block_hash)
+
+
+def split_cache_key(key) -> tuple[object, int]:
+    """``(block_hash, group_index)`` of a prefix-cache key."""
+    if isinstance(key, tuple) and len(key) == 3 and key[0] == "group":
+        return key[2], key[1]
+    return key, 0
+
+
+def get_read_positions(group: GroupSpec, num_computed: int) -> range:
+    """The positions a step starting at ``num_computed`` reads in this group."""
+    return range(compute_read_start(group, num_computed), num_computed)
+
+
+def get_needed_blocks(group: GroupSpec, num_computed: int) -> range:
+    """Indices of the blocks a step starting at ``num_computed`` reads."""
+    size = group.block_size
+    return range(compute_num_skipped_blocks(group, num_computed), -(-num_computed // size))
+
+
+def get_first_present(group: GroupSpec, table, block_size: int, num_computed: int) -> int:
+    """First position from which a group's table holds content up to
+    ``num_computed``: a windowed group gave back the blocks before its first
+    non-null entry; a last-state group keeps the state at ``num_computed`` only
+    (no earlier state can be trusted to still be there)."""
+    if group.kind == "last_state":
+        return num_computed
+    if group.kind == "full_attention":
+        return 0
+    last_null = max((i for i, b in enumerate(table) if b == NULL_BLOCK), default=-1)
+    return min((last_null + 1) * block_size, num_computed)
