@@ -13,8 +13,8 @@ from typing import Callable, Iterable
 
 from kvspec.impl.block_pool import NULL, BlockPool, KVCacheBlock
 from kvspec.impl.request import Request
-from kvspec.spec.groups import get_group_cache_key, get_needed_blocks, is_windowed
-from kvspec.spec.groups import compute_num_skipped_blocks
+from kvspec.spec.groups import (compute_num_skipped_blocks, get_group_cache_key,
+                                get_needed_blocks, is_windowed)
 from kvspec.spec.state import GroupSpec
 
 Blocks = tuple[list[KVCacheBlock], ...]  # one list per group

@@ -125,12 +125,7 @@ class AsyncCachesBeforeLoad(Scheduler):
     """Review of #34616: async-load blocks cached at allocation, before the KV
     arrived, so a load that later fails leaves them cached."""
 
-    def __init__(self, config, connector=None):
-        super().__init__(config, connector)
-        self.kv = EagerCachingKVCacheManager(config.groups, config.num_blocks,
-                                             config.enable_prefix_caching)
-        self.kv.release_skipped = self._release_skipped
-        self.kv.get_skip_base = self._get_skip_base
+    kv_manager_class = EagerCachingKVCacheManager
 
 
 class SyncRecoveryUsesCachedTokens(Scheduler):

@@ -49,14 +49,17 @@ class StepPlan:
 
 
 class Scheduler:
+    #: the KV cache manager it builds (a mutant may swap it)
+    kv_manager_class = KVCacheManager
+
     def __init__(self, config: SchedulerConfig, connector: KVConnector | None = None) -> None:
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"Scheduler needs a kvspec.impl.SchedulerConfig, got "
                             f"{type(config).__name__} {config!r:.60}")
         self.config = config
         self.connector = connector or NoConnector()
-        self.kv = KVCacheManager(config.groups, config.num_blocks,
-                                 config.enable_prefix_caching)
+        self.kv = self.kv_manager_class(config.groups, config.num_blocks,
+                                        config.enable_prefix_caching)
         self.kv.release_skipped = self._release_skipped
         self.kv.get_skip_base = self._get_skip_base
         self.block_size = config.block_size
@@ -155,12 +158,17 @@ class Scheduler:
     def _free_or_fence(self, request: Request) -> bool:
         """Free the request's blocks, or, while a step in flight may still write
         them, hold them until its output is back. Returns whether they are fenced."""
-        if not (self.is_async and self.config.kv_role == "kv_both"
-                and self.in_flight.is_in_flight(request.request_id)):
+        if not self._is_fenced(request):
             self.kv.free(request)
             return False
         self.in_flight.fence(request.request_id, self.kv.pop_blocks(request))
         return True
+
+    def _is_fenced(self, request: Request) -> bool:
+        """Blocks the request gives back now wait for its step in flight: a
+        consumer connector's load into them would race that step."""
+        return (self.is_async and self.config.kv_role == "kv_both"
+                and self.in_flight.is_in_flight(request.request_id))
 
     def _get_skip_base(self, request: Request, num_computed: int) -> int:
         """Windowed groups free behind the real boundary (drafts a step in
@@ -175,8 +183,7 @@ class Scheduler:
         """Blocks a windowed group gave back: a step in flight may still read
         them, so under a consumer connector they wait for its output like any
         other free (a load into them would race that read)."""
-        if self.is_async and self.config.kv_role == "kv_both" \
-                and self.in_flight.is_in_flight(request.request_id):
+        if self._is_fenced(request):
             self.in_flight.fence(request.request_id, blocks)
         else:
             self.kv.free_blocks(blocks)
@@ -602,11 +609,9 @@ class Scheduler:
             before = len(bad)
             for request in requests:
                 tables = self.kv.get_block_ids(request.request_id)
-                limit = self._recovery_scan_limit(request)
-                firsts = [i for t in tables if (i := first_invalid_index(
-                    t, limit, self.block_size, bad)) is not None]
-                if firsts:
-                    bad.update(b for t in tables for b in t[min(firsts):] if b != NULL_BLOCK)
+                first = self._first_failed(request, tables, bad)
+                if first is not None:
+                    bad.update(b for t in tables for b in t[first:] if b != NULL_BLOCK)
             for ids in lists:
                 if bad & set(ids):
                     bad.update(ids)
@@ -618,14 +623,12 @@ class Scheduler:
         affected = set()
         for request in list(requests):
             tables = self.kv.get_block_ids(request.request_id)
-            limit = self._recovery_scan_limit(request)
-            firsts = [first_invalid_index(t, limit, self.block_size, invalid) for t in tables]
-            if all(idx is None for idx in firsts):
+            first = self._first_failed(request, tables, invalid)
+            if first is None:
                 continue
             affected.add(request.request_id)
             # Blocks past a failed one were computed on top of it in the failing
             # step, in every group (each layer reads the one before it).
-            first = min(idx for idx in firsts if idx is not None)
             suspect.update(b for table in tables for b in table[first:] if b != NULL_BLOCK)
             # and so were blocks a windowed group gave back since (they left its
             # table but keep their hash): dropping a hash costs a hit at most
@@ -633,8 +636,17 @@ class Scheduler:
             if self.kv.is_hybrid:
                 self._restart_from_zero(request)
             else:
-                self._recover(request, tables[0][firsts[0]], firsts[0], owners)
+                self._recover(request, tables[0][first], first, owners)
         return affected
+
+    def _first_failed(self, request: Request, tables, bad: set[int]) -> int | None:
+        """Index of the first block, in any group, under the request's scan
+        limit that is in ``bad`` (groups share positions, so it is also where
+        every group's table is cut)."""
+        limit = self._recovery_scan_limit(request)
+        found = [i for t in tables
+                 if (i := first_invalid_index(t, limit, self.block_size, bad)) is not None]
+        return min(found, default=None)
 
     def _restart_from_zero(self, request: Request) -> None:
         """Recovery with several kinds of group (seed 003, #35223): a windowed

@@ -90,15 +90,3 @@ def get_needed_blocks(group: GroupSpec, num_computed: int) -> range:
     size = group.block_size
     return range(compute_num_skipped_blocks(group, num_computed), -(-num_computed // size))
 
-
-def get_first_present(group: GroupSpec, table, block_size: int, num_computed: int) -> int:
-    """First position from which a group's table holds content up to
-    ``num_computed``: a windowed group gave back the blocks before its first
-    non-null entry; a last-state group keeps the state at ``num_computed`` only
-    (no earlier state can be trusted to still be there)."""
-    if group.kind == "last_state":
-        return num_computed
-    if group.kind == "full_attention":
-        return 0
-    last_null = max((i for i, b in enumerate(table) if b == NULL_BLOCK), default=-1)
-    return min((last_null + 1) * block_size, num_computed)

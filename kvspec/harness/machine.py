@@ -124,8 +124,6 @@ class KVSpecMachine(RuleBasedStateMachine):
         self.swarm = swarm
         if layout not in self.profile.layouts:
             layout = self.profile.layouts[0]
-        if scheduling == "async" and not self.profile.async_hybrid:
-            layout = "full"
         groups = make_groups(layout, block_size, window)
         if scheduling not in self.profile.scheduling:
             scheduling = self.profile.scheduling[0]

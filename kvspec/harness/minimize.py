@@ -20,9 +20,8 @@ from kvspec.harness.trace import check_semantics
 from kvspec.spec.state import Config
 
 #: step arguments worth trying without, most likely to be noise first
-STEP_ARGS = ("drafts", "accept", "eos", "finish_sends", "fail_blocks", "fail_group", "fail_offset", "fail",
-             "fail_all",
-             "finish_loads")
+STEP_ARGS = ("drafts", "accept", "eos", "finish_sends", "fail_blocks", "fail_group",
+             "fail_offset", "fail", "fail_all", "finish_loads")
 #: step arguments that name requests
 REQUEST_ARGS = ("finish_loads", "fail", "eos", "finish_sends")
 #: arrival arguments worth trying without

@@ -35,8 +35,6 @@ class EnvProfile:
     #: (hybrid layouts are opt-in until the reference's cross-group recovery
     #: passes the fuzzer: ``HYBRID``; docs/notes/hybrid-groups.md)
     layouts: tuple[str, ...] = ("full",)
-    #: hybrid layouts are drawn under async scheduling too
-    async_hybrid: bool = True
     #: why each restriction is there (accepted finding ids)
     because: tuple[str, ...] = ()
 
