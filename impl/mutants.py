@@ -416,7 +416,8 @@ MUTANTS.update({m.name: m for m in [
     Mutant("stale_output_returns_share",
            "dropped stale output still takes its share off the placeholders a preemption zeroed",
            "#47900, #48245, #46066", "placeholders_nonnegative", StaleOutputReturnsShare,
-           also_caught_by=("placeholders_match_in_flight", "computed_means_valid")),
+           also_caught_by=("placeholders_match_in_flight", "computed_means_valid",
+                           "every_group_serves_computed")),
     Mutant("stale_output_delivered",
            "output in flight made stale by a preemption or a recovery cut is delivered, "
            "not dropped",
