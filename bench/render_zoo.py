@@ -147,6 +147,26 @@ WHY = {
         "max_model_len) runs fewer drafts than were reserved. Counting from the tokens alone "
         "schedules every reserved draft for positions the step does not run: "
         "`schedule_relation` compares the drafts with the positions past the known tokens."),
+    "hybrid_per_group_accounting": (
+        "With several groups the single-group cut is not safe: a sliding-window group has given "
+        "back the blocks behind its window, so the step from the cut reads null blocks there. "
+        "`every_group_serves_computed` reads each group's table at the real computed count; "
+        "Z3 refutes the same rule (`refute_recovery_cut_by_full_attention_alone`)."),
+    "hybrid_single_group_unpack": (
+        "The crash of #45474: any load failure on a hybrid config raises while unpacking the "
+        "request's block ids as one group (`target_crashed`). vLLM 0.14 to 0.28 crash exactly "
+        "so (docs/vllm-releases.md, hybrid column)."),
+    "hybrid_hit_ignores_window": (
+        "A hit the full-attention group serves but a sliding-window group no longer caches (its "
+        "blocks behind the window were never cached, or were evicted): the window gets null "
+        "blocks. The first step then reads garbage for the window's positions, and the data "
+        "oracle sees its output cached and kept (`no_caching_of_invalid_blocks`, "
+        "`update_from_output_relation`) when the table is not observed in between."),
+    "hybrid_full_prompt_hit_window_freed": (
+        "vLLM 0.32.0's own bug (finding hybrid-full-prompt-hit-window-freed): a hit of the whole "
+        "prompt skips the window from the load's end, but the last token is recomputed one "
+        "position earlier and its window starts one position earlier too: one block in "
+        "`block_size` prompt lengths is null where it reads (`every_group_serves_computed`)."),
 }
 
 
@@ -174,12 +194,12 @@ def main() -> None:
              "shrink' adds Hypothesis' shrinking and the trace-level minimization; steps are "
              "rows of the minimized step table (healed-phase steps included). The traces are "
              "committed under `model_tests/regressions/` and replayed by the test suite. One "
-             "run of `kvspec zoo --budget 60s --json` on the 2-core development machine, "
-             "shared with other work (times are upper bounds of a quiet machine's). The "
-             "async-scheduling rows (issue 10, from placeholder_snapshot_before_increment on) "
-             "come from a later run restricted to them (`--mutant`, 365 s for the seven; preempt_past_fenced_victim and preempt_keeps_blocks again once that rule existed), "
-             "merged into the same file; the three spec-decode rows (issue 10, item 4, from "
-             "rejection_keeps_placeholders on) from a third such run, beside a vLLM check.", "",
+             "run of `kvspec zoo --budget 60s --json` over every mutant on the 2-core "
+             "development machine, shared with other work (times are upper bounds of a quiet "
+             "machine's), after several KV cache groups became part of the default environment "
+             "(issue 11: half the runs draw a hybrid layout, which changes every mutant's "
+             "draws; the trace minimizer also tries more requests at once and one KV cache "
+             "group less).", "",
              f"Caught: {len(caught)} of {sum(r['status'] != 'pending' for r in rows)}; "
              f"median time to detection {statistics.median(times):.2f} s, "
              f"max {max(times):.2f} s." if times else "", "",
@@ -189,8 +209,8 @@ def main() -> None:
     for r in rows:
         full, alone = r.get("full"), r.get("oracle_alone")
         if r["status"] == "pending":
-            lines.append(f"| {r['name']} | {r['upstream']} | - | pending (needs several KV "
-                         f"cache groups) | | | | | | |")
+            lines.append(f"| {r['name']} | {r['upstream']} | - | pending (needs a spec "
+                         f"feature not built yet) | | | | | | |")
             continue
         by = ", ".join(full["invariants"]) if full and full["caught"] else "survived"
         by_alone = ", ".join(alone["invariants"]) if alone and alone["caught"] else (

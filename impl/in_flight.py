@@ -117,8 +117,21 @@ class InFlightBook:
         self.starts.pop(request_id, None)
 
     # -- fenced frees -----------------------------------------------------------
-    def fence(self, request_id: str, blocks: list) -> None:
+    def fence(self, request_id: str, blocks: list, tables=None) -> None:
+        """Hold ``blocks`` until the request's step in flight is back.
+        ``tables``: for a whole request's free, its block ids per group (a
+        failure that step reports is placed by position in them)."""
+        if tables is not None:
+            blocks = FencedTables(blocks, tables)
         self.fenced.append((self.last_step[request_id], blocks))
 
     def get_fenced_block_ids(self) -> tuple[int, ...]:
         return tuple(b.block_id for _, blocks in self.fenced for b in blocks)
+
+
+class FencedTables(list):
+    """A fenced request's blocks, with its block ids per group (``tables``)."""
+
+    def __init__(self, blocks, tables) -> None:
+        super().__init__(blocks)
+        self.tables = tables

@@ -109,8 +109,7 @@ class KVCacheManager:
         held = self.get_blocks(request.request_id)
         need = cdiv(total_computed + num_new_tokens, self.block_size)
         first = [len(held[g]) + len(new_computed[g]) for g in range(self.num_groups)]
-        # a full-prompt hit recomputes its last token, which reads the window before it
-        resume = min(total_computed + num_external_tokens, request.num_tokens - 1)
+        resume = self.get_resume_point(request, total_computed + num_external_tokens)
         skipped = [max(first[g], min(need, compute_num_skipped_blocks(group, resume)))
                    for g, group in enumerate(self.groups)]
         num_new = [max(0, need - skipped[g]) for g in range(self.num_groups)]
@@ -129,6 +128,12 @@ class KVCacheManager:
         if self.enable_caching and not delay_cache_blocks:
             self.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return new_blocks
+
+    def get_resume_point(self, request: Request, num_hit_tokens: int) -> int:
+        """Where the request's first step after a hit of ``num_hit_tokens``
+        starts: a hit of the whole prompt recomputes its last token, which reads
+        the window before it (finding vllm-0.32.0-hybrid-full-prompt-hit-window-freed)."""
+        return min(num_hit_tokens, request.num_tokens - 1)
 
     def _num_free_among(self, blocks: Blocks) -> int:
         seen = {b.block_id for group in blocks for b in group

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import attrs
 
+from kvspec.impl.block_pool import NULL
 from kvspec.impl.kv_cache_manager import KVCacheManager
 from kvspec.impl.scheduler import Scheduler
 from kvspec.spec.state import STATS_UNSET, RequestStatus
@@ -182,11 +183,15 @@ MUTANTS.update({m.name: m for m in [
            "review of #34616 (seed 000)", "no_caching_of_invalid_blocks", AsyncCachesBeforeLoad),
     Mutant("sync_recovery_uses_cached_tokens",
            "sync-load recovery scans up to num_cached_tokens (stale after preemption)",
-           "#35223 review (seed 003)", "computed_means_valid", SyncRecoveryUsesCachedTokens),
+           "#35223 review (seed 003)", "computed_means_valid", SyncRecoveryUsesCachedTokens,
+           # under async scheduling the missed request's output in flight is kept
+           also_caught_by=("update_from_output_relation", "placeholders_match_in_flight")),
     Mutant("shared_block_recomputed_by_none",
            "a failed block shared by several requests is recomputed by none of the others",
            "seed 004 (_update_requests_with_invalid_blocks)", "computed_means_valid",
-           SharedBlockRecomputedByNone),
+           SharedBlockRecomputedByNone,
+           # under async: its output in flight is dropped, its count kept
+           also_caught_by=("placeholders_match_in_flight",)),
     Mutant("shared_block_recomputed_by_all",
            "a failed block shared by several requests is recomputed by all of them",
            "seed 004 (_update_requests_with_invalid_blocks)", "failed_block_recomputed_once",
@@ -194,7 +199,9 @@ MUTANTS.update({m.name: m for m in [
     Mutant("truncate_past_first_invalid",
            "failure recovery leaves num_computed_tokens past the first invalid block",
            "seed 004 (_update_requests_with_invalid_blocks)", "computed_means_valid",
-           TruncatePastFirstInvalid),
+           TruncatePastFirstInvalid,
+           # under async: the output computed on the failed block is kept
+           also_caught_by=("update_from_output_relation", "placeholders_match_in_flight")),
     Mutant("free_during_send",
            "a request's blocks are freed while its KV is still being sent",
            "seed 004 (_free_request, delayed free)", "send_source_intact", FreeDuringSend),
@@ -265,7 +272,10 @@ MUTANTS.update({m.name: m for m in [
     Mutant("async_load_counted_short",
            "a finished async load counts only whole blocks (rounded down)",
            "planted (review of kvspec, issue 9)", "transition_admitted_by_model",
-           AsyncLoadCountedShort, also_caught_by=("idle_waiting_holds_no_blocks",)),
+           AsyncLoadCountedShort,
+           # with a sliding window the short count reads blocks the load's resume point
+           # gave back
+           also_caught_by=("idle_waiting_holds_no_blocks", "every_group_serves_computed")),
 ]})
 
 # -- async scheduling (issue 10): steps in flight, placeholders, stale output, fences --
@@ -501,11 +511,92 @@ MUTANTS.update({m.name: m for m in [
            "#24799", "schedule_relation", DraftCountIgnoresPlaceholders),
 ]})
 
-#: mutants that need spec features not built yet (several KV cache groups):
-#: listed so the zoo table shows them as pending.
-PENDING_MUTANTS = {
-    "hybrid_per_group_accounting": ("per-group affected-token accounting inside the group loop",
-                                    "#35223 first version (seed 003)"),
-    "hybrid_single_group_unpack": ("recovery unpacks a single group on a hybrid model: crash",
-                                   "#45474"),
-}
+
+# -- several KV cache groups (issue 11) -------------------------------------------
+
+class HybridPerGroupAccounting(Scheduler):
+    """#35223's first version (seed 003): recovery counts the affected tokens
+    group by group and keeps the cut before the first failed block, as with
+    one group, though a windowed group has given back the blocks the window
+    behind the cut needs."""
+
+    def _recover_from(self, request, tables, first, owners):
+        if not self.kv.is_hybrid:
+            return super()._recover_from(request, tables, first, owners)
+        return self._recover(request, tables[0][first], first, owners)
+
+
+class HybridSingleGroupUnpack(Scheduler):
+    """#45474: the recovery of invalid blocks unpacks the request's block ids
+    as a single group; with several groups it raises."""
+
+    def _handle_invalid_blocks(self, invalid_block_ids, released=()):
+        if invalid_block_ids:  # vLLM scans the requests only when a load failed
+            for request in self.running:
+                (_ids,) = self.kv.get_block_ids(request.request_id)
+        return super()._handle_invalid_blocks(invalid_block_ids, released)
+
+
+class HitIgnoresWindowKVCacheManager(KVCacheManager):
+    """Hits as group 0 alone serves them; other groups take what they cache."""
+
+    def _get_hit(self, request, num_blocks):
+        hit = self.empty_blocks()
+        for g, group in enumerate(self.groups):
+            for index in range(num_blocks):
+                block = self._cached(request, g, index)
+                if block is None and g == 0:
+                    return None
+                hit[g].append(block or NULL)
+        return hit
+
+
+class HybridHitIgnoresWindow(Scheduler):
+    """A prefix hit counted by the full-attention group alone: a windowed
+    group that no longer caches the blocks the window needs gets null blocks
+    there."""
+
+    kv_manager_class = HitIgnoresWindowKVCacheManager
+
+
+class LoadEndSkipKVCacheManager(KVCacheManager):
+    """Windowed blocks skipped from the hit's end, as vLLM 0.32.0 does."""
+
+    def get_resume_point(self, request, num_hit_tokens):
+        return num_hit_tokens
+
+
+class HybridFullPromptHitWindowFreed(Scheduler):
+    """vLLM 0.32.0 (finding hybrid-full-prompt-hit-window-freed): a hit of the
+    whole prompt skips the windowed blocks behind the load's end, but the
+    last token is recomputed from one position earlier and reads them."""
+
+    kv_manager_class = LoadEndSkipKVCacheManager
+
+
+MUTANTS.update({m.name: m for m in [
+    Mutant("hybrid_per_group_accounting",
+           "recovery on a hybrid model keeps the single-group cut though a windowed group "
+           "gave back the blocks its window needs there",
+           "#35223 first version (seed 003)", "every_group_serves_computed",
+           HybridPerGroupAccounting),
+    Mutant("hybrid_single_group_unpack",
+           "load-failure recovery unpacks a single group's block ids on a hybrid model: crash",
+           "#45474", "target_crashed", HybridSingleGroupUnpack),
+    Mutant("hybrid_hit_ignores_window",
+           "a prefix hit counted by the full-attention group alone; windowed groups get null "
+           "blocks where their window needs cached ones",
+           "the hybrid KV cache manager's hit rule (every group serves the hit)",
+           "every_group_serves_computed", HybridHitIgnoresWindow,
+           also_caught_by=("no_caching_of_invalid_blocks", "update_from_output_relation",
+                           "computed_means_valid")),
+    Mutant("hybrid_full_prompt_hit_window_freed",
+           "a full-prompt external hit skips the window behind the load's end; the recomputed "
+           "last token reads blocks given back",
+           "finding vllm-0.32.0-hybrid-full-prompt-hit-window-freed",
+           "every_group_serves_computed", HybridFullPromptHitWindowFreed),
+]})
+
+#: mutants that need spec features not built yet: listed so the zoo table shows
+#: them as pending.
+PENDING_MUTANTS: dict[str, tuple[str, str]] = {}

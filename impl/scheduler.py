@@ -11,14 +11,14 @@ import attrs
 
 from kvspec.impl.config import SchedulerConfig
 from kvspec.impl.connector import KVConnector, NoConnector, check_matched_tokens
-from kvspec.impl.in_flight import InFlightBook
+from kvspec.impl.in_flight import FencedTables, InFlightBook
 from kvspec.impl.kv_cache_manager import KVCacheManager
 from kvspec.impl.outputs import ModelRunnerOutput, SchedulerOutput
 from kvspec.impl.recovery import RecoveryBook, Waiter, first_invalid_index, lower_stats
 from kvspec.impl.request import Request
 from kvspec.impl.request_queue import RequestQueue
 from kvspec.spec.arith import compute_truncated_computed
-from kvspec.spec.groups import NULL_BLOCK
+from kvspec.spec.groups import NULL_BLOCK, get_first_failed_index
 from kvspec.spec.state import STATS_UNSET, RequestStatus
 
 
@@ -161,7 +161,8 @@ class Scheduler:
         if not self._is_fenced(request):
             self.kv.free(request)
             return False
-        self.in_flight.fence(request.request_id, self.kv.pop_blocks(request))
+        tables = self.kv.get_block_ids(request.request_id)
+        self.in_flight.fence(request.request_id, self.kv.pop_blocks(request), tables)
         return True
 
     def _is_fenced(self, request: Request) -> bool:
@@ -565,28 +566,27 @@ class Scheduler:
     # -- failure recovery --------------------------------------------------
     def _handle_invalid_blocks(self, invalid_block_ids, released=()) -> set[str]:
         """Returns the running requests whose output this step is discarded.
-        ``released``: block tables of requests gone while this step was in
-        flight (fenced until now): their blocks past a failed one are suspect too."""
+        ``released``: blocks fenced behind this step, free now: those of
+        requests gone while it was in flight (``FencedTables``, with their
+        tables), whose blocks past a failed one are suspect too, and those a
+        windowed group gave back."""
         invalid = set(invalid_block_ids or ())
         if not invalid:
             return set()
         loading = [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+        # requests that ended while the step was in flight (held for a send), and
+        # those gone since (their blocks fenced until now)
+        ended = [self.kv.get_block_ids(rid) for rid, r in self.requests.items()
+                 if r.is_finished()]
+        gone = [blocks.tables for blocks in released if isinstance(blocks, FencedTables)]
         if self.kv.is_hybrid:
-            invalid = self._get_tainted(invalid, self.running + loading, released)
+            invalid = self._get_tainted(invalid, self.running + loading, ended + gone)
         suspect, owners = set(invalid), {}
         # running requests first: they own the failed blocks (impl/recovery.py)
         affected_running = self._truncate_affected(self.running, invalid, suspect, owners)
         affected_loads = self._truncate_affected(loading, invalid, suspect, owners)
-        # requests that ended while the step was in flight (fenced, or held for a send)
-        ended = [table for rid, r in self.requests.items() if r.is_finished()
-                 for table in self.kv.get_block_ids(rid)]
-        for ids in [[b.block_id for b in table] for table in released] + ended:
-            idx = first_invalid_index(ids, len(ids) * self.block_size, self.block_size, invalid)
-            if idx is not None:
-                # a released list holds every group's blocks one after another:
-                # with several kinds of group none of them is safe
-                suspect.update(b for b in ids[0 if self.kv.is_hybrid else idx:]
-                               if b != NULL_BLOCK)
+        if not self.kv.is_hybrid:  # with several groups the taint closed over them
+            self._suspect_ended(ended, released, invalid, suspect)
         self.failed_recving |= affected_loads
         if self.is_async:  # their output in flight was computed on the failed KV
             for req_id in affected_running:
@@ -597,14 +597,26 @@ class Scheduler:
             self.finish_requests(affected_loads | affected_running, RequestStatus.FINISHED_ERROR)
         return affected_running
 
-    def _get_tainted(self, invalid: set[int], requests, released) -> set[int]:
+    def _suspect_ended(self, ended, released, invalid: set[int], suspect: set[int]) -> None:
+        """One group: blocks of requests that ended or went while the step was
+        in flight, past a failed one, are suspect too."""
+        for ids in [[b.block_id for b in blocks] for blocks in released] + [
+                table for tables in ended for table in tables]:
+            idx = first_invalid_index(ids, len(ids) * self.block_size, self.block_size, invalid)
+            if idx is not None:
+                suspect.update(ids[idx:])
+
+    def _get_tainted(self, invalid: set[int], requests, gone) -> set[int]:
         """With several kinds of group a request may read a failed block's
         garbage without holding the block: through a block of another group a
         holder computed on top of it in the failing step and shared (a hit).
         Every block computed past a failed one, in any group, and every block
-        computed past those, to a fixed point, counts as failed."""
+        computed past those, to a fixed point, counts as failed
+        (``compute_tainted_blocks``). ``gone``: block tables of requests that
+        ended or went while the step was in flight, read whole. Blocks a
+        windowed group gave back were behind the oldest step in flight: no
+        failure it reports lies before them."""
         bad = set(invalid)
-        lists = [[b.block_id for b in table] for table in released]
         while True:
             before = len(bad)
             for request in requests:
@@ -612,11 +624,17 @@ class Scheduler:
                 first = self._first_failed(request, tables, bad)
                 if first is not None:
                     bad.update(b for t in tables for b in t[first:] if b != NULL_BLOCK)
-            for ids in lists:
-                if bad & set(ids):
-                    bad.update(ids)
+            for tables in gone:  # by position, every block they held
+                first = get_first_failed_index(tables, self._table_tokens(tables),
+                                               self.block_size, bad)
+                if first is not None:
+                    bad.update(b for t in tables for b in t[first:] if b != NULL_BLOCK)
             if len(bad) == before:
                 return bad
+
+    def _table_tokens(self, tables) -> int:
+        """Tokens the longest of a request's tables has room for."""
+        return max(map(len, tables), default=0) * self.block_size
 
     def _truncate_affected(self, requests, invalid: set[int], suspect: set[int],
                            owners: dict) -> set[str]:
@@ -633,11 +651,19 @@ class Scheduler:
             # and so were blocks a windowed group gave back since (they left its
             # table but keep their hash): dropping a hash costs a hit at most
             suspect.update(self.kv.get_windowed_cached_ids(request, first))
-            if self.kv.is_hybrid:
-                self._restart_from_zero(request)
-            else:
-                self._recover(request, tables[0][first], first, owners)
+            self._recover_from(request, tables, first, owners)
         return affected
+
+    def _recover_from(self, request: Request, tables, first: int, owners: dict) -> None:
+        """Recompute from the block before ``first``, or from zero in fresh
+        blocks: where a windowed group gave blocks back
+        (``compute_recovered_computed``), or where a request that ended holds a
+        block from there on for a KV send (recomputing in place would rewrite
+        what is being sent)."""
+        if self.kv.is_hybrid or self._is_sending_from(tables, first):
+            self._restart_from_zero(request)
+        else:
+            self._recover(request, tables[0][first], first, owners)
 
     def _first_failed(self, request: Request, tables, bad: set[int]) -> int | None:
         """Index of the first block, in any group, under the request's scan
@@ -648,15 +674,24 @@ class Scheduler:
                  if (i := first_invalid_index(t, limit, self.block_size, bad)) is not None]
         return min(found, default=None)
 
+    def _is_sending_from(self, tables, first: int) -> bool:
+        """Some block at or past index ``first`` is held by a request that
+        ended and keeps its blocks for a send."""
+        mine = {b for t in tables for b in t[first:]}
+        return any(mine & {b for t in self.kv.get_block_ids(rid) for b in t}
+                   for rid, r in self.requests.items() if r.is_finished())
+
     def _restart_from_zero(self, request: Request) -> None:
-        """Recovery with several kinds of group (seed 003, #35223): a windowed
-        group has given back the blocks behind its window, so no shorter prefix
-        can be served (``compute_recovered_computed`` admits the cut only where
-        every group serves it; the reference always takes zero). The request
-        gives its blocks back and recomputes from the start in fresh blocks: no
+        """Recovery in fresh blocks. With several kinds of group (seed 003,
+        #35223) a windowed group has given back the blocks behind its window,
+        so no shorter prefix can be served (``compute_recovered_computed``
+        admits the cut only where every group serves it; the reference always
+        takes zero); with one group, when a block from the cut on is being sent.
+        The request gives its blocks back and recomputes from the start: no
         block another request holds is written twice, and nobody waits on
         another's recompute across groups."""
-        self._free_or_fence(request)
+        if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self._free_or_fence(request)  # a loader's blocks wait for its load's report
         self._truncate(request, 0)
 
     def _recovery_scan_limit(self, request: Request) -> int:

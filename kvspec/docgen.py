@@ -413,9 +413,11 @@ each is established.
 - **Loose where a scheduler chooses.** Blocks held, the prefix recovery keeps, the
   lowered stats and a waiter's resume point are parameters bounded by guards; the data
   oracle, not Z3, checks that what they count is valid KV.
-- **Not modelled:** several KV cache groups, async scheduling with output
-  placeholders (the predicate exists; the primitives do not), the contents of blocks
-  beyond the pool's valid bit.
+- **Not modelled:** several KV cache groups in the per-request and pool
+  induction (one lemma, `lemma_recovery_cut_served_by_every_group`, proves the
+  recovery rule across groups; the fuzzer checks the rest), async scheduling with
+  output placeholders (the predicate exists; the primitives do not), the contents
+  of blocks beyond the pool's valid bit.
 - **Bounded model checking** (`kvspec bmc`, default depth 7) is explicit-state:
   breadth-first over every sequence of up to k actions from an 8-action alphabet (two
   requests sharing a prefix, one async and one sync load, an offloading one; steps that

@@ -70,7 +70,8 @@ def unwitnessed(checks: dict[str, int], witnessed: dict[str, int],
 
 
 def restriction_reasons(profile, version: str, patches: dict | None) -> dict[str, str]:
-    """Why the profile steps around each finding it names: its fix is not applied."""
+    """Why the profile steps around each finding it names: its fix is not
+    applied, or no fix exists."""
     from kvspec.harness.accepted_findings import accepted_for
     findings = {f.id: f for f in accepted_for(version)}
     not_fitting = (patches or {}).get("not_fitting", {})
@@ -79,8 +80,12 @@ def restriction_reasons(profile, version: str, patches: dict | None) -> dict[str
         fix = findings[fid].fix_id if fid in findings else None
         avoided = ", ".join(f"{k}={v!r}" for k, v in findings[fid].avoided_by) \
             if fid in findings else ""
-        why = (f"its fix {fix} does not fit this release: {not_fitting[fix]}"
-               if fix in not_fitting else f"its fix {fix} was not chosen (--fixes)")
+        if fix is None:
+            why = "no fix exists (see its write-up in docs/findings/)"
+        elif fix in not_fitting:
+            why = f"its fix {fix} does not fit this release: {not_fitting[fix]}"
+        else:
+            why = f"its fix {fix} was not chosen (--fixes)"
         reasons[fid] = f"{avoided}: {why}" if avoided else why
     return reasons
 

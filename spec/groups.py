@@ -86,7 +86,43 @@ def get_read_positions(group: GroupSpec, num_computed: int) -> range:
 
 
 def get_needed_blocks(group: GroupSpec, num_computed: int) -> range:
-    """Indices of the blocks a step starting at ``num_computed`` reads."""
+    """Indices of the blocks a step starting at ``num_computed`` reads: those
+    holding a position it reads (none for a window of one token, which reads
+    only the position it computes)."""
+    positions = get_read_positions(group, num_computed)
+    if not positions:
+        return range(0)
     size = group.block_size
-    return range(compute_num_skipped_blocks(group, num_computed), -(-num_computed // size))
+    return range(positions[0] // size, -(-num_computed // size))
 
+
+def get_first_failed_index(tables, num_computed: int, block_size: int, bad) -> int | None:
+    """Index of a request's first block, in any group, under its computed
+    prefix that is in ``bad`` (groups share positions: every group's table is
+    cut there)."""
+    limit = -(-num_computed // block_size)
+    found = [i for table in tables for i, b in enumerate(table[:limit]) if b in bad]
+    return min(found, default=None)
+
+
+def compute_tainted_blocks(holders, block_size: int, bad) -> set[int]:
+    """Blocks that count as failed after a failed load with several groups:
+    the failed ones, and, to a fixed point, every block a holder of one keeps
+    at or past its first failed index, in every group. ``holders``: (block
+    tables, real computed count) per request.
+
+    Conservative on purpose: a layer reads the layer before it, so what a
+    request computed past a failed block in one group may be wrong in every
+    group, and a request that shares such a block (a hit) read it. The spec
+    does not model which layer reads which position, so it counts all of it
+    as failed: the cost of the over-approximation is a recompute, never a
+    wrong token."""
+    tainted = set(bad)
+    while True:
+        before = len(tainted)
+        for tables, num_computed in holders:
+            first = get_first_failed_index(tables, num_computed, block_size, tainted)
+            if first is not None:
+                tainted.update(b for t in tables for b in t[first:] if b != NULL_BLOCK)
+        if len(tainted) == before:
+            return tainted

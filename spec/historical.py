@@ -11,6 +11,7 @@ from kvspec.spec.arith import (compute_first_external, compute_num_computed_pre_
                                compute_placeholders_after_output, compute_real_computed)
 from kvspec.spec.effects import (Counters, Params, act_finish_async_load, act_recover,
                                  act_sample, act_schedule_waiting, has_stats)
+from kvspec.spec.groups import is_served
 from kvspec.spec.logic import And, If, Min, Or, fdiv
 from kvspec.spec.pool_effects import Pool, _set, act_free, act_issue_async_load, act_sync_load
 
@@ -86,6 +87,17 @@ def real_computed_snapshot_before_increment(num_computed, placeholders_before,
     placeholder count taken before the step increments it, against
     ``num_computed_tokens`` after: the step's draft positions count as real."""
     return compute_real_computed(num_computed, placeholders_before)
+
+
+# -- KV cache groups ------------------------------------------------------------------
+
+def recovered_computed_by_full_attention(groups, cut, first_present, first_invalid):
+    """Seed 003 (#35223, whose review found the per-group accounting of a failed
+    load wrong): recovery of a hybrid request keeps the cut at the first failed
+    block wherever the full-attention group (group 0, whose hashes name the
+    prefix) serves it, asking no other group. A sliding-window or last-state
+    group may have given back the blocks a step from the cut reads."""
+    return If(is_served(groups[0], cut, first_present[0], first_invalid[0]), cut, 0)
 
 
 # -- primitives --------------------------------------------------------------------

@@ -350,9 +350,7 @@ def blocks_cover_computed(ctx: Context):
                        f"{r.num_computed_tokens} computed tokens")
 
 
-@invariant(cites="seed 003 (#35223); #45474",
-           unwitnessed_because="only windowed groups give blocks back, and hybrid layouts "
-                               "are drawn by the HYBRID profile only until issue 11 is done")
+@invariant(cites="seed 003 (#35223); #45474")
 def every_group_serves_computed(ctx: Context):
     """In every KV cache group, the blocks a request's next step reads hold a
     block, not ``NULL_BLOCK``: full attention every block under its computed

@@ -94,6 +94,8 @@ class ExecReport:
     invalid_block_ids: set[int] = attrs.Factory(set)
     #: request id -> first position it read that was not valid
     garbage_readers: dict[str, int] = attrs.Factory(dict)
+    #: blocks a garbage reader wrote its garbage into this step (any group)
+    garbage_blocks: set[int] = attrs.Factory(set)
     #: the step's id, to complete it when its output is back
     step_id: int = -1
 
@@ -293,6 +295,7 @@ class KVContent:
                 report.garbage_readers[rid] = bad
                 for _g, table, pos in self._computed_slots(tables, start, n):
                     self._write(table, pos, GARBAGE)
+                    report.garbage_blocks.add(table[pos // self.block_size])
                 changed = True
         self._record_stream_writes(writes, report.step_id)
 

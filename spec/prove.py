@@ -28,8 +28,10 @@ import z3
 from kvspec.spec import arith, historical
 from kvspec.spec.effects import (ALL_SHAPES, PRIMITIVES, Counters, Params, Primitive,
                                  is_initial, is_stats_step_ok, request_invariants)
+from kvspec.spec.groups import compute_read_start, compute_recovered_computed, is_windowed
 from kvspec.spec.logic import And, Implies, Not, Or
 from kvspec.spec.predicates import is_admissible_lowering, is_first_cached_count
+from kvspec.spec.state import GroupSpec
 
 
 class NameClash(ValueError):
@@ -329,6 +331,163 @@ def lemma_lowering_is_admissible(rule=None, bounded=False):
     for policy in rules:
         new_cached, new_ext = policy(cached, ext, valid)
         cases.append((pre, is_admissible_lowering(cached, ext, new_cached, new_ext)))
+    return Goal(tuple(cases), s)
+
+
+# -- KV cache groups: recovery of a hybrid request -----------------------------------
+#
+# A hybrid request's load fails: each group holds valid KV for an interval of
+# positions, ``[first_present, first_invalid)``, and the cut is the start of the
+# first failed block over all groups. Under the "fail" policy the request is
+# finished and no count is kept; under "recompute" a rule picks the count it
+# keeps. What that count must achieve is stated over positions, apart from the
+# rule's arithmetic (``is_served``).
+
+def _hybrid_layouts() -> tuple[tuple[GroupSpec, ...], ...]:
+    """The layouts the recovery lemma covers: full attention with a sliding
+    window of 1 to 9 tokens, with a last-state group, and with both; block sizes
+    1 to 4 (one per layout: kvspec models groups of one block size)."""
+    layouts = []
+    for size in range(1, 5):
+        full, state = GroupSpec(size), GroupSpec(size, "last_state")
+        windows = [GroupSpec(size, "sliding_window", w) for w in range(1, 10)]
+        layouts += [(full, window) for window in windows] + [(full, state)]
+        layouts += [(full, window, state) for window in windows]
+    return tuple(layouts)
+
+
+HYBRID_LAYOUTS = _hybrid_layouts()
+
+
+def restart_from_zero(groups, cut, first_present, first_invalid):
+    """The reference's recovery of a hybrid request (impl/scheduler.py
+    ``_restart_from_zero``): it recomputes from the start."""
+    return 0
+
+
+#: the recovery rules a correct scheduler may take for a hybrid request
+RECOVERY_RULES = {
+    "per-group cut (spec/groups.py)": compute_recovered_computed,
+    "restart from zero (kvspec reference)": restart_from_zero,
+}
+
+
+@attrs.frozen
+class FailedLoad:
+    """A hybrid request after a failed load. Per group, in layout order: the
+    first position it still holds (a windowed group gave back the blocks before
+    it) and the first position it holds no valid KV for (its failed block's
+    start). ``cut``: the start of the first failed block over all groups."""
+
+    num_computed: object
+    cut: object
+    first_present: tuple
+    first_invalid: tuple
+
+
+def failed_load(groups, value) -> FailedLoad:
+    """The failed load's quantities by name, from ``value(role, name)``: Z3
+    constants (``Symbols.int``) or a counterexample's ints."""
+    def per_group(field):
+        return tuple(value("parameter", f"{g.kind}.{field}") for g in groups)
+    return FailedLoad(value("state", "s.num_computed"), value("parameter", "cut"),
+                      per_group("first_present"), per_group("first_invalid"))
+
+
+def is_layout(groups, value):
+    """Names the layout in a counterexample: block size, window (0: none), groups."""
+    window = next((g.sliding_window for g in groups if g.kind == "sliding_window"), 0)
+    return And(value("parameter", "block_size") == groups[0].block_size,
+               value("parameter", "sliding_window") == window,
+               value("parameter", "num_groups") == len(groups))
+
+
+def is_block_start(position, block_size):
+    return And(position >= 0, position % block_size == 0)
+
+
+def is_group_after_failed_load(group, num_computed, first_present, first_invalid):
+    """What one group holds: block-aligned bounds; full attention every block
+    from 0, a windowed group at least what a step from ``num_computed`` reads;
+    its valid KV ends at its failed block (at or past ``num_computed`` if none
+    failed)."""
+    held = (first_present <= compute_read_start(group, num_computed) if is_windowed(group)
+            else first_present == 0)
+    return And(is_block_start(first_present, group.block_size),
+               is_block_start(first_invalid, group.block_size),
+               held, first_present <= first_invalid)
+
+
+def is_failed_load(groups, load: FailedLoad):
+    """Some group's load failed under the computed prefix, and the cut is the
+    first failed block's start over all groups."""
+    bounds = zip(groups, load.first_present, load.first_invalid)
+    return And(load.num_computed >= 1,
+               *[is_group_after_failed_load(g, load.num_computed, p, f) for g, p, f in bounds],
+               Or(*[f < load.num_computed for f in load.first_invalid]),
+               *[load.cut <= f for f in load.first_invalid],
+               Or(*[load.cut == f for f in load.first_invalid]))
+
+
+def is_read_by_step(group, recovered, p):
+    """A step from ``recovered`` reads position ``p`` in ``group``: written out
+    per kind here, not through ``compute_read_start``, so that a wrong window
+    start in the spec's own arithmetic shows as a counterexample."""
+    if group.kind == "sliding_window":  # the token attends to itself and w - 1 before it
+        start = recovered - (group.sliding_window - 1)
+    elif group.kind == "last_state":  # the state after the last computed token
+        start = recovered - 1
+    else:
+        start = 0
+    return And(p >= 0, p >= start, p < recovered)
+
+
+def is_read_valid(group, recovered, first_present, first_invalid, p):
+    """If a step from ``recovered`` reads position ``p`` in ``group``, the group
+    holds ``p`` and its KV there is valid."""
+    return Implies(is_read_by_step(group, recovered, p),
+                   And(first_present <= p, p < first_invalid))
+
+
+def is_recovery_served(groups, load: FailedLoad, recovered, p):
+    """Nothing at or past the first failed block counts as computed, and every
+    position the next step reads is held and valid in every group."""
+    bounds = zip(groups, load.first_present, load.first_invalid)
+    every_group = And(*[is_read_valid(g, recovered, fp, fi, p) for g, fp, fi in bounds])
+    return And(recovered <= load.cut, z3.ForAll([p], every_group))
+
+
+@lemma(rule_of={"refute_recovery_cut_by_full_attention_alone": (
+    historical.recovered_computed_by_full_attention,
+    "Seed 003 (#35223's review of the per-group recovery): the cut at the first failed "
+    "block kept where the full-attention group serves it, no other group asked; a "
+    "sliding-window or last-state group that gave back the blocks a step from the cut "
+    "reads is left without them.")}, establishes=("every_group_serves_computed",))
+def lemma_recovery_cut_served_by_every_group(rule=None, bounded=False):
+    """After a failed load of a hybrid request (full attention with a sliding
+    window of 1 to 9 tokens, with a last-state group, or with both; block sizes
+    1 to 4), whatever each group gave back before it and wherever each group's
+    load failed: the count a recovery rule keeps (``compute_recovered_computed``,
+    and the reference's restart from zero) never reaches the first failed block,
+    and every position the next step reads from it is held and valid in every
+    group. Stated over positions, with each kind's read window written out
+    (``is_read_by_step``), not through ``is_served`` or ``compute_read_start``. Protects the
+    recovery part of ``every_group_serves_computed``: a cut counted by the
+    full-attention group alone leaves a window behind it empty (seed 003,
+    #35223). Under the "fail" policy the request is finished: no count is kept."""
+    s = Symbols()
+    p = s.int("position", "p")
+    rules = [rule] if rule is not None else list(RECOVERY_RULES.values())
+    cases = []
+    for groups in HYBRID_LAYOUTS:
+        load = failed_load(groups, s.int)
+        pre = And(is_layout(groups, s.int), is_failed_load(groups, load))
+        if bounded:  # a small counterexample
+            pre = And(pre, load.num_computed <= 8)
+        post = And(*[is_recovery_served(groups, load, keep(groups, load.cut, load.first_present,
+                                                           load.first_invalid), p)
+                     for keep in rules])
+        cases.append((pre, post))
     return Goal(tuple(cases), s)
 
 

@@ -10,11 +10,13 @@ from typer.testing import CliRunner
 
 from kvspec.harness.replay import replay_trace
 from kvspec.harness.z3_traces import TRACE_BUILDERS, is_seed_kind, write_trace
-from kvspec.spec import arith, prove
+from kvspec.spec import arith, historical, prove
 from kvspec.spec.effects import ALL_SHAPES, Counters, request_invariants
+from kvspec.spec.groups import compute_recovered_computed
 from kvspec.spec.prove import (CARD_CLAIMS, OBLIGATIONS, Goal, NameClash, Obligation, Symbols,
                                check, check_all, claims_established)
 from kvspec.spec.registry import REGISTRY
+from kvspec.spec.state import GroupSpec
 
 RESULTS = {r.name: r for r in check_all()}
 
@@ -200,3 +202,58 @@ def test_async_refutations_replay_on_plain_ints(lemma):
         cex = RESULTS[name].counterexample
         assert _first_failing_prefix(rules, cex, conclusion) is not None, name
         assert _first_failing_prefix(prove.ASYNC_RULES, cex, conclusion) is None, name
+
+
+# -- KV cache groups: recovery of a hybrid request -----------------------------------
+
+def _first_failing_layout(rule, values):
+    """The first hybrid layout whose failed load ``values`` describes, played on
+    plain ints, where the count ``rule`` keeps fails the recovery lemma's
+    conclusion (every read position enumerated), or None."""
+    def value(role, name):
+        return values[name]
+    for groups in filter(lambda groups: prove.is_layout(groups, value), prove.HYBRID_LAYOUTS):
+        load = prove.failed_load(groups, value)
+        if not prove.is_failed_load(groups, load):
+            continue
+        kept = rule(groups, load.cut, load.first_present, load.first_invalid)
+        reads_valid = all(prove.is_read_valid(g, kept, fp, fi, p)
+                          for g, fp, fi in zip(groups, load.first_present, load.first_invalid)
+                          for p in range(kept))  # a step from ``kept`` reads nothing past it
+        if not (kept <= load.cut and reads_valid):
+            return groups
+    return None
+
+
+def test_group_recovery_refutation_replays_on_plain_ints():
+    """Not replayed as a trace (no entry in ``TRACE_BUILDERS``): the reference recovers
+    a hybrid request to 0 (impl/scheduler.py ``_restart_from_zero``), so no mutant
+    keeps a cut the full-attention group alone serves, and the trace builders of
+    kvspec/harness/z3_traces.py read single-group counterexamples. Instead Z3's
+    counterexample (seed 003, #35223) is played on plain ints: its failed load
+    fits one layout, the historical rule's count fails there and the spec's and
+    the reference's counts pass."""
+    name = "refute_recovery_cut_by_full_attention_alone"
+    lemma = OBLIGATIONS[name].refutes_rule_of
+    assert lemma == "lemma_recovery_cut_served_by_every_group" and RESULTS[lemma].ok
+    cex = RESULTS[name].counterexample
+    assert _first_failing_layout(historical.recovered_computed_by_full_attention, cex)
+    for rule in prove.RECOVERY_RULES.values():
+        assert _first_failing_layout(rule, cex) is None
+
+
+def test_group_recovery_worked_example():
+    """Full attention and a sliding window of 2 tokens, block size 1, 5 tokens
+    computed: the window gave back positions 0 to 2, and the full-attention
+    group's load failed at position 1. A step from the cut reads position 0 in
+    the window, which it gave back: the spec recovers to 0, the historical rule
+    keeps the cut."""
+    groups = (GroupSpec(1), GroupSpec(1, "sliding_window", 2))
+    values = {"s.num_computed": 5, "cut": 1, "block_size": 1, "sliding_window": 2,
+              "num_groups": 2, "full_attention.first_present": 0,
+              "full_attention.first_invalid": 1, "sliding_window.first_present": 3,
+              "sliding_window.first_invalid": 5}
+    assert _first_failing_layout(historical.recovered_computed_by_full_attention,
+                                 values) == groups
+    assert compute_recovered_computed(groups, 1, (0, 3), (1, 5)) == 0
+    assert _first_failing_layout(compute_recovered_computed, values) is None

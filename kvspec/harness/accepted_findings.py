@@ -7,9 +7,15 @@ Known findings are fixed, not stepped around. Each has a remedy:
   new bug in the same code still shows;
 - "contract": the finding needs a connector answer no in-tree connector gives;
   the environment keeps to vLLM's connector contract instead (``env.py``), and
-  the finding's trace steps outside it on purpose (``beyond_contract``).
-The environment profile restricts something only for a finding whose fix does
-not fit the installed release (``avoided_by``, reported in ``check --json``).
+  the finding's trace steps outside it on purpose (``beyond_contract``);
+- "none": no fix written yet. Most such findings restrict nothing (the default
+  check meets them again, which is the point); one that names ``avoided_by``
+  is a gap no small patch closes (with several KV cache groups vLLM has no way
+  to take a sync load's failure), and the environment keeps out of it.
+The environment profile restricts something only for a finding whose fix is
+not applied (it does not fit the installed release, or was not chosen) or that
+has remedy "none" and names its triggers (``avoided_by``, reported in
+``check --json`` with the reason).
 """
 from __future__ import annotations
 
@@ -23,7 +29,8 @@ class AcceptedFinding:
     id: str
     summary: str
     traces: tuple[str, ...]          # under docs/findings/
-    #: EnvProfile fields and values that avoid it, where its fix does not fit
+    #: EnvProfile fields and values that avoid it, where its fix is not applied
+    #: (or, with remedy "none", always)
     avoided_by: tuple[tuple[str, object], ...]
     #: "fix" or "contract" (see the module doc); "none": no fix written yet
     remedy: str = "fix"
@@ -149,6 +156,38 @@ FULL_ASYNC_HIT_EXTERNAL_EXCEEDS_CACHED = AcceptedFinding(
     "num_external_computed_tokens = n",
     ("vllm-0.18.1-full-async-hit-external-exceeds-cached.json",), (), remedy="none")
 
+# Found by the hybrid target (issue 11): with several KV cache groups a load
+# failure must be reported per request (``failed_recving``, 0.31.0 on), which vLLM
+# honours only for an async load. No fix written: the environment fails only what
+# the release can be told of.
+HYBRID_SYNC_LOAD_FAILURE_UNREPORTABLE = AcceptedFinding(
+    "hybrid-sync-load-failure-unreportable",
+    "several KV cache groups: a sync load's failure has no report vLLM takes "
+    "(invalid_block_ids raise RuntimeError, failed_recving is ignored for a running request)",
+    ("vllm-0.32.0-hybrid-sync-load-failure-unreportable.json",),
+    (("load_failures_with_groups", "async"),), remedy="none")
+# Before 0.31.0 there is no per-request report, and block ids crash unpacking
+# the hybrid coordinator's groups (upstream #45474).
+HYBRID_BLOCK_FAILURE_UNPACK_CRASH = AcceptedFinding(
+    "hybrid-block-failure-unpack-crash",
+    "several KV cache groups: any invalid_block_ids crash update_from_output with "
+    "ValueError (too many values to unpack, #45474); there is no failed_recving",
+    ("vllm-0.28.0-hybrid-block-failure-unpack-crash.json",),
+    (("load_failures_with_groups", "none"),), remedy="none")
+
+# Found by the hybrid target (issue 11): an async hit of the whole prompt has its
+# windowed (and last-state) blocks skipped from the hit's end, not from the token
+# recomputed after the load, whose window is left on the null block. 0.31.0 and
+# 0.28.0 have it too; on 0.24.0 the fix is not enough (the window is then freed at
+# the optimistic boundary under the step in flight), on 0.18.1 and 0.14.1 the
+# trace also breaks the stats claims of full-async-hit-external-exceeds-cached.
+HYBRID_FULL_PROMPT_HIT_WINDOW_FREED = AcceptedFinding(
+    "hybrid-full-prompt-hit-window-freed",
+    "several KV cache groups: a full-prompt async hit nulls the window (or state) block "
+    "the recomputed last token reads",
+    ("vllm-0.32.0-hybrid-full-prompt-hit-window-freed.json",),
+    (("layouts", ("full",)),), fix="hybrid-full-prompt-hit-keeps-window")
+
 #: Releases measured with scripts/replay_findings.py (docs/vllm-releases.md,
 #: 2026-11-23). A 0.32.0 finding is listed for an older release only where each of
 #: its listed traces fails there, as released, with exactly the recorded
@@ -231,19 +270,27 @@ _ASYNC_0_24_0_ON = _ASYNC_RECOVERY + (FORCED_RESET_RAISES_UNDER_DEFERRED_FREES,)
 ACCEPTED: dict[str, tuple[AcceptedFinding, ...]] = {
     "0.32.0": _0_32_0_AND_0_31_0 + (ASYNC_RECOVERY_KEEPS_PLACEHOLDERS,
                                      RECOVERY_MISSES_REQUESTS_ENDED_MID_STEP,
-                                     FORCED_RESET_RAISES_UNDER_DEFERRED_FREES),
-    "0.31.0": _0_32_0_AND_0_31_0 + _ASYNC_0_24_0_ON,
+                                     FORCED_RESET_RAISES_UNDER_DEFERRED_FREES,
+                                     HYBRID_SYNC_LOAD_FAILURE_UNREPORTABLE,
+                                     HYBRID_FULL_PROMPT_HIT_WINDOW_FREED),
+    "0.31.0": _0_32_0_AND_0_31_0 + _ASYNC_0_24_0_ON + (HYBRID_SYNC_LOAD_FAILURE_UNREPORTABLE,
+                                                       HYBRID_FULL_PROMPT_HIT_WINDOW_FREED),
     "0.28.0": _0_28_0_AND_0_24_0 + (SPEC_PAD_PAST_MAX_MODEL_LEN, SPEC_PAD_CLIPPED_0_28_0)
-    + _ASYNC_0_24_0_ON + (PREEMPTION_CASCADES_PAST_FENCED_VICTIMS,),
+    + _ASYNC_0_24_0_ON + (PREEMPTION_CASCADES_PAST_FENCED_VICTIMS,
+                          HYBRID_BLOCK_FAILURE_UNPACK_CRASH,
+                          HYBRID_FULL_PROMPT_HIT_WINDOW_FREED),
     "0.24.0": _0_28_0_AND_0_24_0 + (STATS_RESET_AFTER_PREEMPTION,) + _ASYNC_0_24_0_ON + (
-        PREEMPTION_KEEPS_PLACEHOLDERS, STALE_OUTPUT_ROLLS_BACK_REJECTED_DRAFTS),
+        PREEMPTION_KEEPS_PLACEHOLDERS, STALE_OUTPUT_ROLLS_BACK_REJECTED_DRAFTS,
+        HYBRID_BLOCK_FAILURE_UNPACK_CRASH),
     "0.18.1": _0_18_1_AND_0_14_1 + (
         _only_traces("abort-mid-load-frees-under-send",
                      "vllm-0.32.0-abort-mid-load-send-assert.json"),
         FULL_ASYNC_HIT_EXTERNAL_EXCEEDS_CACHED) + _ASYNC_RECOVERY + (
-        PREEMPTION_KEEPS_PLACEHOLDERS, STALE_OUTPUT_ROLLS_BACK_REJECTED_DRAFTS),
+        PREEMPTION_KEEPS_PLACEHOLDERS, STALE_OUTPUT_ROLLS_BACK_REJECTED_DRAFTS,
+        HYBRID_BLOCK_FAILURE_UNPACK_CRASH),
     "0.14.1": _0_18_1_AND_0_14_1 + (ASYNC_LOAD_COUNTS_WHOLE_BLOCK,) + _ASYNC_RECOVERY + (
-        PREEMPTION_KEEPS_PLACEHOLDERS, STALE_OUTPUT_ROLLS_BACK_REJECTED_DRAFTS),
+        PREEMPTION_KEEPS_PLACEHOLDERS, STALE_OUTPUT_ROLLS_BACK_REJECTED_DRAFTS,
+        HYBRID_BLOCK_FAILURE_UNPACK_CRASH),
 }
 
 
@@ -274,12 +321,13 @@ def fixes_needed(version: str) -> set[str] | None:
 def profile_for(version: str, applied_fixes=None) -> EnvProfile:
     """The unrestricted environment, minus the triggers of accepted findings
     whose fix is not applied because it does not fit the installed release
-    (``applied_fixes``: the ids applied; None: every fix fits)."""
+    (``applied_fixes``: the ids applied; None: every fix fits), or that have no
+    fix (remedy "none") but name their triggers."""
     from kvspec.harness.vllm_patches import FIXES
     findings = tuple(
-        f for f in accepted_for(version)
-        if f.fix_id is not None and f.avoided_by and (f.fix_id not in FIXES or (
-            applied_fixes is not None and f.fix_id not in applied_fixes)))
+        f for f in accepted_for(version) if f.avoided_by and (
+            f.remedy == "none" or f.fix_id is not None and (f.fix_id not in FIXES or (
+                applied_fixes is not None and f.fix_id not in applied_fixes))))
     if not findings:
         return FULL
     changes: dict[str, object] = {}

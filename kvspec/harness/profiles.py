@@ -32,13 +32,13 @@ class EnvProfile:
     kv_roles: tuple[str, ...] = ("kv_both", "kv_producer")
     #: KV cache group layouts drawn (``machine.LAYOUTS``): one full-attention
     #: group, or hybrid ones with sliding-window and last-state groups
-    #: (hybrid layouts are opt-in until the reference's cross-group recovery
-    #: passes the fuzzer: ``HYBRID``; docs/notes/hybrid-groups.md)
-    layouts: tuple[str, ...] = ("full",)
+    layouts: tuple[str, ...] = ("full", "sliding", "sliding+state", "state")
+    #: with several KV cache groups, which loads may fail: "any", "async" (a
+    #: sync-loaded request's failure has no report the release takes) or "none"
+    load_failures_with_groups: str = attrs.field(
+        default="any", validator=attrs.validators.in_(("any", "async", "none")))
     #: why each restriction is there (accepted finding ids)
     because: tuple[str, ...] = ()
 
 
 FULL = EnvProfile("full")
-#: work in progress (issue 11): several KV cache groups of every kind
-HYBRID = EnvProfile("hybrid", layouts=("full", "sliding", "sliding+state", "state"))

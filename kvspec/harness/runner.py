@@ -19,7 +19,7 @@ from kvspec.spec.actions import Transition
 from kvspec.spec.arith import (compute_num_rejected, compute_placeholders_after_output,
                                compute_placeholders_after_schedule)
 from kvspec.spec.conformance import Hints, ModelBook, ModelStep
-from kvspec.spec.groups import NULL_BLOCK
+from kvspec.spec.groups import NULL_BLOCK, compute_tainted_blocks
 from kvspec.spec.invariants import Context, Ghost
 from kvspec.spec.oracle import KVContent
 from kvspec.spec.predicates import is_admissible_lowering
@@ -66,7 +66,10 @@ UNMODELLED_STEPS = "async_steps_outside_conformance_model"
 FEATURES = ("load_failures", "async_loads", "preemptions", "spec_decode",
             "failure_policy_recompute", "failure_policy_fail", "policy_fcfs", "policy_priority",
             "sends", "prefix_cache_resets", "async_scheduling",
-            "output_in_flight_at_preemption", "draft_rollback_in_flight")
+            "output_in_flight_at_preemption", "draft_rollback_in_flight",
+            # several KV cache groups (issue 11)
+            "hybrid_groups", "sliding_window", "last_state_group",
+            "load_failure_in_non_full_group")
 
 
 @attrs.define
@@ -85,13 +88,17 @@ class InFlight:
 
 def _tainted_blocks(obs: Observation, report) -> set[int]:
     """Blocks the step's failed loads left invalid; with several kinds of group
-    also the blocks a reader of invalid KV wrote (a request can read another
-    group's block computed on top of a failed one without holding the failed
-    block)."""
+    the blocks a reader of invalid KV wrote its garbage into, and everything the
+    spec counts as failed with them (``compute_tainted_blocks``: a request can
+    read another group's block computed on top of a failed one without holding
+    the failed block). Not a holder's blocks before its first failed one: the
+    hits it only read stay valid for every other holder."""
     bad = set(report.invalid_block_ids)
     if bad and obs.config.is_hybrid:
-        bad |= {b for rid in report.garbage_readers if rid in obs.requests
-                for table in obs.requests[rid].block_ids for b in table if b != NULL_BLOCK}
+        holders = [(r.block_ids, r.num_computed_tokens - r.num_output_placeholders)
+                   for r in obs.requests.values()]
+        bad = compute_tainted_blocks(holders, obs.config.block_size,
+                                     bad | report.garbage_blocks)
     return bad
 
 

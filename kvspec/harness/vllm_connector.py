@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import attrs
+from vllm.distributed.kv_transfer.kv_connector.v1 import base as _base
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                 KVConnectorMetadata)
 
@@ -26,8 +27,9 @@ class Binding:
 
     #: the environment's programmable connector (kvspec.harness.env.EnvConnector)
     env: Any
-    #: vLLM block ids of one group -> kvspec block ids (the target drops the null block)
-    to_spec_ids: Callable[[list[int]], tuple[int, ...]]
+    #: vLLM block ids of one group (and the group's index) -> kvspec block ids
+    #: (the target renumbers past the null block, which it maps to NULL_BLOCK)
+    to_spec_ids: Callable[[list[int], int], tuple[int, ...]]
     #: called with the request id when vLLM tells the connector a request finished
     on_finished: Callable[[str, bool], None] = lambda request_id, delay: None
 
@@ -56,7 +58,7 @@ class KVSpecConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         groups = blocks.get_block_ids()
-        block_ids = tuple(self.binding.to_spec_ids(list(g)) for g in groups)
+        block_ids = tuple(self.binding.to_spec_ids(list(ids), g) for g, ids in enumerate(groups))
         self.binding.env.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
@@ -68,7 +70,7 @@ class KVSpecConnector(KVConnectorBase_V1):
         # through request_finished_all_groups for hybrid ones).
         groups = block_ids if block_ids and isinstance(block_ids[0], (list, tuple)) \
             else [block_ids]
-        spec_ids = tuple(self.binding.to_spec_ids(list(g)) for g in groups)
+        spec_ids = tuple(self.binding.to_spec_ids(list(ids), g) for g, ids in enumerate(groups))
         delay, params = self.binding.env.request_finished(request, spec_ids)
         self.binding.on_finished(request.request_id, bool(delay))
         return delay, params
@@ -88,3 +90,9 @@ class KVSpecConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return None
+
+
+class KVSpecHMAConnector(KVSpecConnector, _base.SupportsHMA):
+    """The same connector, declaring support for the hybrid KV cache manager
+    (several KV cache groups): vLLM then hands every group's blocks to
+    ``request_finished_all_groups``."""

@@ -99,6 +99,11 @@ FIXES: dict[str, Patch] = {p.id: p for p in [
           "a forced reset_prefix_cache (reset_running_requests) whose preempted requests' "
           "blocks are fenced behind the step in flight drops every hash instead of raising",
           "vllm-0.32.0-forced-reset-raises-under-deferred-frees"),
+    Patch("hybrid-full-prompt-hit-keeps-window", "fix",
+          "a first allocation skips windowed blocks from where the request resumes: for "
+          "a hit of the whole prompt one token early, so the sliding window its "
+          "recomputed last token reads is not the null block",
+          "vllm-0.32.0-hybrid-full-prompt-hit-window-freed"),
     # Backports of upstream fixes for findings of older releases only (0.32.0 has
     # the fix already, so they fit only the releases named in their variants).
     Patch("async-load-counts-whole-block", "fix",
@@ -239,16 +244,22 @@ def build(patches: list[Patch]) -> PatchedVllm:
             continue
         applied.append(patch.id)
     modules: dict[str, types.ModuleType] = {}
-    for name, text in _with_subclass_modules(texts).items():
+    for name, text in _with_dependent_modules(texts).items():
         with _installed(modules):  # a later module imports the patched earlier ones
             modules[name] = _execute(name, text, sorted(applied))
     _rebind(modules)
     return PatchedVllm(modules, tuple(applied), skipped)
 
 
-#: modules whose classes subclass a class of another module: executed again when
-#: that module is patched, so that (say) AsyncScheduler inherits the patched Scheduler
-SUBCLASS_MODULES = {"vllm.v1.core.sched.scheduler": ("vllm.v1.core.sched.async_scheduler",)}
+#: modules that subclass or build a class of another module: executed again when
+#: that module is patched, so that (say) AsyncScheduler inherits the patched
+#: Scheduler and the Scheduler builds the patched KVCacheManager (listed so that
+#: one pass follows the chain)
+DEPENDENT_MODULES = {
+    "vllm.v1.core.kv_cache_coordinator": ("vllm.v1.core.kv_cache_manager",),
+    "vllm.v1.core.kv_cache_manager": ("vllm.v1.core.sched.scheduler",),
+    "vllm.v1.core.sched.scheduler": ("vllm.v1.core.sched.async_scheduler",),
+}
 
 
 @contextlib.contextmanager
@@ -261,9 +272,9 @@ def _installed(modules: dict[str, types.ModuleType]):
         sys.modules.update(saved)
 
 
-def _with_subclass_modules(texts: dict[str, str]) -> dict[str, str]:
+def _with_dependent_modules(texts: dict[str, str]) -> dict[str, str]:
     texts = dict(texts)
-    for base, dependents in SUBCLASS_MODULES.items():
+    for base, dependents in DEPENDENT_MODULES.items():
         for name in dependents if base in texts else ():
             try:
                 texts.setdefault(name, _source(name))

@@ -20,7 +20,17 @@ Mapping decisions, each one a place where vLLM and the spec name things differen
   The target gives vLLM ``num_blocks + 1`` blocks and renumbers: vLLM block
   ``b`` is kvspec block ``b - 1``, everywhere (pool view, block tables, the
   connector's block ids, ``invalid_block_ids`` from the worker). A full
-  attention block table that ever held block 0 is reported as a target crash.
+  attention block table that ever held block 0 is reported as a target crash;
+  in a sliding-window table block 0 is an entry the group gave back, the
+  spec's ``NULL_BLOCK``.
+- **Several KV cache groups.** A config with more than one group runs vLLM's
+  hybrid KV cache manager (full attention and sliding window; last-state
+  groups are not mapped yet: vLLM's Mamba manager moves a request's state
+  between blocks) with ``KVSpecHMAConnector``. Prefix-cache keys are vLLM's
+  hash with the group id, split into the spec's group cache key. A failed
+  async load is reported per request in ``failed_recving`` where the release
+  has the field, as vLLM asks of a connector with several groups
+  (``_failure_report``).
 - **Cache-hit stats.** Releases before ``prefill_stats`` keep
   ``Request.num_cached_tokens`` (-1 until set when the request first runs) and
   ``Request.num_external_computed_tokens`` (set at every lookup); the target
@@ -70,8 +80,9 @@ from pathlib import Path
 import attrs
 
 from kvspec.harness.env import EOS_TOKEN_ID, RequestSpec
-from kvspec.spec.state import (MAX_DRAFTS, STATS_UNSET, Config, Observation, PoolView,
-                               RequestStatus, RequestView, StepView, WorkerOutcome)
+from kvspec.spec.groups import NULL_BLOCK, get_group_cache_key, is_windowed
+from kvspec.spec.state import (MAX_DRAFTS, STATS_UNSET, Config, GroupSpec, Observation,
+                               PoolView, RequestStatus, RequestView, StepView, WorkerOutcome)
 
 TINY_MODEL = Path(__file__).with_name("tiny_model")
 TINY_MODEL_CONFIG = {
@@ -118,6 +129,7 @@ class _Modules:
                 from vllm.sampling_params import SamplingParams
                 from vllm.v1.core import kv_cache_utils
                 from vllm.v1.core.sched.scheduler import Scheduler
+                from vllm.v1 import kv_cache_interface
                 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
                                                         KVCacheGroupSpec)
                 from vllm.v1.outputs import (DraftTokenIds, KVConnectorOutput,
@@ -134,17 +146,20 @@ class _Modules:
             SamplingParams, Scheduler, Request, VStatus)
         self.FullAttentionSpec, self.KVCacheConfig, self.KVCacheGroupSpec = (
             FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec)
+        self.SlidingWindowSpec = getattr(kv_cache_interface, "SlidingWindowSpec", None)
         self.DraftTokenIds, self.KVConnectorOutput, self.ModelRunnerOutput = (
             DraftTokenIds, KVConnectorOutput, ModelRunnerOutput)
         self.StructuredOutputManager = StructuredOutputManager
         self.kv_cache_utils = kv_cache_utils
         self.version = getattr(vllm, "__version__", "unknown")
         self.get_block_hash = getattr(kv_cache_utils, "get_block_hash", None)
+        self.get_group_id = getattr(kv_cache_utils, "get_group_id", None)
         self.hash_fn = _hash_fn()
         kv_cache_utils.init_none_hash(self.hash_fn)
         self.request_params = inspect.signature(Request.__init__).parameters
         self.scheduler_params = inspect.signature(Scheduler.__init__).parameters
         self.output_fields = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+        self.kv_output_fields = {f.name for f in dataclasses.fields(KVConnectorOutput)}
         update = inspect.signature(SamplingParams.update_from_generation_config).parameters
         self.generation_config_takes_eos = len([p for p in update if p != "self"]) >= 2
         self.model_configs: dict[int, object] = {}
@@ -224,23 +239,21 @@ class VllmTarget:
         self.patches = patched(fixes, planted)
         self.config = config
         self.env = connector
-        for g in config.groups:
-            if g.kind != "full_attention":
-                raise ValueError(f"the vllm target supports full-attention groups, not {g.kind!r}")
         block_size = config.block_size
         if any(g.block_size != block_size for g in config.groups):
             raise ValueError("the vllm target needs one block size for every group")
+        #: several groups: vLLM's hybrid KV cache manager and an HMA connector
+        self.is_hybrid = len(config.groups) > 1
         num_blocks = config.num_blocks + NULL_BLOCKS
+        kv_cache_groups = [m.KVCacheGroupSpec([f"layer{i}"], _group_spec(m, g))
+                           for i, g in enumerate(config.groups)]
         try:
             vllm_config = self._vllm_config(config, num_blocks)
         except ValueError as exc:  # pydantic's ValidationError is one
             detail = " ".join(str(exc).split())
             raise ValueError(f"vLLM {m.version} rejects this configuration: {detail}") from None
-        kv_cache_config = m.KVCacheConfig(
-            num_blocks=num_blocks, kv_cache_tensors=[],
-            kv_cache_groups=[m.KVCacheGroupSpec([f"layer{i}"], m.FullAttentionSpec(
-                block_size=block_size, num_kv_heads=1, head_size=8, dtype=m.torch.float32))
-                for i in range(len(config.groups))])
+        kv_cache_config = m.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                          kv_cache_groups=kv_cache_groups)
         if hasattr(kv_cache_config, "hash_block_size"):
             kv_cache_config.hash_block_size = block_size
         if hasattr(kv_cache_config, "cache_hit_alignment_tokens"):
@@ -287,12 +300,13 @@ class VllmTarget:
             max_model_len=config.max_model_len, is_encoder_decoder=False,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             policy=config.policy, enable_chunked_prefill=True, async_scheduling=False,
-            disable_hybrid_kv_cache_manager=True)
+            disable_hybrid_kv_cache_manager=not self.is_hybrid)
         cache_config = _only_known(c.CacheConfig, block_size=config.block_size,
                                    enable_prefix_caching=config.enable_prefix_caching,
                                    prefix_caching_hash_algo="sha256")
         kv_transfer_config = _only_known(
-            c.KVTransferConfig, kv_connector="KVSpecConnector",
+            c.KVTransferConfig,
+            kv_connector="KVSpecHMAConnector" if self.is_hybrid else "KVSpecConnector",
             kv_connector_module_path="kvspec.harness.vllm_connector", kv_role=config.kv_role,
             kv_load_failure_policy=config.kv_load_failure_policy)
         if getattr(kv_transfer_config, "kv_load_failure_policy",
@@ -332,12 +346,16 @@ class VllmTarget:
         return vllm_config
 
     # -- block ids --------------------------------------------------------------
-    def _to_spec_ids(self, vllm_ids) -> tuple[int, ...]:
+    def _to_spec_ids(self, vllm_ids, group: int = 0) -> tuple[int, ...]:
+        """One group's vLLM block ids as kvspec's: the null block is
+        ``NULL_BLOCK`` in a group that gives blocks back, and never in a
+        full-attention table."""
+        windowed = is_windowed(self.config.groups[group])
         out = []
         for b in vllm_ids:
-            if b < NULL_BLOCKS:
+            if b < NULL_BLOCKS and not windowed:
                 raise AssertionError(f"a full-attention block table holds the null block {b}")
-            out.append(b - NULL_BLOCKS)
+            out.append(NULL_BLOCK if b < NULL_BLOCKS else b - NULL_BLOCKS)
         return tuple(out)
 
     # -- the Target protocol ----------------------------------------------------
@@ -399,10 +417,12 @@ class VllmTarget:
         recving = set(outcome.finished_recving)
         recving |= {rid for rid in self._cancelled_loads if rid in self.scheduler.requests}
         self._cancelled_loads.clear()
+        invalid, failed = self._failure_report(outcome, recving)
         kv = m.KVConnectorOutput(
             finished_sending=set(outcome.finished_sending) or None,
             finished_recving=recving or None,
-            invalid_block_ids={b + NULL_BLOCKS for b in outcome.invalid_block_ids})
+            invalid_block_ids={b + NULL_BLOCKS for b in invalid},
+            **({"failed_recving": failed} if failed else {}))
         kwargs = dict(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                       sampled_token_ids=[list(outcome.sampled_token_ids.get(rid, ()))
                                          for rid in req_ids],
@@ -417,6 +437,25 @@ class VllmTarget:
         self._cancelled_loads |= {rid for rid in loading - recving
                                   if rid in self.scheduler.requests
                                   and self.scheduler.requests[rid].is_finished()}
+
+    def _failure_report(self, outcome: WorkerOutcome, recving: set[str]):
+        """The worker's failed loads as an HMA connector reports them: with
+        several groups vLLM takes no block-level failures (0.31 on raise
+        RuntimeError, older releases crash unpacking them, #45474), so a failed
+        async load is reported per request in ``failed_recving`` where the
+        release has the field. Other block ids go through as they are (a sync
+        load's failure has no per-request report: see the accepted finding
+        hybrid-sync-load-failure-unreportable)."""
+        invalid = set(outcome.invalid_block_ids)
+        if not (self.is_hybrid and invalid and "failed_recving" in self.m.kv_output_fields):
+            return invalid, set()
+        failed = set()  # async loads that end now (a request aborted mid-load included)
+        for rid in recving & set(self.scheduler.requests):
+            held = {b for t in self.observe_request(rid).block_ids for b in t}
+            if held & invalid:
+                failed.add(rid)
+                invalid -= held
+        return invalid, failed
 
     def _loading(self) -> set[str]:
         status = m_status(self.m, "WAITING_FOR_REMOTE_KVS")
@@ -493,7 +532,7 @@ class VllmTarget:
             num_computed_tokens=r.num_computed_tokens, num_cached_tokens=cached,
             num_external_computed_tokens=external,
             num_preemptions=getattr(r, "num_preemptions", 0),
-            block_ids=tuple(self._to_spec_ids(t) for t in tables),
+            block_ids=tuple(self._to_spec_ids(t, g) for g, t in enumerate(tables)),
             block_hashes=tuple(r.block_hashes), spec_token_ids=tuple(r.spec_token_ids),
             num_output_placeholders=getattr(r, "num_output_placeholders", 0),
             priority=r.priority, **extra)
@@ -508,10 +547,14 @@ class VllmTarget:
         for key, value in entries.items():
             found = value.values() if isinstance(value, dict) else [value]
             block_hash = self.m.get_block_hash(key) if self.m.get_block_hash else key
+            group = self.m.get_group_id(key) if self.m.get_group_id else 0
             for block in found:
-                cached.append((block_hash, block.block_id - NULL_BLOCKS))
+                cached.append((get_group_cache_key(block_hash, group),
+                               block.block_id - NULL_BLOCKS))
+        # a hybrid request's deferred free lists the null block of its windowed groups
         fenced = tuple(b.block_id - NULL_BLOCKS for _, held in
-                       getattr(self.scheduler, "deferred_frees", ()) for b in held)
+                       getattr(self.scheduler, "deferred_frees", ()) for b in held
+                       if b.block_id >= NULL_BLOCKS)
         return PoolView(ref_cnt=tuple(b.ref_cnt for b in blocks), free_queue=tuple(free),
                         cached=tuple(cached), fenced=fenced)
 
@@ -528,6 +571,21 @@ class VllmTarget:
             config=self.config, requests=requests, waiting=tuple(waiting),
             running=tuple(r.request_id for r in s.running), pool=self._pool_view(),
             sending=tuple(rid for rid, r in requests.items() if r.status.is_finished))
+
+
+def _group_spec(m: _Modules, group: GroupSpec):
+    """vLLM's KV cache spec of one group: full attention or a sliding window."""
+    common = dict(block_size=group.block_size, num_kv_heads=1, head_size=8,
+                  dtype=m.torch.float32)
+    if group.kind == "full_attention":
+        return m.FullAttentionSpec(**common)
+    if group.kind == "sliding_window" and m.SlidingWindowSpec is not None:
+        return m.SlidingWindowSpec(**common, sliding_window=group.sliding_window)
+    if group.kind == "last_state":
+        raise ValueError("the vllm target does not map last-state groups yet: vLLM's Mamba "
+                         "manager moves a request's state between blocks, which the spec's "
+                         "last-state group keeps at its position (docs/notes/hybrid-groups.md)")
+    raise ValueError(f"vLLM {m.version} has no KV cache spec for a {group.kind} group")
 
 
 def _located(exc: AssertionError) -> AssertionError:
