@@ -65,6 +65,8 @@ def unwitnessed(checks: dict[str, int], witnessed: dict[str, int],
     if profile is not None and profile.because:
         restricted = (f"this run's profile {profile.name} restricts the environment to step "
                       f"around {', '.join(profile.because)}")
+    elif profile is not None and profile.layouts == ("full",):
+        restricted = "this run draws one full-attention group only (--layouts full)"
     return {name: inv.unwitnessed_because or restricted for name, inv in REGISTRY.items()
             if is_checked_claim(inv, design_rules) and not witnessed.get(name)}
 
