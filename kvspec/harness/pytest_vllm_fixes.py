@@ -4,9 +4,12 @@ Load it with ``pytest -p kvspec.harness.pytest_vllm_fixes``. In ``pytest_configu
 (before any test module is imported) it replaces ``Scheduler`` in the imported module
 ``vllm.v1.core.sched.scheduler`` with the class patched by kvspec's fixes
 (:func:`kvspec.harness.vllm_patches.patched`), so a test's module-level
-``from vllm.v1.core.sched.scheduler import Scheduler`` gets the fixed class. The fixes
-are read from ``KVSPEC_VLLM_FIXES``: "all" (the default), "none", or fix ids joined
-by commas. Used by tests/test_reproducers.py on docs/findings/reproducers/.
+``from vllm.v1.core.sched.scheduler import Scheduler`` gets the fixed class. That class
+builds the patched ``KVCacheManager`` and KV cache coordinator where a fix changes them
+(``vllm_patches.DEPENDENT_MODULES``); a test importing those classes itself gets the
+installed ones. The fixes are read from ``KVSPEC_VLLM_FIXES``: "all" (the default),
+"none", or fix ids joined by commas. Used by tests/test_reproducers.py on
+docs/findings/reproducers/.
 """
 from __future__ import annotations
 

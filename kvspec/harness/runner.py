@@ -522,9 +522,12 @@ class Runner:
             tables = was.block_ids if was is not None else ()
             table = tables[0] if tables else ()
             # the first failed block in any group: with several groups the
-            # recovery rule is stated at the earliest one (spec/groups.py)
-            bad = min((i for t in tables for i, b in enumerate(t)
-                       if b in (tainted or outcome.invalid_block_ids)), default=None)
+            # recovery rule is stated at the earliest one (spec/groups.py). A
+            # request that had ended (held for a send) recovers nothing: the
+            # taint may reach its blocks, its count stays as it was.
+            bad = None if old.status.is_finished else min(
+                (i for t in tables for i, b in enumerate(t)
+                 if b in (tainted or outcome.invalid_block_ids)), default=None)
             hints[rid] = Hints(
                 num_new=step.num_scheduled_tokens.get(rid, 0),
                 num_drafts=len(step.scheduled_spec_decode_tokens.get(rid, ())),

@@ -32,6 +32,8 @@ class Binding:
     to_spec_ids: Callable[[list[int], int], tuple[int, ...]]
     #: called with the request id when vLLM tells the connector a request finished
     on_finished: Callable[[str, bool], None] = lambda request_id, delay: None
+    #: called with the request id and the (kvspec) block ids a load will write
+    on_load: Callable[[str, tuple], None] = lambda request_id, block_ids: None
 
 
 #: set by the target right before it constructs a Scheduler; read once by __init__
@@ -59,6 +61,8 @@ class KVSpecConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         groups = blocks.get_block_ids()
         block_ids = tuple(self.binding.to_spec_ids(list(ids), g) for g, ids in enumerate(groups))
+        if num_external_tokens > 0:
+            self.binding.on_load(request.request_id, block_ids)
         self.binding.env.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:

@@ -276,8 +276,11 @@ class VllmTarget:
             kwargs["hash_block_size"] = block_size
         kwargs = {k: v for k, v in kwargs.items() if k in m.scheduler_params}
         logging.getLogger("vllm").setLevel(logging.CRITICAL)  # vLLM may reconfigure its logger
+        #: request id -> the blocks its latest load writes (a windowed group may
+        #: give one back before the load's report arrives: failures name it still)
+        self._load_targets: dict[str, set[int]] = {}
         vllm_connector.CURRENT_BINDING = vllm_connector.Binding(
-            env=connector, to_spec_ids=self._to_spec_ids)
+            env=connector, to_spec_ids=self._to_spec_ids, on_load=self._note_load)
         try:
             self.scheduler = self._scheduler_class()(**kwargs)
         finally:
@@ -438,6 +441,9 @@ class VllmTarget:
                                   if rid in self.scheduler.requests
                                   and self.scheduler.requests[rid].is_finished()}
 
+    def _note_load(self, request_id: str, block_ids) -> None:
+        self._load_targets[request_id] = {b for t in block_ids for b in t if b != NULL_BLOCK}
+
     def _failure_report(self, outcome: WorkerOutcome, recving: set[str]):
         """The worker's failed loads as an HMA connector reports them: with
         several groups vLLM takes no block-level failures (0.31 on raise
@@ -452,6 +458,7 @@ class VllmTarget:
         failed = set()  # async loads that end now (a request aborted mid-load included)
         for rid in recving & set(self.scheduler.requests):
             held = {b for t in self.observe_request(rid).block_ids for b in t}
+            held |= self._load_targets.pop(rid, set())
             if held & invalid:
                 failed.add(rid)
                 invalid -= held
