@@ -114,8 +114,9 @@ def check_target(name: str, origin: str = "") -> None:
                  f"{installed_vllm_version()} failed: {type(cause).__name__}: {cause}")
 
 
-#: the KV cache group layouts the vllm target maps (see target_profile)
-VLLM_LAYOUTS = ("full", "sliding")
+#: the KV cache group layouts the vllm target maps (see target_profile); those
+#: with a last-state group only where the release maps one (vllm_target.maps_last_state)
+VLLM_LAYOUTS = ("full", "sliding", "state", "sliding+state")
 LAYOUTS_HELP = ("KV cache group layouts to draw, joined by commas: full, sliding, state, "
                 "sliding+state (default: every layout the target maps)")
 
@@ -167,10 +168,9 @@ def target_profile(target: str, quiet: bool = False):
         if other:
             console.print(f"vllm: not applied, fixes of findings this release does not have: "
                           f"{', '.join(other)}")
-    # vLLM's Mamba manager (align mode) moves a request's state between blocks,
-    # which the spec's positional last-state group does not map yet: the vllm
-    # target takes full-attention and sliding-window groups (a gap of the
-    # target, not a finding; docs/notes/hybrid-groups.md)
+    # Gaps of the target, not findings (docs/notes/hybrid-groups.md): it maps a
+    # last-state group only where the release has align-mode Mamba with
+    # external hits, and never beside spec decode
     if fixes == "none":  # the release as shipped, the whole environment
         return _mapped_layouts(FULL)
     profile = _mapped_layouts(profile_for(installed_vllm_version(), set(applied.applied)))
@@ -182,8 +182,12 @@ def target_profile(target: str, quiet: bool = False):
 
 
 def _mapped_layouts(profile):
-    """The profile drawing only the layouts the vllm target maps."""
-    return attrs.evolve(profile, layouts=tuple(x for x in profile.layouts if x in VLLM_LAYOUTS))
+    """The profile drawing only the layouts the vllm target maps on the
+    installed release, and no drafts beside a last-state group."""
+    from kvspec.harness.vllm_target import maps_last_state, modules
+    mapped = VLLM_LAYOUTS if maps_last_state(modules()) else ("full", "sliding")
+    return attrs.evolve(profile, layouts=tuple(x for x in profile.layouts if x in mapped),
+                        spec_decode_with_last_state=False)
 
 
 def target_patches(target: str) -> dict | None:

@@ -5,9 +5,10 @@
 
 One fixed scenario per cell, run on the ``vllm`` target as released
 (``vllm?fixes=none``) and with every fix that fits (``vllm``): a full-attention
-group and a sliding window of 4 tokens (block size 2), one request of 7 tokens
-whose first 6 the external store holds, loaded synchronously or asynchronously;
-the load fails in the full-attention group or in the sliding-window group; under
+group and a sliding window of 4 tokens (block size 2), or a full-attention group
+and a last-state group (vLLM's align-mode Mamba, where the release maps it), one
+request of 7 tokens whose first 6 the external store holds, loaded synchronously
+or asynchronously; the load fails in one group of each kind; under
 each failure policy. Scheduling is synchronous, so what a cell shows is the
 failure handling alone. The failure reaches vLLM as an HMA connector reports it:
 ``failed_recving`` for an async load where the release has the field, block ids
@@ -32,7 +33,9 @@ from kvspec.harness.machine import make_groups  # noqa: E402
 from kvspec.harness.runner import Runner  # noqa: E402
 from kvspec.harness.target import make_config  # noqa: E402
 
-GROUPS = {"full_attention": 0, "sliding_window": 1}
+#: group kind failing -> (layout, index of that group in it)
+GROUPS = {"full_attention": ("sliding", 0), "sliding_window": ("sliding", 1),
+          "last_state": ("state", 1)}
 LOADS = ("sync", "async")
 POLICIES = ("recompute", "fail")
 TARGETS = {"as_released": "vllm?fixes=none", "with_fixes": "vllm"}
@@ -47,10 +50,11 @@ def scenario(load: str, group: int) -> list[dict]:
     return [add, fail, {"op": "drain"}]
 
 
-def verdict(target: str, load: str, group: int, policy: str) -> str:
+def verdict(target: str, load: str, kind: str, policy: str) -> str:
+    layout, group = GROUPS[kind]
     config = make_config(block_size=2, num_blocks=12, max_num_batched_tokens=16,
                          max_num_seqs=2, max_model_len=16, kv_load_failure_policy=policy,
-                         groups=make_groups("sliding", 2, 4))
+                         groups=make_groups(layout, 2, 4))
     try:
         failure = Runner(target, config).run(scenario(load, group))
     except Exception as exc:  # noqa: BLE001 - the release could not run the scenario
@@ -73,10 +77,10 @@ def main(argv=None) -> int:
     cells = {}
     for name, target in TARGETS.items():
         for load in LOADS:
-            for kind, group in GROUPS.items():
+            for kind in GROUPS:
                 for policy in POLICIES:
                     key = f"{load}/{kind}/{policy}"
-                    cells.setdefault(name, {})[key] = verdict(target, load, group, policy)
+                    cells.setdefault(name, {})[key] = verdict(target, load, kind, policy)
                     print(f"{name:12} {key:35} {cells[name][key]}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"vllm": installed_vllm_version(), "cells": cells},

@@ -38,8 +38,9 @@ def describe(entry: dict) -> str:
     """One replay's outcome in a table cell."""
     if entry["result"] in ("passes", "fails"):
         return entry["result"]
-    if entry["result"] == "error":
-        return f"error: {entry['error'][:80]}"
+    if entry["result"] == "error":  # the reason, without the trace's path or the release
+        reason = entry["error"].rpartition("cannot run this trace: ")[2]
+        return f"error: {re.sub(r'^vLLM [0-9.]+ ', 'the release ', reason)[:110]}"
     text = f"fails differently: {', '.join(entry['got'])}"
     for masked in entry.get("masked", ()):
         text += (f"; ignoring {', '.join(masked['ignored'])}: "

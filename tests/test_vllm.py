@@ -184,6 +184,67 @@ def test_default_check_finds_no_new_finding(tmp_path):
                     f"{violation_text(result.counterexample)}; trace: {result.trace_path}")
     # several KV cache groups run on vLLM's hybrid manager (issue 11)
     assert result.features["hybrid_groups"] > 0 and result.features["sliding_window"] > 0
+    from kvspec.harness.vllm_target import maps_last_state, modules
+    if maps_last_state(modules()):  # and its Mamba manager, from 0.28.0 on
+        assert result.features["last_state_group"] > 0
+
+
+def _state_config(**overrides):
+    from kvspec.harness.machine import make_groups
+    from kvspec.harness.target import make_config
+    from kvspec.harness.vllm_target import maps_last_state, modules
+    if not maps_last_state(modules()):
+        pytest.skip(f"vLLM {VERSION} does not map a last-state group (no align-mode Mamba "
+                    "admission that tells external hits from local ones; 0.28.0 on)")
+    return make_config(**{**dict(block_size=4, num_blocks=9, max_num_batched_tokens=4,
+                                 max_num_seqs=2, max_model_len=13, async_scheduling=True,
+                                 groups=make_groups("state", 4, 1)), **overrides})
+
+
+def test_a_last_state_group_runs_on_vllms_patched_mamba_manager():
+    """The finding's trace passes with its fix: the fix lives in the per-group
+    manager module, which vLLM's spec registry names; the target points the
+    registry at the patched managers while the scheduler is built."""
+    from kvspec.harness.runner import Runner
+    from kvspec.harness.trace import load_trace
+    trace = load_trace(FINDINGS / "vllm-0.32.0-mamba-external-hit-undercounted.json")
+    runner = Runner("vllm?fixes=mamba-external-hit-counts-its-state-block",
+                    _state_config())
+    assert runner.run(trace["actions"]) is None
+    manager = runner.target.scheduler.kv_cache_manager.coordinator.single_type_managers[1]
+    from vllm.v1.core import single_type_kv_cache_manager as installed
+
+    from kvspec.harness.vllm_patches import MANAGERS_MODULE
+    assert type(manager) is runner.target.patches.get(MANAGERS_MODULE, "MambaManager")
+    assert type(manager) is not installed.MambaManager
+    assert runner.features["last_state_group"] > 0
+
+
+def test_the_spec_registry_is_given_back_after_a_patched_build():
+    """Unpatched schedulers in the same process keep vLLM's own managers."""
+    from kvspec.harness.runner import Runner
+    Runner("vllm", _state_config())
+    registry = pytest.importorskip("vllm.v1.kv_cache_spec_registry",
+                                   reason="no spec registry in this release")
+    from vllm.v1.core import single_type_kv_cache_manager as installed
+    for meta in registry._REGISTRY_KVCACHESPEC_LIST.values():
+        name = meta.manager_class.__name__
+        assert meta.manager_class is getattr(installed, name, meta.manager_class), meta
+
+
+def test_drafts_beside_a_last_state_group_are_refused_not_a_finding():
+    """vLLM keeps per-draft Mamba states the spec does not model: a trace asking
+    for drafts there cannot run on the vllm target (one clear error), and is
+    not reported as a vLLM crash."""
+    from kvspec.harness.runner import Runner
+    from kvspec.harness.targets import TargetCannotMap
+    with pytest.raises(TargetCannotMap, match="spec decode beside a last-state group"):
+        Runner("vllm", _state_config(num_speculative_tokens=1))
+    runner = Runner("vllm", _state_config(async_scheduling=False))
+    runner.apply({"op": "add", "id": "r0", "prompt": [1, 2, 3, 4, 5], "max_tokens": 3})
+    with pytest.raises(TargetCannotMap):
+        for _ in range(3):
+            runner.apply({"op": "step", "drafts": 2})
 
 
 @pytest.mark.parametrize("group", [0, 1], ids=["full_attention", "sliding_window"])

@@ -188,6 +188,17 @@ HYBRID_FULL_PROMPT_HIT_WINDOW_FREED = AcceptedFinding(
     ("vllm-0.32.0-hybrid-full-prompt-hit-window-freed.json",),
     (("layouts", ("full",)),), fix="hybrid-full-prompt-hit-keeps-window")
 
+# Found by the hybrid target with a last-state group (issue 11): align-mode Mamba
+# admission leaves out the block an external hit's state is loaded into, so
+# allocate_slots runs out of blocks it said it had. 0.31.0 and 0.28.0 have it too
+# (variants of the fix); earlier releases do not map the group.
+MAMBA_EXTERNAL_HIT_UNDERCOUNTED = AcceptedFinding(
+    "mamba-external-hit-undercounted",
+    "a last-state (Mamba, align mode) group: admission does not count the block an "
+    "external hit's state needs, and allocation raises ValueError (no free blocks)",
+    ("vllm-0.32.0-mamba-external-hit-undercounted.json",),
+    (("layouts", ("full", "sliding")),), fix="mamba-external-hit-counts-its-state-block")
+
 #: Releases measured with scripts/replay_findings.py (docs/vllm-releases.md,
 #: 2026-11-23). A 0.32.0 finding is listed for an older release only where each of
 #: its listed traces fails there, as released, with exactly the recorded
@@ -272,13 +283,16 @@ ACCEPTED: dict[str, tuple[AcceptedFinding, ...]] = {
                                      RECOVERY_MISSES_REQUESTS_ENDED_MID_STEP,
                                      FORCED_RESET_RAISES_UNDER_DEFERRED_FREES,
                                      HYBRID_SYNC_LOAD_FAILURE_UNREPORTABLE,
-                                     HYBRID_FULL_PROMPT_HIT_WINDOW_FREED),
+                                     HYBRID_FULL_PROMPT_HIT_WINDOW_FREED,
+                                     MAMBA_EXTERNAL_HIT_UNDERCOUNTED),
     "0.31.0": _0_32_0_AND_0_31_0 + _ASYNC_0_24_0_ON + (HYBRID_SYNC_LOAD_FAILURE_UNREPORTABLE,
-                                                       HYBRID_FULL_PROMPT_HIT_WINDOW_FREED),
+                                                       HYBRID_FULL_PROMPT_HIT_WINDOW_FREED,
+                                                       MAMBA_EXTERNAL_HIT_UNDERCOUNTED),
     "0.28.0": _0_28_0_AND_0_24_0 + (SPEC_PAD_PAST_MAX_MODEL_LEN, SPEC_PAD_CLIPPED_0_28_0)
     + _ASYNC_0_24_0_ON + (PREEMPTION_CASCADES_PAST_FENCED_VICTIMS,
                           HYBRID_BLOCK_FAILURE_UNPACK_CRASH,
-                          HYBRID_FULL_PROMPT_HIT_WINDOW_FREED),
+                          HYBRID_FULL_PROMPT_HIT_WINDOW_FREED,
+                          MAMBA_EXTERNAL_HIT_UNDERCOUNTED),
     "0.24.0": _0_28_0_AND_0_24_0 + (STATS_RESET_AFTER_PREEMPTION,) + _ASYNC_0_24_0_ON + (
         PREEMPTION_KEEPS_PLACEHOLDERS, STALE_OUTPUT_ROLLS_BACK_REJECTED_DRAFTS,
         HYBRID_BLOCK_FAILURE_UNPACK_CRASH),
@@ -332,6 +346,10 @@ def profile_for(version: str, applied_fixes=None) -> EnvProfile:
         return FULL
     changes: dict[str, object] = {}
     for finding in findings:
-        changes.update(dict(finding.avoided_by))
+        for field, value in finding.avoided_by:
+            if isinstance(value, tuple) and isinstance(changes.get(field), tuple):
+                # two findings restrict one choice: draw what avoids both
+                value = tuple(x for x in changes[field] if x in value)
+            changes[field] = value
     return attrs.evolve(FULL, name=f"vllm-{version}-unfixed", **changes,
                         because=tuple(f.id for f in findings))

@@ -33,6 +33,8 @@ class EnvProfile:
     #: KV cache group layouts drawn (``machine.LAYOUTS``): one full-attention
     #: group, or hybrid ones with sliding-window and last-state groups
     layouts: tuple[str, ...] = ("full", "sliding", "sliding+state", "state")
+    #: spec decode (drafts, sync or async) beside a last-state group
+    spec_decode_with_last_state: bool = True
     #: with several KV cache groups, which loads may fail: "any", "async" (a
     #: sync-loaded request's failure has no report the release takes) or "none"
     load_failures_with_groups: str = attrs.field(

@@ -13,7 +13,7 @@ import attrs
 import kvspec.spec.catalogue  # noqa: F401  (registers every claim, in one order)
 from kvspec.harness.env import (EOS_TOKEN_ID, EnvConnector, EnvironmentContractViolation,
                                 RequestSpec, draft_token, sampled_token)
-from kvspec.harness.targets import make_target
+from kvspec.harness.targets import TargetCannotMap, make_target
 from kvspec.impl.connector import ConnectorContractError
 from kvspec.spec.actions import Transition
 from kvspec.spec.arith import (compute_num_rejected, compute_placeholders_after_output,
@@ -163,7 +163,7 @@ class Runner:
             violations = [Violation("environment_contract", str(exc),
                                     "The environment answered outside the connector contract; "
                                     "this is not a scheduler bug.")]
-        except Counterexample:
+        except (Counterexample, TargetCannotMap):
             raise
         except Exception as exc:  # the target crashed: a finding, not a harness error
             violations = [Violation("target_crashed", f"{type(exc).__name__}: {exc}",

@@ -5,6 +5,11 @@ from __future__ import annotations
 from kvspec.spec.state import Config
 
 
+class TargetCannotMap(ValueError):
+    """A trace asks a target for something it does not map (not a finding of the
+    target: the trace cannot be replayed there)."""
+
+
 class UnknownTarget(ValueError):
     pass
 

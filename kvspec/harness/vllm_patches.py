@@ -27,6 +27,7 @@ a release without that finding it does not fit, and is not needed
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -104,6 +105,11 @@ FIXES: dict[str, Patch] = {p.id: p for p in [
           "a hit of the whole prompt one token early, so the sliding window its "
           "recomputed last token reads is not the null block",
           "vllm-0.32.0-hybrid-full-prompt-hit-window-freed"),
+    Patch("mamba-external-hit-counts-its-state-block", "fix",
+          "align-mode Mamba admission counts the block an external hit's state is "
+          "loaded into when the first step's state goes to another block, so "
+          "allocate_slots no longer runs out of blocks it said it had",
+          "vllm-0.32.0-mamba-external-hit-undercounted"),
     # Backports of upstream fixes for findings of older releases only (0.32.0 has
     # the fix already, so they fit only the releases named in their variants).
     Patch("async-load-counts-whole-block", "fix",
@@ -229,6 +235,39 @@ class PatchedVllm:
         mod = self.modules.get(module) or importlib.import_module(module)
         return getattr(mod, name)
 
+    @contextlib.contextmanager
+    def managers(self):
+        """While a scheduler is built: vLLM's KV cache spec registry (0.32) names
+        the patched per-group managers, so the patched coordinator builds them.
+        The registry is global; it is given back as it was, so unpatched
+        schedulers in the same process keep the installed managers."""
+        patched = self.modules.get(MANAGERS_MODULE)
+        try:
+            registry = importlib.import_module("vllm.v1.kv_cache_spec_registry")
+        except ImportError:  # older releases map specs to managers in the patched module
+            registry = None
+        if patched is None or registry is None:
+            yield
+            return
+        registry.KVCacheSpecRegistry._ensure_registered()
+        specs = registry._REGISTRY_KVCACHESPEC_LIST
+        roles = getattr(registry, "_REGISTRY_ROLE_MANAGERS", {})  # 0.31.0 on
+        saved = dict(specs), dict(roles)
+        for key, meta in specs.items():
+            own = getattr(patched, meta.manager_class.__name__, meta.manager_class)
+            specs[key] = dataclasses.replace(meta, manager_class=own)
+        for role, manager in roles.items():
+            roles[role] = getattr(patched, manager.__name__, manager)
+        try:
+            yield
+        finally:
+            specs.clear(), specs.update(saved[0])
+            roles.clear(), roles.update(saved[1])
+
+
+#: vLLM's per-group KV cache managers (full attention, sliding window, Mamba)
+MANAGERS_MODULE = "vllm.v1.core.single_type_kv_cache_manager"
+
 
 def build(patches: list[Patch]) -> PatchedVllm:
     """Apply every patch that fits, each module once with all its hunks, and
@@ -256,6 +295,7 @@ def build(patches: list[Patch]) -> PatchedVllm:
 #: Scheduler and the Scheduler builds the patched KVCacheManager (listed so that
 #: one pass follows the chain)
 DEPENDENT_MODULES = {
+    "vllm.v1.core.single_type_kv_cache_manager": ("vllm.v1.core.kv_cache_coordinator",),
     "vllm.v1.core.kv_cache_coordinator": ("vllm.v1.core.kv_cache_manager",),
     "vllm.v1.core.kv_cache_manager": ("vllm.v1.core.sched.scheduler",),
     "vllm.v1.core.sched.scheduler": ("vllm.v1.core.sched.async_scheduler",),

@@ -24,13 +24,20 @@ Mapping decisions, each one a place where vLLM and the spec name things differen
   in a sliding-window table block 0 is an entry the group gave back, the
   spec's ``NULL_BLOCK``.
 - **Several KV cache groups.** A config with more than one group runs vLLM's
-  hybrid KV cache manager (full attention and sliding window; last-state
-  groups are not mapped yet: vLLM's Mamba manager moves a request's state
-  between blocks) with ``KVSpecHMAConnector``. Prefix-cache keys are vLLM's
+  hybrid KV cache manager (full attention, sliding window, align-mode Mamba)
+  with ``KVSpecHMAConnector``. Prefix-cache keys are vLLM's
   hash with the group id, split into the spec's group cache key. A failed
   async load is reported per request in ``failed_recving`` where the release
   has the field, as vLLM asks of a connector with several groups
   (``_failure_report``).
+- **Last-state groups.** vLLM's ``MambaSpec`` in "align" mode keeps the state
+  after ``n`` tokens in the block holding position ``n - 1`` (the worker copies
+  it forward each step), which is where the spec's last-state group keeps it.
+  With spec decode vLLM adds speculative blocks holding one state per draft,
+  which the spec does not model: beside a last-state group the target takes
+  no drafts (``NO_DRAFTS_WITH_STATE``; the vllm profile draws none). Releases
+  before 0.28.0 do not map the group: their Mamba admission cannot tell a
+  connector's hit from a local one (``maps_last_state``).
 - **Cache-hit stats.** Releases before ``prefill_stats`` keep
   ``Request.num_cached_tokens`` (-1 until set when the request first runs) and
   ``Request.num_external_computed_tokens`` (set at every lookup); the target
@@ -80,6 +87,7 @@ from pathlib import Path
 import attrs
 
 from kvspec.harness.env import EOS_TOKEN_ID, RequestSpec
+from kvspec.harness.targets import TargetCannotMap
 from kvspec.spec.groups import NULL_BLOCK, get_group_cache_key, is_windowed
 from kvspec.spec.state import (MAX_DRAFTS, STATS_UNSET, Config, GroupSpec, Observation,
                                PoolView, RequestStatus, RequestView, StepView, WorkerOutcome)
@@ -147,6 +155,7 @@ class _Modules:
         self.FullAttentionSpec, self.KVCacheConfig, self.KVCacheGroupSpec = (
             FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec)
         self.SlidingWindowSpec = getattr(kv_cache_interface, "SlidingWindowSpec", None)
+        self.MambaSpec = getattr(kv_cache_interface, "MambaSpec", None)
         self.DraftTokenIds, self.KVConnectorOutput, self.ModelRunnerOutput = (
             DraftTokenIds, KVConnectorOutput, ModelRunnerOutput)
         self.StructuredOutputManager = StructuredOutputManager
@@ -245,10 +254,19 @@ class VllmTarget:
         #: several groups: vLLM's hybrid KV cache manager and an HMA connector
         self.is_hybrid = len(config.groups) > 1
         num_blocks = config.num_blocks + NULL_BLOCKS
+        #: a last-state group: vLLM's Mamba manager, without spec decode (see below)
+        self.has_last_state = any(g.kind == "last_state" for g in config.groups)
+        if self.has_last_state and not maps_last_state(m):
+            raise TargetCannotMap(f"vLLM {m.version} does not map a last-state group: its Mamba "
+                                  "admission cannot count a connector hit (0.28.0 on)")
+        if self.has_last_state and config.num_speculative_tokens:
+            raise TargetCannotMap(NO_DRAFTS_WITH_STATE)
         kv_cache_groups = [m.KVCacheGroupSpec([f"layer{i}"], _group_spec(m, g))
                            for i, g in enumerate(config.groups)]
         try:
             vllm_config = self._vllm_config(config, num_blocks)
+        except TargetCannotMap:
+            raise
         except ValueError as exc:  # pydantic's ValidationError is one
             detail = " ".join(str(exc).split())
             raise ValueError(f"vLLM {m.version} rejects this configuration: {detail}") from None
@@ -282,7 +300,8 @@ class VllmTarget:
         vllm_connector.CURRENT_BINDING = vllm_connector.Binding(
             env=connector, to_spec_ids=self._to_spec_ids, on_load=self._note_load)
         try:
-            self.scheduler = self._scheduler_class()(**kwargs)
+            with self.patches.managers():
+                self.scheduler = self._scheduler_class()(**kwargs)
         finally:
             vllm_connector.CURRENT_BINDING = None
 
@@ -320,6 +339,8 @@ class VllmTarget:
         # Under async scheduling drafts stay on the worker: the scheduler only
         # reserves num_speculative_tokens placeholder drafts per decode step.
         num_drafts = config.num_speculative_tokens if config.async_scheduling else MAX_DRAFTS
+        if any(g.kind == "last_state" for g in config.groups):
+            num_drafts = 0  # NO_DRAFTS_WITH_STATE
         speculative_config = None if not num_drafts else _only_known(
             c.SpeculativeConfig, method="ngram", num_speculative_tokens=num_drafts,
             prompt_lookup_max=2, prompt_lookup_min=1)
@@ -329,6 +350,10 @@ class VllmTarget:
             kv_transfer_config=kv_transfer_config, speculative_config=speculative_config,
             device_config=c.DeviceConfig("cpu"))
         vllm_config.cache_config.num_gpu_blocks = num_blocks
+        if any(g.kind == "last_state" for g in config.groups):
+            # "align": the state after n tokens sits in the block holding
+            # position n-1, the one place the spec's last-state group keeps it
+            vllm_config.cache_config.mamba_cache_mode = "align"
         if config.async_scheduling:
             # vLLM's CPU platform turns async scheduling off while validating
             # (and with it refuses "ngram", which only a model-based drafter
@@ -471,6 +496,8 @@ class VllmTarget:
     def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
         if not drafts:
             return
+        if self.has_last_state:
+            raise TargetCannotMap(NO_DRAFTS_WITH_STATE)
         ids = list(drafts)
         self.scheduler.update_draft_token_ids(
             self.m.DraftTokenIds(ids, [list(drafts[rid]) for rid in ids]))
@@ -580,18 +607,43 @@ class VllmTarget:
             sending=tuple(rid for rid, r in requests.items() if r.status.is_finished))
 
 
+def maps_last_state(m: _Modules) -> bool:
+    """The installed release maps a last-state group: it has an align-mode Mamba
+    cache whose admission tells a connector's hit from a local one (0.28.0 on).
+    Before, the admission cannot count the block an external hit's state needs:
+    0.18.1 asserts that no connector hit reaches it, and on 0.24.0 such a
+    state was found with no block to load into (docs/vllm-releases.md)."""
+    import vllm.config
+    from vllm.v1.core import single_type_kv_cache_manager as managers
+    mamba = getattr(managers, "MambaManager", None)
+    if (m.MambaSpec is None or mamba is None
+            or "mamba_cache_mode" not in _fields_of(vllm.config.CacheConfig)):
+        return False
+    return "num_local_computed_tokens" in inspect.signature(
+        mamba.get_num_blocks_to_allocate).parameters
+
+
+#: why the vllm target takes no drafts beside a last-state group
+NO_DRAFTS_WITH_STATE = (
+    "the vllm target does not map spec decode beside a last-state group: vLLM's "
+    "Mamba manager keeps one state per draft in speculative blocks, which the "
+    "spec's last-state group does not model (docs/notes/hybrid-groups.md)")
+
+
 def _group_spec(m: _Modules, group: GroupSpec):
-    """vLLM's KV cache spec of one group: full attention or a sliding window."""
+    """vLLM's KV cache spec of one group: full attention, a sliding window, or
+    an align-mode Mamba state (one float per block: the scheduler reads only
+    block ids, never the state)."""
     common = dict(block_size=group.block_size, num_kv_heads=1, head_size=8,
                   dtype=m.torch.float32)
     if group.kind == "full_attention":
         return m.FullAttentionSpec(**common)
     if group.kind == "sliding_window" and m.SlidingWindowSpec is not None:
         return m.SlidingWindowSpec(**common, sliding_window=group.sliding_window)
-    if group.kind == "last_state":
-        raise ValueError("the vllm target does not map last-state groups yet: vLLM's Mamba "
-                         "manager moves a request's state between blocks, which the spec's "
-                         "last-state group keeps at its position (docs/notes/hybrid-groups.md)")
+    if group.kind == "last_state" and m.MambaSpec is not None:
+        return m.MambaSpec(block_size=group.block_size, shapes=((1,),),
+                           dtypes=(m.torch.float32,), mamba_cache_mode="align",
+                           num_speculative_blocks=0)
     raise ValueError(f"vLLM {m.version} has no KV cache spec for a {group.kind} group")
 
 
