@@ -227,22 +227,62 @@ def resolve_target(target: str, strict: bool, fixes: str, plant: list[str] | Non
     return vllm_target_name("none" if strict else fixes, tuple(plant or ()))
 
 
+KV_HELP = ("the worker's KV: symbolic (the data oracle alone) or torch (real K/V tensors of a "
+           "tiny model beside it, checked per block and end to end; impl, mutant and alt "
+           "targets, layouts full and sliding; needs torch)")
+#: the layouts the torch worker's tiny model has (torch_worker.get_sliding_window)
+TORCH_LAYOUTS = ("full", "sliding")
+
+
+def check_kv(kv: str, target: str) -> None:
+    """``--kv``: a mode the runner knows, on a target it runs on, with torch installed."""
+    import importlib.util
+
+    from kvspec.harness.runner import KV_MODES
+    if kv not in KV_MODES:
+        fail(f"invalid --kv {shown(kv, 60)}: use {' or '.join(KV_MODES)}")
+    if kv != "torch":
+        return
+    if target.startswith("vllm"):
+        fail("--kv torch runs on the impl, mutant:* and alt:* targets, not on vllm")
+    if importlib.util.find_spec("torch") is None:
+        fail("--kv torch needs torch: pip install -e '.[gpu]' (torch==2.13.0)")
+
+
+def with_kv(profile, kv: str, layouts: str | None):
+    """Under ``--kv torch``, the profile drawing only the layouts the tiny
+    model has (one asked for by ``--layouts`` that it lacks is an error)."""
+    if kv != "torch":
+        return profile
+    lacking = [x for x in profile.layouts if x not in TORCH_LAYOUTS]
+    if layouts is not None and lacking:
+        fail(f"--layouts: layout {lacking[0]!r} has a last-state group, which --kv torch "
+             f"does not run (it runs {', '.join(TORCH_LAYOUTS)})")
+    return attrs.evolve(profile, layouts=tuple(x for x in profile.layouts
+                                               if x in TORCH_LAYOUTS))
+
+
 def run_fuzz(target: str, budget: str, seed: int, out: Path, db: Path | None,
-             design_rules: bool = True, db_option: str = "--db", layouts: str | None = None):
+             design_rules: bool = True, db_option: str = "--db", layouts: str | None = None,
+             kv: str = "symbolic"):
     """``db_option``: how errors name ``db`` (``check`` has no --db option)."""
     from kvspec.harness.fuzz import fuzz
     seconds = parse_budget(budget)
+    check_kv(kv, target)  # first: it needs no import of vLLM
     check_target(target)
     check_writable_dir(out, "--out")
     if db is not None:
         check_writable_dir(db, db_option)
     version = f" (vLLM {installed_vllm_version()})" if target.startswith("vllm") else ""
-    profile = with_layouts(target_profile(target), layouts, target)
+    profile = with_kv(with_layouts(target_profile(target), layouts, target), kv, layouts)
     console.print(f"kvspec: target {target}{version}, seed {seed}, budget {seconds:g}s"
-                  + (f", layouts {', '.join(profile.layouts)}" if layouts else ""))
+                  + (f", layouts {', '.join(profile.layouts)}" if layouts else "")
+                  + (f", KV in torch tensors ({', '.join(profile.layouts)})"
+                     if kv == "torch" else ""))
     if not console.is_terminal:  # a log: a plain line at a steady interval
         return fuzz(target, seconds, seed, out, db, profile=profile, design_rules=design_rules,
-                    heartbeat=progress_line("fuzzing", seconds), heartbeat_every=PROGRESS_EVERY)
+                    heartbeat=progress_line("fuzzing", seconds), heartbeat_every=PROGRESS_EVERY,
+                    kv=kv)
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         task = progress.add_task("fuzzing", total=seconds)
@@ -251,7 +291,7 @@ def run_fuzz(target: str, budget: str, seed: int, out: Path, db: Path | None,
             progress.update(task, completed=min(result.elapsed, seconds),
                             description=f"fuzzing: {result.runs} runs, {result.actions} actions")
         return fuzz(target, seconds, seed, out, db, progress=tick, profile=profile,
-                    design_rules=design_rules)
+                    design_rules=design_rules, kv=kv)
 
 
 def rate(result) -> str:
@@ -334,10 +374,12 @@ def check(target: str = typer.Option("impl", help="target to check"),
           plant: list[str] = typer.Option(None, help=PLANT_HELP),
           design_rules: bool = typer.Option(True, help=DESIGN_RULES_HELP),
           layouts: str = typer.Option(None, help=LAYOUTS_HELP),
+          kv: str = typer.Option("symbolic", help=KV_HELP),
           as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout")):
     """Check every invariant on a target within a budget; exit 1 on a violation."""
     fuzz_and_report(resolve_target(target, strict, fixes, plant), budget, seed, out, DEFAULT_DB,
-                    design_rules, as_json, db_option="the example database", layouts=layouts)
+                    design_rules, as_json, db_option="the example database", layouts=layouts,
+                    kv=kv)
 
 
 @app.command("fuzz")
@@ -351,15 +393,17 @@ def fuzz_cmd(target: str = typer.Option("impl", help="target to fuzz"),
              plant: list[str] = typer.Option(None, help=PLANT_HELP),
              design_rules: bool = typer.Option(True, help=DESIGN_RULES_HELP),
              layouts: str = typer.Option(None, help=LAYOUTS_HELP),
+             kv: str = typer.Option("symbolic", help=KV_HELP),
              as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout")):
     """Fuzz a target; every failure is saved as a trace and shown as a step table."""
     fuzz_and_report(resolve_target(target, strict, fixes, plant), budget, seed, out, db,
-                    design_rules, as_json, layouts=layouts)
+                    design_rules, as_json, layouts=layouts, kv=kv)
 
 
 def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
                     design_rules: bool = True, as_json: bool = False,
-                    db_option: str = "--db", layouts: str | None = None) -> None:
+                    db_option: str = "--db", layouts: str | None = None,
+                    kv: str = "symbolic") -> None:
     """What ``check`` and ``fuzz`` share: run, report, exit 1 on a violation (2 on bad
     input). With ``as_json`` the human-readable output goes to stderr and stdout
     holds one JSON object (``kvspec.report.json_summary``)."""
@@ -367,10 +411,11 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
     if as_json:
         console = Console(stderr=True, width=200)
     try:
-        result = run_fuzz(target, budget, seed, out, db, design_rules, db_option, layouts)
+        result = run_fuzz(target, budget, seed, out, db, design_rules, db_option, layouts, kv)
     except UsageError as exc:
         fail(str(exc))
-    profile = with_layouts(target_profile(target, quiet=True), layouts, target)
+    profile = with_kv(with_layouts(target_profile(target, quiet=True), layouts, target), kv,
+                      layouts)
     code = report(result, design_rules, profile)
     if as_json:
         import json

@@ -70,8 +70,17 @@ class KeyBook:
         self._book.pop(request_id, None)
 
 
+#: what a step writes at a position past every token the request has: no
+#: valid content equals it. Only a broken scheduler computes there; the claims
+#: say so (``computed_within_tokens``, the conformance model), and the oracle
+#: must not crash first when only some kinds of claims are checked.
+UNDEFINED_CONTENT = ("undefined",)
+
+
 def get_content(group_index: int, keys, pos: int):
     """What a valid slot of ``group_index`` holds for position ``pos``."""
+    if pos >= len(keys):
+        return UNDEFINED_CONTENT
     return keys[pos] if group_index == 0 else (group_index, keys[pos])
 
 

@@ -169,3 +169,14 @@ def test_the_reference_makes_only_admitted_transitions_in_a_long_trace():
         pytest.fail("; ".join(map(str, exc.violations)))
     assert runner.features["load_failures"] == 1 and runner.features["async_loads"] == 1
     assert runner.witnessed["transition_admitted_by_model"] >= 6
+
+
+def test_the_oracle_gives_a_position_past_every_token_no_valid_content():
+    """A broken scheduler may compute a position no token is at; the oracle
+    records content no valid slot holds (the claims say what is wrong)
+    instead of crashing first when only some kinds of claims are checked."""
+    from kvspec.spec.oracle import UNDEFINED_CONTENT, get_content
+    keys = ["k0", "k1"]
+    assert get_content(0, keys, 1) == "k1" and get_content(1, keys, 1) == (1, "k1")
+    assert get_content(0, keys, 2) == get_content(1, keys, 5) == UNDEFINED_CONTENT
+    assert UNDEFINED_CONTENT not in keys

@@ -54,11 +54,12 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
          progress: Callable[[FuzzResult], None] | None = None,
          kinds=ALL_KINDS, trace_name: str | None = None, profile=FULL,
          heartbeat: Callable[[FuzzResult], None] | None = None,
-         heartbeat_every: float = 10.0, design_rules: bool = True) -> FuzzResult:
+         heartbeat_every: float = 10.0, design_rules: bool = True,
+         kv: str = "symbolic") -> FuzzResult:
     """Fuzz ``target`` for ``budget`` seconds. ``progress`` is called after each
-    batch; ``heartbeat``, if given, every ``heartbeat_every`` seconds from a
-    background thread with the counts so far (runs, actions), however long a
-    batch takes."""
+    batch; ``kv``: the worker's KV, symbolic or torch (real tensors);
+    ``heartbeat``, if given, every ``heartbeat_every`` seconds from a background
+    thread with the counts so far (runs, actions), however long a batch takes."""
     start = time.monotonic()
     trace_path = out_dir / (trace_name or f"{safe_file_stem(target)}-seed{seed}.json")
     result = FuzzResult(target, seed, 0.0, 0, 0, {})
@@ -67,7 +68,7 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
     def save(exc: Counterexample) -> None:
         r = exc.runner
         save_trace(trace_path, target=target, config=r.config, actions=list(r.actions),
-                   violations=exc.violations, steps=r.log, seed=seed)
+                   violations=exc.violations, steps=r.log, seed=seed, kv=r.kv)
 
     def save_first(exc: Counterexample) -> None:
         if result.first_seen is None:
@@ -76,7 +77,7 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
         state["last"] = exc
 
     machine = machine_for(target, on_counterexample=save_first, kinds=kinds, profile=profile,
-                          design_rules=design_rules)
+                          design_rules=design_rules, kv=kv)
     database = DirectoryBasedExampleDatabase(str(db_dir)) if db_dir else None
     stop = _start_heartbeat(heartbeat, heartbeat_every, machine, result, start)
     batch = 0

@@ -78,6 +78,7 @@ class KVSpecMachine(RuleBasedStateMachine):
     kinds = ALL_KINDS
     profile: EnvProfile = FULL
     design_rules: bool = True
+    kv: str = "symbolic"  # the worker's KV: symbolic, or torch (real tensors)
     #: called with the failing runner before anything else happens (save first)
     on_counterexample: Callable[[Counterexample], None] | None = None
     stats: Counter = Counter()
@@ -151,7 +152,7 @@ class KVSpecMachine(RuleBasedStateMachine):
                              # spec decode under async: drafts the worker fills
                              num_speculative_tokens=async_drafts if scheduling == "async"
                              and self.profile.async_spec_decode else 0, groups=groups)
-        self.runner = Runner(self.target_name, config, self.kinds, self.design_rules)
+        self.runner = Runner(self.target_name, config, self.kinds, self.design_rules, kv=self.kv)
 
     def _drawable(self, layout: str) -> str:
         """The layout drawn, or, where the profile leaves it out, the one it
@@ -262,9 +263,10 @@ class KVSpecMachine(RuleBasedStateMachine):
 
 
 def machine_for(target: str, on_counterexample=None, kinds=ALL_KINDS,
-                profile: EnvProfile = FULL, design_rules: bool = True) -> type[KVSpecMachine]:
+                profile: EnvProfile = FULL, design_rules: bool = True,
+                kv: str = "symbolic") -> type[KVSpecMachine]:
     """A fresh machine class bound to one target (class attributes are per class)."""
     return type(f"KVSpecMachine_{target.replace(':', '_')}", (KVSpecMachine,),
                 {"target_name": target, "on_counterexample": staticmethod(on_counterexample)
                  if on_counterexample else None, "stats": Counter(), "kinds": tuple(kinds),
-                 "profile": profile, "design_rules": design_rules})
+                 "profile": profile, "design_rules": design_rules, "kv": kv})

@@ -29,9 +29,10 @@ ADD_FLAGS = ("priority", "none", "send", "offload", "async", "ext")
 
 
 def replay_actions(target: str, config: Config, actions: list[dict],
-                   kinds=ALL_KINDS, design_rules: bool = True) -> Counterexample | None:
+                   kinds=ALL_KINDS, design_rules: bool = True,
+                   kv: str = "symbolic") -> Counterexample | None:
     """Run ``actions`` on a fresh target; the counterexample, or None if all hold."""
-    return Runner(target, config, kinds, design_rules).run(actions)
+    return Runner(target, config, kinds, design_rules, kv=kv).run(actions)
 
 
 def _candidates(config: Config, actions: list[dict]):
@@ -125,7 +126,8 @@ def minimize(target: str, failure: Counterexample, kinds=ALL_KINDS,
             if check_semantics(cfg, candidate) is not None:
                 continue  # e.g. a step still naming a request whose arrival was dropped
             try:
-                found = replay_actions(target, cfg, candidate, kinds, design_rules)
+                found = replay_actions(target, cfg, candidate, kinds, design_rules,
+                                       kv=failure.runner.kv)
             except (ValueError, TypeError):  # a configuration the target refuses
                 continue
             if (found is not None and claims & {v.invariant for v in found.violations}

@@ -8,7 +8,7 @@ from typing import Callable
 import attrs
 
 from kvspec.harness.heartbeat import periodic
-from kvspec.harness.runner import Runner
+from kvspec.harness.runner import KV_CLAIM, Runner
 from kvspec.harness.targets import UnknownTarget
 from kvspec.harness.trace import TraceError, load_trace, short
 from kvspec.spec.catalogue import REGISTRY
@@ -16,7 +16,7 @@ from kvspec.text import clip, shown
 
 
 #: what the runner reports besides the registry's claims
-RUN_OUTCOMES = ("target_crashed", "environment_contract")
+RUN_OUTCOMES = ("target_crashed", "environment_contract", KV_CLAIM)
 
 
 @attrs.define
@@ -54,10 +54,10 @@ def replay_trace(path: Path, target: str | None = None,
     data = load_trace(path)
     name = target or data.get("target", "impl")
     try:
-        runner = Runner(name, data["config"], ignore=ignore)
+        runner = Runner(name, data["config"], ignore=ignore, kv=data.get("kv", "symbolic"))
     except UnknownTarget as exc:
         raise TraceError(str(exc)) from None
-    except (ValueError, TypeError, RuntimeError) as exc:
+    except (ValueError, TypeError, RuntimeError, ImportError) as exc:
         # the target refuses the configuration (vLLM's own checks), or cannot be
         # built at all (vLLM not installed): the trace's problem, not a finding
         raise TraceError(f"{shown(path)}: target {name!r} cannot run this trace: "

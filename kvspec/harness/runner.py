@@ -28,6 +28,22 @@ from kvspec.spec.state import (BATCH_QUEUE_DEPTH, Config, Observation, RequestSt
                                WorkerOutcome)
 
 
+def make_kv_worker(kv: str, config: Config, content: KVContent, plans: dict):
+    """The worker's KV in real tensors (``kv="torch"``), or None: the data
+    oracle alone. torch is imported only for "torch"."""
+    if kv not in KV_MODES:
+        raise ValueError(f"unknown KV mode {kv!r}: use {' or '.join(KV_MODES)}")
+    if kv == "symbolic":
+        return None
+    from kvspec.harness.torch_worker import TorchWorker
+    return TorchWorker(config, content, plans)
+
+
+class KVWorkerError(Exception):
+    """The torch worker and the data oracle disagree about the environment:
+    a harness bug, never a finding of the target."""
+
+
 class Counterexample(Exception):
     def __init__(self, violations: list[Violation], runner: "Runner") -> None:
         super().__init__("; ".join(map(str, violations)))
@@ -69,7 +85,16 @@ FEATURES = ("load_failures", "async_loads", "preemptions", "spec_decode",
             "output_in_flight_at_preemption", "draft_rollback_in_flight",
             # several KV cache groups (issue 11)
             "hybrid_groups", "sliding_window", "last_state_group",
-            "load_failure_in_non_full_group")
+            "load_failure_in_non_full_group",
+            # steps whose KV was moved and checked in real tensors (--kv torch, issue 13)
+            "kv_torch")
+
+#: the claim the torch worker reports under (kvspec/harness/torch_worker.py)
+KV_CLAIM = "kv_tensors_match_oracle"
+
+#: how the worker's KV is modelled: "symbolic" (the data oracle alone) or
+#: "torch" (real tensors beside it: kvspec/harness/torch_worker.py)
+KV_MODES = ("symbolic", "torch")
 
 
 @attrs.define
@@ -127,7 +152,7 @@ def _was_cut(rid: str, job: InFlight, before: Observation, after: Observation) -
 
 class Runner:
     def __init__(self, target_name: str, config: Config, kinds=ALL_KINDS,
-                 design_rules: bool = True, ignore=frozenset()) -> None:
+                 design_rules: bool = True, ignore=frozenset(), kv: str = "symbolic") -> None:
         #: which kinds of claims are checked ("data" alone: the data oracle only)
         self.kinds = tuple(kinds)
         #: claims not checked, to see what a known violation leads to (replay --ignore)
@@ -139,6 +164,8 @@ class Runner:
         self.content = KVContent(config.num_blocks, config.block_size, config.groups)
         self.env = EnvConnector(self.content, self._observe_request)
         self.target = make_target(target_name, config, self.env)
+        self.kv = kv
+        self.worker = make_kv_worker(kv, config, self.content, self.env.plans)
         self.ghost = Ghost()
         self.book = ModelBook()
         self.actions: list[dict] = []
@@ -158,12 +185,12 @@ class Runner:
     def apply(self, action: dict) -> None:
         self.actions.append(action)
         try:
-            violations = getattr(self, "_do_" + action["op"])(action)
+            violations = getattr(self, "_do_" + action["op"])(action) + self._kv_violations()
         except (ConnectorContractError, EnvironmentContractViolation) as exc:
             violations = [Violation("environment_contract", str(exc),
                                     "The environment answered outside the connector contract; "
                                     "this is not a scheduler bug.")]
-        except (Counterexample, TargetCannotMap):
+        except (Counterexample, TargetCannotMap, KVWorkerError):
             raise
         except Exception as exc:  # the target crashed: a finding, not a harness error
             violations = [Violation("target_crashed", f"{type(exc).__name__}: {exc}",
@@ -322,9 +349,23 @@ class Runner:
         failing = set(a.get("fail", ()))
         if a.get("fail_all"):
             failing |= set(self.content.loads)
-        return self.content.execute(step, mid, set(a.get("finish_loads", ())), failing,
-                                    a.get("fail_offset", 0), a.get("fail_blocks", 1),
-                                    pending=pending, fail_group=a.get("fail_group", 0))
+
+        def run_oracle():
+            return self.content.execute(step, mid, set(a.get("finish_loads", ())), failing,
+                                        a.get("fail_offset", 0), a.get("fail_blocks", 1),
+                                        pending=pending, fail_group=a.get("fail_group", 0))
+        if self.worker is None:
+            return run_oracle()
+        self.features["kv_torch"] += 1
+        return self.worker.execute(step, mid, pending or {}, run_oracle)
+
+    def _kv_violations(self) -> list[Violation]:
+        """The torch worker's findings since the last call: blocks whose
+        tensors disagree with the oracle, requests that ended with tokens or
+        logits other than the no-cache model's."""
+        if self.worker is None:
+            return []
+        return self.worker.take_violations(self.target.observe(), self.target.final_view)
 
     def _outcome(self, report, sampled: dict, a: dict, before: Observation) -> WorkerOutcome:
         """The worker's report of a step; its loads that landed are noted."""
@@ -583,11 +624,18 @@ class Runner:
             drafts = step.scheduled_spec_decode_tokens.get(rid, ())
             position = start + n - len(drafts)
             accepted = []
-            for token in drafts[:a.get("accept", 0)]:
+            # real tensors: the model verifies the drafts greedily; otherwise
+            # the environment says how many it accepts
+            accept = (a.get("accept", 0) if self.worker is None
+                      else self.worker.count_accepted(rid, position, drafts))
+            for token in drafts[:accept]:
                 if token < 0:  # a padding slot (vLLM pads drafts with -1): never accepted
                     break
                 accepted.append(token)
-            bonus = EOS_TOKEN_ID if rid in eos else sampled_token(rid, position + len(accepted))
+            if self.worker is not None:
+                bonus = self.worker.greedy_token(rid, position + len(accepted), rid in eos)
+            else:
+                bonus = EOS_TOKEN_ID if rid in eos else sampled_token(rid, position + len(accepted))
             sampled[rid] = tuple(accepted + [bonus])
             at = self.ghost.sampled_at.setdefault(rid, {})
             for k, token in enumerate(sampled[rid]):
@@ -658,7 +706,7 @@ class Runner:
                 break
             healed = {"op": "step", "finish_loads": self.content.pending_async_loads(),
                       "finish_sends": list(self.content.sends)}
-            violations = self._do_step(healed)
+            violations = self._do_step(healed) + self._kv_violations()
             if violations:
                 return violations
             self._record({"op": "drain.step"}, ())

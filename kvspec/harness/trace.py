@@ -149,6 +149,9 @@ TRACE_SCHEMA = {
         "format": {"const": FORMAT},
         "target": {"type": "string", "minLength": 1, "maxLength": 200},
         "seed": {"type": ["integer", "null"]},
+        # the worker's KV (runner.KV_MODES); absent: symbolic. Under "torch" the
+        # model samples the tokens, so a trace replays only in its own mode
+        "kv": {"enum": ["symbolic", "torch"]},
         "config": _CONFIG_SCHEMA,
         "actions": {"type": "array", "maxItems": MAX_ACTIONS, "items": _action_schema()},
         "verdict": _VERDICT_SCHEMA,
@@ -384,11 +387,12 @@ def _umask() -> int:
 
 
 def save_trace(path: Path, *, target: str, config: Config, actions: list[dict],
-               violations=(), steps=(), seed=None) -> Path:
+               violations=(), steps=(), seed=None, kv: str = "symbolic") -> Path:
     """Write atomically: a crash mid-write never leaves a half trace behind. The
     file is readable as any file the user creates (mode 0666 less the umask)."""
     payload = {
-        "format": FORMAT, "target": target, "seed": seed, "config": config_to_dict(config),
+        "format": FORMAT, "target": target, "seed": seed,
+        **({"kv": kv} if kv != "symbolic" else {}), "config": config_to_dict(config),
         "actions": actions,
         "verdict": [{"invariant": v.invariant, "message": v.message} for v in violations],
         "steps": [{"index": s.index, "action": s.action, "requests": s.requests} for s in steps],
