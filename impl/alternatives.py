@@ -32,11 +32,18 @@ class ConservativeRecovery(Scheduler):
 
 class LargestVictim(Scheduler):
     """Preemption frees the most memory at once: the running request holding the
-    most blocks gives way (ties: the latest arrival), whatever the policy."""
+    most blocks gives way (ties: the latest arrival), whatever the policy, except
+    the oldest running request, which always keeps going. Without that exception
+    two large requests can preempt each other forever (a hybrid layout found it:
+    ``every_request_finishes``); with it the oldest finishes, then the next."""
 
     def _pick_victim(self):
-        return max(self.running, key=lambda r: (len(self.kv.get_block_ids(r.request_id)[0]),
-                                                r.arrival_time))
+        oldest = min(self.running, key=lambda r: r.arrival_time)
+        candidates = [r for r in self.running if r is not oldest] or [oldest]
+        return max(candidates, key=lambda r: (self._count_blocks(r), r.arrival_time))
+
+    def _count_blocks(self, request) -> int:
+        return sum(len(t) for t in self.kv.get_block_ids(request.request_id))
 
 
 ALTERNATIVES: dict[str, Alternative] = {a.name: a for a in [
@@ -44,6 +51,6 @@ ALTERNATIVES: dict[str, Alternative] = {a.name: a for a in [
                 "every request a load failure affects recomputes from block 0",
                 ("failed_block_recomputed_once",), ConservativeRecovery),
     Alternative("largest_victim",
-                "preemption takes the running request holding the most blocks",
+                "preemption takes the running request holding the most blocks (never the oldest)",
                 ("preemption_victim_follows_policy",), LargestVictim),
 ]}

@@ -72,8 +72,8 @@ def unwitnessed(checks: dict[str, int], witnessed: dict[str, int],
 
 
 def restriction_reasons(profile, version: str, patches: dict | None) -> dict[str, str]:
-    """Why the profile steps around each finding it names: its fix is not
-    applied, or no fix exists."""
+    """Why the profile steps around each finding it names (its fix is not
+    applied, or no fix exists), and what the target does not map."""
     from kvspec.harness.accepted_findings import accepted_for
     findings = {f.id: f for f in accepted_for(version)}
     not_fitting = (patches or {}).get("not_fitting", {})
@@ -89,6 +89,10 @@ def restriction_reasons(profile, version: str, patches: dict | None) -> dict[str
         else:
             why = f"its fix {fix} was not chosen (--fixes)"
         reasons[fid] = f"{avoided}: {why}" if avoided else why
+    if not profile.spec_decode_with_last_state:  # a gap of the target, not a finding
+        reasons["spec_decode_with_last_state"] = (
+            "the vllm target maps no drafts beside a last-state group: vLLM keeps one "
+            "Mamba state per draft, which the spec does not model (docs/notes/hybrid-groups.md)")
     return reasons
 
 

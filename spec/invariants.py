@@ -530,12 +530,15 @@ def no_caching_of_invalid_blocks(ctx: Context):
 def no_load_into_free_blocks(ctx: Context):
     """Every block an async load in flight is writing is held by a request
     (``is_load_target_held``): a scheduler keeps a loading request's blocks until
-    the worker reports the load, even when the request ends first.
+    the worker reports the load, even when the request ends first. A scheduler
+    may free an ended loader's blocks at once (the environment then drops its
+    load), but while it holds the request for the report, it holds every block
+    the load writes: a windowed group's too.
 
     Protects the next owner of the block: a block freed under a running load is
     handed out while the load still overwrites it. Witnessed by a load in flight."""
     free = set(ctx.obs.pool.free_queue)
-    loading = ctx.oracle.loading_blocks()
+    loading = ctx.oracle.loading_blocks(ctx.ghost.finished_mid_load & set(ctx.obs.requests))
     ctx.witness(len(loading))
     for block in sorted(loading):
         if not is_load_target_held(True, block in free):

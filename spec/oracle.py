@@ -129,6 +129,11 @@ class KVContent:
         self.slots: list[list] = [[GARBAGE] * block_size for _ in range(num_blocks)]
         self.expected_by_hash: dict[Hashable, tuple] = {}
         self.loads: dict[str, LoadJob] = {}
+        #: async loads of requests that ended mid-load: the environment drops
+        #: them, but a worker cannot call a transfer back, so while the
+        #: scheduler still holds such a request (waiting for the worker's
+        #: report) its load may still be writing every block it was given
+        self.orphaned_loads: dict[str, LoadJob] = {}
         self.sends: dict[str, dict[tuple[int, int], int]] = {}
         self.book = KeyBook()
         #: slots two requests wrote in the last step: (block, slot, first, second)
@@ -181,7 +186,9 @@ class KVContent:
             is_async, keys)
 
     def cancel_load(self, request_id: str) -> None:
-        self.loads.pop(request_id, None)
+        job = self.loads.pop(request_id, None)
+        if job is not None and job.is_async:
+            self.orphaned_loads[request_id] = job
 
     def pending_async_loads(self) -> list[str]:
         return [rid for rid, job in self.loads.items() if job.is_async]
@@ -337,15 +344,20 @@ class KVContent:
                 if h not in self.expected_by_hash and (i + 1) * size <= len(keys):
                     self.expected_by_hash[h] = tuple(keys[i * size:(i + 1) * size])
 
-    def loading_blocks(self) -> set[int]:
-        """Blocks an async load in flight is still writing."""
-        size, found = self.block_size, set()
-        for job in self.loads.values():
-            if job.is_async and job.num_tokens > 0:
-                first, last = job.start // size, (job.start + job.num_tokens - 1) // size
-                found.update(b for table in job.block_ids for b in table[first:last + 1]
-                             if b != NULL_BLOCK)
-        return found
+    def loading_blocks(self, held_requests=frozenset()) -> set[int]:
+        """Blocks an async load in flight is still writing: the loads under way,
+        and the orphaned loads of ``held_requests`` (ended requests the scheduler
+        holds, waiting for the worker's report of their load)."""
+        jobs = [*self.loads.values(),
+                *(job for rid, job in self.orphaned_loads.items() if rid in held_requests)]
+        return {b for job in jobs if job.is_async for b in self._load_targets(job)}
+
+    def _load_targets(self, job: LoadJob) -> set[int]:
+        if job.num_tokens <= 0:
+            return set()
+        first = job.start // self.block_size
+        last = (job.start + job.num_tokens - 1) // self.block_size
+        return {b for table in job.block_ids for b in table[first:last + 1] if b != NULL_BLOCK}
 
     def check_cache(self, obs: Observation) -> Iterator[str]:
         """``is_cached_block_valid`` on every prefix-cache entry, with the valid and

@@ -180,3 +180,26 @@ def test_the_oracle_gives_a_position_past_every_token_no_valid_content():
     assert get_content(0, keys, 1) == "k1" and get_content(1, keys, 1) == (1, "k1")
     assert get_content(0, keys, 2) == get_content(1, keys, 5) == UNDEFINED_CONTENT
     assert UNDEFINED_CONTENT not in keys
+
+
+def test_the_largest_victim_design_keeps_every_request_going():
+    """Regression (found by a CI run, 2026-11-23): preempting the request with the
+    most blocks, the oldest included, let three requests of a hybrid layout
+    preempt each other until the healed phase ended with them still running.
+    The design now spares the oldest running request."""
+    from kvspec.harness.machine import make_groups
+    config = make_config(block_size=2, num_blocks=19, max_num_batched_tokens=4, max_num_seqs=4,
+                         max_model_len=12, long_prefill_token_threshold=1,
+                         async_scheduling=True, groups=make_groups("sliding+state", 2, 5))
+    actions = [
+        {"op": "add", "id": "r0", "prompt": [2, 4, 6, 1], "max_tokens": 2, "ext": 2},
+        {"op": "add", "id": "r1", "prompt": [2, 4, 6, 1, 17], "max_tokens": 2},
+        {"op": "add", "id": "r2", "prompt": [2, 4, 6, 1, 24, 25, 26], "max_tokens": 2},
+        {"op": "add", "id": "r3", "prompt": [1, 2, 3, 4, 31], "max_tokens": 2, "ext": 2,
+         "async": True},
+        {"op": "add", "id": "r4", "prompt": [1, 2, 3, 4, 38, 39], "max_tokens": 2},
+        {"op": "drain"}]
+    runner = Runner("alt:largest_victim", config, design_rules=False)
+    failure = runner.run(actions)
+    assert failure is None, [str(v) for v in failure.violations]
+    assert runner.features["preemptions"] > 0

@@ -245,6 +245,13 @@ def test_drafts_beside_a_last_state_group_are_refused_not_a_finding():
     with pytest.raises(TargetCannotMap):
         for _ in range(3):
             runner.apply({"op": "step", "drafts": 2})
+    # the vllm environment draws none there, and check --json says why
+    from kvspec.cli import target_profile
+    from kvspec.report import restriction_reasons
+    profile = target_profile("vllm", quiet=True)
+    assert not profile.spec_decode_with_last_state
+    assert "Mamba state per draft" in restriction_reasons(profile, VERSION, None)[
+        "spec_decode_with_last_state"]
 
 
 @pytest.mark.parametrize("group", [0, 1], ids=["full_attention", "sliding_window"])
@@ -295,6 +302,42 @@ def test_a_failed_load_is_reported_for_a_block_the_window_gave_back():
                {"op": "abort", "id": "r0"}, {"op": "drain"}]
     failure = Runner("vllm", config).run(actions)
     assert failure is None, violation_text(failure)
+
+
+def test_an_aborted_loader_keeps_the_window_block_its_load_writes(monkeypatch):
+    """A full-prompt async hit keeps the window of the token it resumes at
+    (fix hybrid-full-prompt-hit-keeps-window). Aborted mid-load, the request is
+    held until the worker reports the load, and so is every block the load
+    writes: the fix skips blocks from the resume token at the abort too. The
+    claim no_load_into_free_blocks sees the block given back when the abort
+    skips from the hit's end, as the release does."""
+    from kvspec.harness.machine import make_groups
+    from kvspec.harness.runner import Counterexample, Runner
+    from kvspec.harness.target import make_config
+    from kvspec.harness.vllm_patches import patched
+    if "hybrid-full-prompt-hit-keeps-window" not in patched("all").applied:
+        pytest.skip(f"the fix hybrid-full-prompt-hit-keeps-window does not fit vLLM {VERSION}")
+    config = make_config(block_size=2, num_blocks=13, max_num_batched_tokens=4, max_num_seqs=2,
+                         max_model_len=12, async_scheduling=True,
+                         groups=make_groups("sliding", 2, 1))
+    load = {"op": "add", "id": "r0", "prompt": [10, 11], "max_tokens": 1, "ext": 2,
+            "async": True}
+    rest = [{"op": "abort", "id": "r0"}, {"op": "step"},
+            {"op": "add", "id": "r1", "prompt": [20, 21, 22, 23, 24, 25], "max_tokens": 1},
+            {"op": "drain"}]
+    assert Runner("vllm", config).run([load, {"op": "step"}] + rest) is None
+
+    runner = Runner("vllm", config)
+    runner.run([load, {"op": "step"}])
+    manager = runner.target.scheduler.kv_cache_manager
+    skip = manager.remove_skipped_blocks
+
+    def skip_from_the_hits_end(request_id, processed_computed_tokens, num_prompt_tokens):
+        return skip(request_id=request_id, processed_computed_tokens=processed_computed_tokens
+                    + 1, num_prompt_tokens=num_prompt_tokens)
+    monkeypatch.setattr(manager, "remove_skipped_blocks", skip_from_the_hits_end)
+    with pytest.raises(Counterexample, match="no_load_into_free_blocks.*still writing"):
+        runner.apply(rest[0])
 
 
 def _planted():
