@@ -37,7 +37,6 @@ import datetime as dt
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,7 +48,8 @@ from kvspec.gpu.loader import KVLoader
 from kvspec.gpu.paged_cache import PagedKVCache, get_device
 from kvspec.gpu.store import KVStore
 
-REPO = Path(__file__).resolve().parents[1]
+from drivers import git_commit  # bench/ is the script's directory: the benches share it
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "kv_loader_results.json"
 BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, torch.float16
 
@@ -82,17 +82,6 @@ def get_device_name(device: torch.device) -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or "unknown CPU"
-
-
-def git_commit() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def synchronize(device: torch.device) -> None:

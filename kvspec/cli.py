@@ -262,6 +262,13 @@ def with_kv(profile, kv: str, layouts: str | None):
                                                if x in TORCH_LAYOUTS))
 
 
+def drawn_profile(target: str, layouts: str | None, kv: str, quiet: bool = False):
+    """The environment a check or fuzz run draws from: the target's profile,
+    narrowed by ``--layouts`` and by what ``--kv`` runs."""
+    return with_kv(with_layouts(target_profile(target, quiet=quiet), layouts, target), kv,
+                   layouts)
+
+
 def run_fuzz(target: str, budget: str, seed: int, out: Path, db: Path | None,
              design_rules: bool = True, db_option: str = "--db", layouts: str | None = None,
              kv: str = "symbolic"):
@@ -274,7 +281,7 @@ def run_fuzz(target: str, budget: str, seed: int, out: Path, db: Path | None,
     if db is not None:
         check_writable_dir(db, db_option)
     version = f" (vLLM {installed_vllm_version()})" if target.startswith("vllm") else ""
-    profile = with_kv(with_layouts(target_profile(target), layouts, target), kv, layouts)
+    profile = drawn_profile(target, layouts, kv)
     console.print(f"kvspec: target {target}{version}, seed {seed}, budget {seconds:g}s"
                   + (f", layouts {', '.join(profile.layouts)}" if layouts else "")
                   + (f", KV in torch tensors ({', '.join(profile.layouts)})"
@@ -414,8 +421,7 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
         result = run_fuzz(target, budget, seed, out, db, design_rules, db_option, layouts, kv)
     except UsageError as exc:
         fail(str(exc))
-    profile = with_kv(with_layouts(target_profile(target, quiet=True), layouts, target), kv,
-                      layouts)
+    profile = drawn_profile(target, layouts, kv, quiet=True)
     code = report(result, design_rules, profile)
     if as_json:
         import json

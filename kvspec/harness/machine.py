@@ -128,7 +128,7 @@ class KVSpecMachine(RuleBasedStateMachine):
         self.swarm = swarm
         layout = self._drawable(layout)
         groups = make_groups(layout, block_size, window)
-        if "last_state" in LAYOUTS[layout] and not self.profile.spec_decode_with_last_state:
+        if not self._may_draft(groups):
             async_drafts = 0
         if scheduling not in self.profile.scheduling:
             scheduling = self.profile.scheduling[0]
@@ -231,11 +231,12 @@ class KVSpecMachine(RuleBasedStateMachine):
                         if len(self.runner.config.groups) > 1 else {}),
                      "eos": self._ids(eos),
                      "finish_sends": self._ids(finish_sends), "accept": accept,
-                     "drafts": drafts if self._may_draft() else 0})
+                     "drafts": drafts if self._may_draft(self.runner.config.groups) else 0})
 
-    def _may_draft(self) -> bool:
+    def _may_draft(self, groups) -> bool:
+        """Drafts (sync, or async placeholders) are drawn with these groups."""
         return (self.profile.spec_decode_with_last_state
-                or all(g.kind != "last_state" for g in self.runner.config.groups))
+                or all(g.kind != "last_state" for g in groups))
 
     @precondition(lambda self: self.next_index > 0)
     @rule(index=st.integers(0, MAX_REQUESTS - 1))

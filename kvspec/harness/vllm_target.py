@@ -78,6 +78,7 @@ Mapping decisions, each one a place where vLLM and the spec name things differen
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import os
@@ -265,8 +266,6 @@ class VllmTarget:
                            for i, g in enumerate(config.groups)]
         try:
             vllm_config = self._vllm_config(config, num_blocks)
-        except TargetCannotMap:
-            raise
         except ValueError as exc:  # pydantic's ValidationError is one
             detail = " ".join(str(exc).split())
             raise ValueError(f"vLLM {m.version} rejects this configuration: {detail}") from None
@@ -339,7 +338,7 @@ class VllmTarget:
         # Under async scheduling drafts stay on the worker: the scheduler only
         # reserves num_speculative_tokens placeholder drafts per decode step.
         num_drafts = config.num_speculative_tokens if config.async_scheduling else MAX_DRAFTS
-        if any(g.kind == "last_state" for g in config.groups):
+        if self.has_last_state:
             num_drafts = 0  # NO_DRAFTS_WITH_STATE
         speculative_config = None if not num_drafts else _only_known(
             c.SpeculativeConfig, method="ngram", num_speculative_tokens=num_drafts,
@@ -350,7 +349,7 @@ class VllmTarget:
             kv_transfer_config=kv_transfer_config, speculative_config=speculative_config,
             device_config=c.DeviceConfig("cpu"))
         vllm_config.cache_config.num_gpu_blocks = num_blocks
-        if any(g.kind == "last_state" for g in config.groups):
+        if self.has_last_state:
             # "align": the state after n tokens sits in the block holding
             # position n-1, the one place the spec's last-state group keeps it
             vllm_config.cache_config.mamba_cache_mode = "align"
@@ -607,6 +606,7 @@ class VllmTarget:
             sending=tuple(rid for rid, r in requests.items() if r.status.is_finished))
 
 
+@functools.cache  # one installed release per process; a target is built per run
 def maps_last_state(m: _Modules) -> bool:
     """The installed release maps a last-state group: it has an align-mode Mamba
     cache whose admission tells a connector's hit from a local one (0.28.0 on).
