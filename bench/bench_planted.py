@@ -69,15 +69,13 @@ def render_readme(result: dict, text: str) -> str:
 
 
 def measure(pid: str, budget: float, seed: int, out_dir: Path) -> dict:
-    from kvspec.cli import target_profile
-    from kvspec.harness.fuzz import fuzz
     from kvspec.harness.replay import replay_trace
     from kvspec.harness.targets import vllm_target_name
     from kvspec.harness.vllm_patches import PLANTED
+    from kvspec.run import default_check
 
     target = vllm_target_name("all", (pid,))
-    profile = target_profile(target, quiet=True)
-    result = fuzz(target, budget, seed, out_dir, profile=profile)
+    result, _ = default_check(target, budget, seed, out_dir)
     row = {"id": pid, "summary": PLANTED[pid].summary, "expected": PLANTED[pid].target,
            "caught": result.counterexample is not None, "runs": result.runs,
            "actions": result.actions, "total_seconds": round(result.elapsed, 2)}

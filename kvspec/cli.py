@@ -88,6 +88,18 @@ def check_at_least(value: int, least: int, option: str, most: int | None = None)
         fail(f"invalid {option} {value}: use {bound}")
 
 
+def check_target_name(name: str, origin: str = "") -> None:
+    """A target name that parses (its fixes and planted bugs known), before
+    anything is imported."""
+    from kvspec.harness.targets import available_targets, parse_vllm_target
+    try:
+        options = parse_vllm_target(name)
+    except ValueError as exc:
+        fail(f"{exc}{origin}")
+    if options is None and name not in available_targets():
+        fail(f"unknown target {name[:60]!r}{origin}; run `kvspec targets` to list them")
+
+
 def check_target(name: str, origin: str = "") -> None:
     """A known target, installed; ``origin`` says who named it (e.g. a trace)."""
     import importlib.util
@@ -110,8 +122,8 @@ def check_target(name: str, origin: str = "") -> None:
             modules()
         except Exception as exc:
             cause = exc.__cause__ or exc
-            fail(f"target 'vllm'{origin} cannot be used: importing vLLM "
-                 f"{installed_vllm_version()} failed: {type(cause).__name__}: {cause}")
+            fail(f"target 'vllm'{origin} cannot be used: importing {source_label()} "
+                 f"failed: {type(cause).__name__}: {cause}")
 
 
 #: the KV cache group layouts the vllm target maps (see target_profile); those
@@ -133,52 +145,30 @@ def with_layouts(profile, layouts: str | None, target: str):
     unmapped = [x for x in chosen if x not in profile.layouts]
     if unmapped:
         fail(f"--layouts: layout {unmapped[0]!r} is not drawn on target {target}: its "
-             f"environment draws {', '.join(profile.layouts)} (a layout the target does not "
-             f"map, or one an unfixed finding needs avoided: docs/notes/hybrid-groups.md)")
+             f"environment draws {', '.join(profile.layouts)} (the target does not map "
+             f"it on this vLLM: docs/notes/hybrid-groups.md)")
     return attrs.evolve(profile, layouts=chosen)
 
 
 def target_profile(target: str, quiet: bool = False):
-    """The environment for ``target``: everything, except the triggers of an
-    accepted finding whose fix is not applied (it does not fit the installed
-    vLLM, is not chosen, or does not exist), and on vLLM the group layouts the
-    target does not map."""
+    """The environment for ``target``: everything; on vLLM, everything the
+    target maps on this source (its gaps are named in the verdict's first
+    line: ``vllm_gaps``). Known findings narrow nothing: a counterexample one
+    explains is reported as that finding and the run goes on (harness/known.py)."""
     from kvspec.harness.profiles import FULL
     from kvspec.harness.targets import parse_vllm_target
     options = parse_vllm_target(target)
     if options is None:
         return FULL
-    from kvspec.harness.accepted_findings import profile_for
     from kvspec.harness.vllm_patches import patched
     fixes, planted = options
     applied = patched(fixes, planted)
     unplanted = [pid for pid in planted if pid in applied.skipped]
     if unplanted:  # a bug asked for but not planted would read as a clean bill
-        fail(f"planted bug {unplanted[0]!r} does not fit vLLM {installed_vllm_version()}"
+        fail(f"planted bug {unplanted[0]!r} does not fit {source_label()}"
              f"{' with these fixes' if fixes != 'all' else ''}: "
              f"{applied.skipped[unplanted[0]].split(': ', 1)[-1][:200]}")
-    if not quiet:
-        chosen = [p for p in applied.applied]
-        console.print(f"vllm {installed_vllm_version()}: "
-                      + (f"patched with {', '.join(chosen)}" if chosen else "as released (no fixes)")
-                      + " (kvspec/harness/vllm_patches.py)")
-        missing, other = split_not_fitting(applied.skipped)
-        for pid, why in missing.items():
-            console.print(f"vllm: patch {pid} does not fit this release: {why}")
-        if other:
-            console.print(f"vllm: not applied, fixes of findings this release does not have: "
-                          f"{', '.join(other)}")
-    # Gaps of the target, not findings (docs/notes/hybrid-groups.md): it maps a
-    # last-state group only where the release has align-mode Mamba with
-    # external hits, and never beside spec decode
-    if fixes == "none":  # the release as shipped, the whole environment
-        return _mapped_layouts(FULL)
-    profile = _mapped_layouts(profile_for(installed_vllm_version(), set(applied.applied)))
-    if profile.because and not quiet:
-        console.print(f"vllm {installed_vllm_version()}: stepping around unfixed findings "
-                      f"{', '.join(profile.because)} (their fixes are not applied or do not "
-                      "exist: docs/findings/README.md)")
-    return profile
+    return _mapped_layouts(FULL)
 
 
 def _mapped_layouts(profile):
@@ -190,30 +180,46 @@ def _mapped_layouts(profile):
                         spec_decode_with_last_state=False)
 
 
+def vllm_gaps(target: str) -> dict[str, str]:
+    """What the target does not map at all, by profile field (the verdict's
+    first line names each; they are the target's scope, not a restriction)."""
+    from kvspec.harness.targets import parse_vllm_target
+    if parse_vllm_target(target) is None:
+        return {}
+    return {"layouts": f"{source_label()} has no align-mode Mamba admission that tells a "
+                       "connector hit from a local one (0.28.0 on): no last-state group",
+            "spec_decode_with_last_state": "vLLM keeps one Mamba state per draft, which the "
+                                           "spec does not model (docs/notes/hybrid-groups.md)"}
+
+
+def source_label() -> str:
+    from kvspec.harness.vllm_source import active
+    return active().label()
+
+
 def target_patches(target: str) -> dict | None:
-    """The vLLM patches a target applies: applied ids, and why others did not fit."""
+    """The vLLM patches a target applies: applied ids (and drift), and why others did not fit."""
     from kvspec.harness.targets import parse_vllm_target
     options = parse_vllm_target(target)
     if options is None:
         return None
     from kvspec.harness.vllm_patches import FIXES, patched
     applied = patched(*options)
-    missing, other = split_not_fitting(applied.skipped)
     return {"fixes": [p for p in applied.applied if p in FIXES],
             "planted": [p for p in applied.applied if p not in FIXES],
-            "not_fitting": missing, "not_needed": other}
+            "drifted": applied.drift, "not_fitting": applied.skipped}
 
 
-def split_not_fitting(skipped: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """Patches that did not fit: those a finding of the installed release needs (or
-    any, on a release not measured), and fixes of findings it does not have (a
-    backport for an older release; a fix of a finding it predates)."""
-    from kvspec.harness.accepted_findings import fixes_needed
-    from kvspec.harness.vllm_patches import FIXES
-    needed = fixes_needed(installed_vllm_version())
-    other = {pid: why for pid, why in skipped.items()
-             if pid in FIXES and needed is not None and pid not in needed}
-    return {pid: why for pid, why in skipped.items() if pid not in other}, other
+def use_source(vllm: str | None, repo: Path | None = None):
+    """Make ``--vllm`` (None: KVSPEC_VLLM, else the installed release) the vLLM
+    this process checks; bad input is one line, exit 2."""
+    from kvspec.harness import vllm_source
+    try:
+        if vllm is None and repo is None:
+            return vllm_source.active()
+        return vllm_source.activate(vllm_source.resolve(vllm, repo))
+    except vllm_source.SourceError as exc:
+        fail(str(exc))
 
 
 def resolve_target(target: str, strict: bool, fixes: str, plant: list[str] | None) -> str:
@@ -269,38 +275,6 @@ def drawn_profile(target: str, layouts: str | None, kv: str, quiet: bool = False
                    layouts)
 
 
-def run_fuzz(target: str, budget: str, seed: int, out: Path, db: Path | None,
-             design_rules: bool = True, db_option: str = "--db", layouts: str | None = None,
-             kv: str = "symbolic"):
-    """``db_option``: how errors name ``db`` (``check`` has no --db option)."""
-    from kvspec.harness.fuzz import fuzz
-    seconds = parse_budget(budget)
-    check_kv(kv, target)  # first: it needs no import of vLLM
-    check_target(target)
-    check_writable_dir(out, "--out")
-    if db is not None:
-        check_writable_dir(db, db_option)
-    version = f" (vLLM {installed_vllm_version()})" if target.startswith("vllm") else ""
-    profile = drawn_profile(target, layouts, kv)
-    console.print(f"kvspec: target {target}{version}, seed {seed}, budget {seconds:g}s"
-                  + (f", layouts {', '.join(profile.layouts)}" if layouts else "")
-                  + (f", KV in torch tensors ({', '.join(profile.layouts)})"
-                     if kv == "torch" else ""))
-    if not console.is_terminal:  # a log: a plain line at a steady interval
-        return fuzz(target, seconds, seed, out, db, profile=profile, design_rules=design_rules,
-                    heartbeat=progress_line("fuzzing", seconds), heartbeat_every=PROGRESS_EVERY,
-                    kv=kv)
-    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
-        task = progress.add_task("fuzzing", total=seconds)
-
-        def tick(result):
-            progress.update(task, completed=min(result.elapsed, seconds),
-                            description=f"fuzzing: {result.runs} runs, {result.actions} actions")
-        return fuzz(target, seconds, seed, out, db, progress=tick, profile=profile,
-                    design_rules=design_rules, kv=kv)
-
-
 def rate(result) -> str:
     return f"{result.actions / result.elapsed if result.elapsed > 0 else 0.0:.1f} actions/s"
 
@@ -324,8 +298,18 @@ def replay_progress_line(progress) -> None:
           f"{progress.actions_total}, {progress.steps} steps", file=sys.stderr, flush=True)
 
 
-def report(result, design_rules: bool = True, profile=None) -> int:
-    from kvspec.report import summary_table, unwitnessed
+def report(result, design_rules: bool = True, prep=None, first_line: bool = True) -> int:
+    """The summary: the verdict's first line (what was not checked, known
+    findings met), the claims, what was never witnessed, the counterexample;
+    the exit code (kvspec/verdict.py)."""
+    from rich.text import Text
+
+    from kvspec.report import known_table, summary_table, unwitnessed
+    from kvspec.run import verdict
+    line, code = verdict(result, prep)
+    if first_line:
+        style = {0: "bold green", 1: "bold red", 3: "bold yellow"}.get(code, "bold")
+        console.print(Text(line, style=style))
     violations = {}
     if result.counterexample is not None:
         for v in result.counterexample.violations:
@@ -333,6 +317,7 @@ def report(result, design_rules: bool = True, profile=None) -> int:
     console.print(summary_table(result.checks, result.witnessed, violations, design_rules))
     console.print(f"{result.runs} runs, {result.actions} actions in {result.elapsed:.1f}s "
                   f"({rate(result)})")
+    profile = prep.profile if prep is not None else None
     for name, why in unwitnessed(result.checks, result.witnessed, design_rules, profile).items():
         console.print(f"[yellow]never witnessed:[/] {name}" + (f" ({why})" if why else ""))
     from kvspec.harness.runner import UNMODELLED_STEPS
@@ -340,12 +325,16 @@ def report(result, design_rules: bool = True, profile=None) -> int:
         console.print(f"[yellow]not evaluated:[/] transition_admitted_by_model on "
                       f"{result.features[UNMODELLED_STEPS]} async steps (the conformance "
                       "model describes the synchronous step)")
+    if result.known:
+        console.print(known_table(result.known))
     if result.counterexample is None:
-        console.print("[green]all invariants hold[/]")
-        return 0
+        return code
     ce = result.counterexample
+    if result.shrink_cut:
+        console.print(Text("the budget ran out while shrinking: the trace is the smallest "
+                           "found by then (it replays as saved)", style="yellow"))
     show_counterexample(ce.runner.log, ce.violations, result.trace_path)
-    return 1
+    return code
 
 
 def show_counterexample(steps, violations, trace_path=None) -> None:
@@ -371,9 +360,17 @@ DESIGN_RULES_HELP = ("check vLLM's design rules (one writer per recomputed block
                      "long-prefill cap) as well as the safety claims")
 
 
+VLLM_HELP = ("the vLLM to check (vllm target): 'installed' (default), a vLLM checkout, a "
+             "wheel (.whl), an unpacked wheel, an sdist (.tar.gz), or a vllm package directory")
+BASE_HELP = ("vllm: the vLLM a counterexample is replayed on to tell a known or pre-existing "
+             "finding from a new one: a source as for --vllm, or none (default: the installed "
+             "release when --vllm names another source)")
+
+
 @app.command()
-def check(target: str = typer.Option("impl", help="target to check"),
-          budget: str = typer.Option("60s", help="time budget, e.g. 60s, 10m"),
+def check(target: str = typer.Option(None, help="target to check (default: impl, or vllm "
+                                               "with --vllm)"),
+          budget: str = typer.Option("60s", help="time budget, shrinking included: 60s, 10m"),
           seed: int = typer.Option(0, help="seed; everything derives from it"),
           out: Path = typer.Option(DEFAULT_OUT, help="where failing traces are saved"),
           strict: bool = typer.Option(False, help=STRICT_HELP),
@@ -382,16 +379,20 @@ def check(target: str = typer.Option("impl", help="target to check"),
           design_rules: bool = typer.Option(True, help=DESIGN_RULES_HELP),
           layouts: str = typer.Option(None, help=LAYOUTS_HELP),
           kv: str = typer.Option("symbolic", help=KV_HELP),
+          vllm: str = typer.Option(None, "--vllm", help=VLLM_HELP),
+          base: str = typer.Option(None, "--base", help=BASE_HELP),
           as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout")):
-    """Check every invariant on a target within a budget; exit 1 on a violation."""
+    """Check every invariant on a target within a budget; exit 1 on a new violation."""
+    target = default_target(target, vllm)
     fuzz_and_report(resolve_target(target, strict, fixes, plant), budget, seed, out, DEFAULT_DB,
                     design_rules, as_json, db_option="the example database", layouts=layouts,
-                    kv=kv)
+                    kv=kv, vllm=vllm, base=base)
 
 
 @app.command("fuzz")
-def fuzz_cmd(target: str = typer.Option("impl", help="target to fuzz"),
-             budget: str = typer.Option("60s", help="time budget, e.g. 60s, 10m"),
+def fuzz_cmd(target: str = typer.Option(None, help="target to fuzz (default: impl, or vllm "
+                                                  "with --vllm)"),
+             budget: str = typer.Option("60s", help="time budget, shrinking included: 60s, 10m"),
              seed: int = typer.Option(0, help="seed; everything derives from it"),
              out: Path = typer.Option(DEFAULT_OUT, help="where failing traces are saved"),
              db: Path = typer.Option(DEFAULT_DB, help="Hypothesis example database"),
@@ -401,69 +402,270 @@ def fuzz_cmd(target: str = typer.Option("impl", help="target to fuzz"),
              design_rules: bool = typer.Option(True, help=DESIGN_RULES_HELP),
              layouts: str = typer.Option(None, help=LAYOUTS_HELP),
              kv: str = typer.Option("symbolic", help=KV_HELP),
+             vllm: str = typer.Option(None, "--vllm", help=VLLM_HELP),
+             base: str = typer.Option(None, "--base", help=BASE_HELP),
              as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout")):
     """Fuzz a target; every failure is saved as a trace and shown as a step table."""
+    target = default_target(target, vllm)
     fuzz_and_report(resolve_target(target, strict, fixes, plant), budget, seed, out, db,
-                    design_rules, as_json, layouts=layouts, kv=kv)
+                    design_rules, as_json, layouts=layouts, kv=kv, vllm=vllm, base=base)
+
+
+def default_target(target: str | None, vllm: str | None) -> str:
+    """``--target`` as given; without one, vllm when a vLLM source is named, else impl."""
+    if target is None:
+        return "vllm" if vllm is not None else "impl"
+    if vllm is not None and not target.startswith("vllm"):
+        fail(f"--vllm names the vLLM of the vllm target, not of {target[:60]!r}")
+    return target
 
 
 def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
                     design_rules: bool = True, as_json: bool = False,
                     db_option: str = "--db", layouts: str | None = None,
-                    kv: str = "symbolic") -> None:
-    """What ``check`` and ``fuzz`` share: run, report, exit 1 on a violation (2 on bad
-    input). With ``as_json`` the human-readable output goes to stderr and stdout
-    holds one JSON object (``kvspec.report.json_summary``)."""
+                    kv: str = "symbolic", vllm: str | None = None,
+                    base: str | None = None) -> None:
+    """What ``check`` and ``fuzz`` share: run, report, exit 1 on a new violation
+    (2 on bad input, 3 when something was left unchecked that nobody asked to
+    leave out). With ``as_json`` the human-readable output goes to stderr and
+    stdout holds one JSON object (``kvspec.report.json_summary``)."""
     global console
+    saved = console
     if as_json:
         console = Console(stderr=True, width=200)
+    prep = None
     try:
-        result = run_fuzz(target, budget, seed, out, db, design_rules, db_option, layouts, kv)
+        prep = prepare_vllm_aware(target, budget, out, db, db_option, layouts, kv, vllm, base,
+                                  seed)
+        from kvspec.run import execute
+        result = execute(prep, seed, out, db, design_rules, kv, console)
     except UsageError as exc:
         fail(str(exc))
-    profile = drawn_profile(target, layouts, kv, quiet=True)
-    code = report(result, design_rules, profile)
+    finally:
+        if prep is not None and prep.base is not None:
+            prep.base.close()
+    try:
+        code = report(result, design_rules, prep)
+    finally:
+        console = saved
     if as_json:
         import json
 
         from kvspec.report import json_summary
-        print(json.dumps(json_summary(result, target_version(target), parse_budget(budget),
-                                      profile, design_rules, target_patches(target)), indent=1))
+        print(json.dumps(json_summary(result, target_version(target), prep.seconds,
+                                      prep.profile, design_rules, target_patches(target), prep),
+                         indent=1))
     raise typer.Exit(code)
+
+
+def prepare_vllm_aware(target: str, budget: str, out: Path, db: Path | None, db_option: str,
+                       layouts: str | None, kv: str, vllm: str | None, base: str | None,
+                       seed: int = 0):
+    """Everything a run settles before fuzzing: the budget, the source (and
+    the base, started first so that the two imports overlap), the target, the
+    output directories, the environment, the fixes and known findings."""
+    from kvspec.run import asked_restrictions, describe_source, prepare, print_statuses, start_base
+    seconds = parse_budget(budget)
+    check_kv(kv, target)  # first: it needs no import of vLLM
+    check_target_name(target)
+    if target.startswith("vllm"):
+        use_source(vllm)
+    elif base is not None:
+        fail("--base applies to the vllm target")
+    check_writable_dir(out, "--out")
+    if db is not None:
+        check_writable_dir(db, db_option)
+    worker = start_base(target, base, out.parent if out.name else None)
+    try:
+        check_target(target)
+        profile = drawn_profile(target, layouts, kv)
+        prep = prepare(target, seconds, profile, asked_restrictions(layouts, kv),
+                       vllm_gaps(target), worker)
+    except BaseException:
+        if worker is not None:
+            worker.close()
+        raise
+    console.print(f"kvspec: target {target}"
+                  + (f" on {source_label()}" if target.startswith("vllm") else "")
+                  + f", seed {seed}, budget {seconds:g}s (shrinking included)"
+                  + (f", layouts {', '.join(profile.layouts)}" if layouts else "")
+                  + (f", KV in torch tensors ({', '.join(profile.layouts)})"
+                     if kv == "torch" else ""), markup=False)
+    describe_source(console, prep)
+    print_statuses(console, prep)
+    return prep
+
+
+@app.command()
+def review(base: str = typer.Argument(..., help="the vLLM before the change: a source as for "
+                                      "--vllm, or a git ref of --repo"),
+           head: str = typer.Argument(..., help="the vLLM after the change (the same kinds)"),
+           repo: Path = typer.Option(None, help="a vLLM git checkout whose refs BASE and HEAD "
+                                               "may name"),
+           budget: str = typer.Option("60s", help="the check's budget on HEAD, shrinking "
+                                                  "included: 60s, 10m"),
+           seed: int = typer.Option(0, help="seed; everything derives from it"),
+           out: Path = typer.Option(Path(".kvspec/review"), help="where traces and the "
+                                                                "review are written"),
+           markdown: Path = typer.Option(None, help="the Markdown review (default: "
+                                                    "OUT/review.md)"),
+           as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout")):
+    """Review a change to vLLM: the default check on HEAD; a counterexample that
+    fails on BASE too is pre-existing; only HEAD-only failures are regressions.
+    Says how often each changed hunk ran. Exit 0 pass, 1 regression, 3 incomplete."""
+    import time as _time
+
+    from kvspec.harness import vllm_source
+    global console
+    started = _time.monotonic()
+    if as_json:
+        console = Console(stderr=True, width=200)
+    seconds = parse_budget_or_fail(budget)
+    try:
+        base_src = vllm_source.resolve(base, repo)
+        head_src = vllm_source.resolve(head, repo)
+    except vllm_source.SourceError as exc:
+        fail(str(exc))
+    check_writable_dir(out, "--out")
+    from kvspec.review import attach_statements, changed_hunks
+    hunks = changed_hunks(base_src, head_src)
+    attach_statements(hunks, head_src)
+    from kvspec.harness.base_worker import BaseWorker
+    # the worker is given the unpacked directory (a git ref needs no --repo there)
+    worker = BaseWorker("installed" if base_src.is_installed else str(base_src.root),
+                        out / "base-worker.log")
+    saved = console
+    try:
+        _review(base_src, head_src, hunks, worker, seconds, seed, out, markdown, as_json,
+                started)
+    finally:
+        worker.close()
+        console = saved
+
+
+def parse_budget_or_fail(budget: str) -> float:
+    try:
+        return parse_budget(budget)
+    except UsageError as exc:
+        fail(str(exc))
+
+
+def _review(base_src, head_src, hunks, worker, seconds, seed, out, markdown, as_json, started):
+    import time as _time
+
+    from rich.text import Text
+
+    from kvspec.harness import vllm_source
+    from kvspec.review import Coverage, attach_coverage, measured_lines, review_verdict
+    from kvspec.review import markdown as render
+    from kvspec.run import describe_source, execute, prepare, print_statuses
+    try:
+        vllm_source.activate(head_src)
+    except vllm_source.SourceError as exc:
+        fail(str(exc))
+    check_target("vllm")
+    profile = drawn_profile("vllm", None, "symbolic")
+    prep = prepare("vllm", seconds, profile, {}, vllm_gaps("vllm"), worker, review=True)
+    console.print(Text(f"kvspec review: base {base_src.label()}, head {head_src.label()}; "
+                       f"{len(hunks)} changed hunk(s); budget {seconds:g}s"))
+    describe_source(console, prep)
+    print_statuses(console, prep)
+    coverage = Coverage(head_src)
+    coverage.start()
+    try:
+        result = execute(prep, seed, out, None, True, "symbolic", console,
+                         on_run=coverage.on_run, trace_name=f"review-seed{seed}.json")
+    finally:
+        coverage.stop()
+    from kvspec.harness.vllm_patches import patched
+    attach_coverage(hunks, measured_lines(coverage.data(), head_src, patched("all").files))
+    changed = [s for s in prep.statuses if s.status == "code-changed"]
+    verdict = review_verdict(result, hunks, prep.recogniser.base_errors, changed)
+    wall = _time.monotonic() - started
+    text = render(verdict, result, hunks, base_src.label(), head_src.label(), head_src.given,
+                  base_src.given if not base_src.is_installed else "installed",
+                  prep.statuses, seconds, wall)
+    path = markdown or out / "review.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    style = {0: "bold green", 1: "bold red", 3: "bold yellow"}.get(verdict.code, "bold")
+    console.print(Text(verdict.line, style=style))
+    for h in hunks:
+        state = ("never ran" if h.never_ran else f"{len(h.ran)}/{len(h.statements)} statements "
+                 f"ran, in {h.runs} runs" if h.statements else "no statements")
+        console.print(Text(f"  {h.where()}: {state}"))
+    report(result, True, prep, first_line=False)
+    console.print(Text(f"review written: {path} (wall time {wall:.0f}s)"))
+    if as_json:
+        import json
+        print(json.dumps({
+            "verdict": verdict.line.split(":")[0].lower(), "verdict_line": verdict.line,
+            "exit_code": verdict.code, "base": base_src.label(), "head": head_src.label(),
+            "wall_s": round(wall, 1), "budget_s": seconds, "runs": result.runs,
+            "actions": result.actions, "markdown": str(path),
+            "regression": None if result.counterexample is None else {
+                "claims": sorted({v.invariant for v in result.counterexample.violations}),
+                "trace": str(result.trace_path)},
+            "pre_existing": [{"finding": h.finding, "count": h.count, "how": h.how,
+                              "trace": str(h.trace_path)} for h in result.known.values()],
+            "hunks": [{"where": h.where(), "path": h.path, "checked_module": h.checked_module,
+                       "statements": len(h.statements), "ran": len(h.ran), "runs": h.runs}
+                      for h in hunks],
+            "fixes": [attrs.asdict(s) for s in prep.statuses],
+            "import_s": {"head": prep.import_seconds, "base": worker.import_seconds}},
+            indent=1))
+    raise typer.Exit(verdict.code)
 
 
 def target_version(target: str) -> str:
     from importlib.metadata import version
     if target.startswith("vllm"):
-        return installed_vllm_version()
+        return installed_vllm_version()  # the active source's
     return f"kvspec-reference {version('kvspec')}"
 
 
 @app.command()
-def replay(trace: Path = typer.Argument(..., help="a trace file written by kvspec"),
-           target: str = typer.Option(None, help="target (default: the trace's own)"),
+def replay(traces: list[Path] = typer.Argument(..., help="trace files written by kvspec"),
+           target: str = typer.Option(None, help="target (default: each trace's own)"),
            ignore: list[str] = typer.Option(None, help="leave this claim unchecked, to see "
-                                            "what its violation leads to (repeatable)")):
-    """Replay a saved trace deterministically; exit 1 if it still fails."""
-    from kvspec.harness.replay import replay_trace
+                                            "what its violation leads to (repeatable)"),
+           vllm: str = typer.Option(None, "--vllm", help=VLLM_HELP)):
+    """Replay saved traces deterministically (vLLM is imported once for all);
+    exit 1 if one still fails."""
     from kvspec.harness.trace import TraceError, load_trace
     from kvspec.spec.catalogue import REGISTRY
     for name in ignore or ():
         if name not in REGISTRY:
             fail(f"--ignore: {shown(name, 60)} is no claim; `kvspec claims` lists them")
     try:
-        if target is not None:
-            check_target(target)
-        else:  # the trace's own target: known, and installed (vllm)
-            check_target(load_trace(trace)["target"], f" (named by {shown(trace)})")
+        named = [target if target is not None else load_trace(t)["target"] for t in traces]
+    except TraceError as exc:
+        fail(str(exc))
+    if any(n.startswith("vllm") for n in named):
+        use_source(vllm)
+    elif vllm is not None:
+        fail("--vllm applies to traces of the vllm target")
+    codes = [_replay_one(t, target, n, ignore) for t, n in zip(traces, named)]
+    if len(traces) > 1:
+        failing = sum(1 for c in codes if c)
+        console.print(f"{len(traces)} traces replayed: {failing} still fail")
+    raise typer.Exit(1 if any(codes) else 0)
+
+
+def _replay_one(trace: Path, target: str | None, named: str, ignore) -> int:
+    from kvspec.harness.replay import replay_trace
+    from kvspec.harness.trace import TraceError
+    try:
+        check_target(named, "" if target is not None else f" (named by {shown(trace)})")
         heartbeat = None if console.is_terminal else replay_progress_line
         outcome = replay_trace(trace, target, heartbeat=heartbeat,
                                heartbeat_every=PROGRESS_EVERY, ignore=frozenset(ignore or ()))
     except TraceError as exc:
         fail(str(exc))
     from rich.text import Text
-    console.print(f"replayed {len(outcome.actions_run)} actions on {outcome.target}"
-                  + (f", not checking {', '.join(ignore)}" if ignore else ""))
+    where = f" on {source_label()}" if outcome.target.startswith("vllm") else ""
+    console.print(Text(f"replayed {len(outcome.actions_run)} actions on {outcome.target}{where}"
+                       + (f", not checking {', '.join(ignore)}" if ignore else "")))
     for name in outcome.unknown_claims:  # a note, not an error: the replay decides the code
         console.print(Text(f"note: the recorded verdict names {shown(name, 60)}, which is no "
                            "claim of this kvspec"))
@@ -476,9 +678,10 @@ def replay(trace: Path = typer.Argument(..., help="a trace file written by kvspe
         else:
             same = "verdict differs from the recording"
         console.print(f"[red]still fails[/] ({same})")
-        raise typer.Exit(1)
+        return 1
     differs = " (verdict differs from the recording, which failed)" if outcome.recorded else ""
     console.print(f"[green]passes: no invariant violated[/]{differs}")
+    return 0
 
 
 @app.command()
@@ -621,15 +824,17 @@ def bmc_cmd(target: str = typer.Option("impl", help="target to check"),
 
 
 @app.command()
-def targets():
+def targets(vllm: str = typer.Option(None, "--vllm", help=VLLM_HELP)):
     """List the available targets."""
     import importlib.util
 
     from kvspec.harness.targets import available_targets
+    if vllm is not None:
+        use_source(vllm)
     for name, description in available_targets().items():
         if name == "vllm":
             installed = importlib.util.find_spec("vllm") is not None
-            description += (f" [installed: vLLM {installed_vllm_version()}]" if installed
+            description += (f" [{source_label()}]" if installed or vllm is not None
                             else " [not installed]")
         console.print(f"{name:40s} {description}", markup=False)
     from kvspec.harness.vllm_patches import FIXES, PLANTED

@@ -59,45 +59,29 @@ def summary_table(checks: dict[str, int], witnessed: dict[str, int],
 def unwitnessed(checks: dict[str, int], witnessed: dict[str, int],
                 design_rules: bool = True, profile=None) -> dict[str, str]:
     """Claims checked but never witnessed in a run: name -> why that may be
-    expected (the registry's reason, or the run's restricted profile; empty when
+    expected (the registry's reason, or the run's narrowed profile; empty when
     it should have been witnessed)."""
     restricted = ""
-    if profile is not None and profile.because:
-        restricted = (f"this run's profile {profile.name} restricts the environment to step "
-                      f"around {', '.join(profile.because)}")
-    elif profile is not None and profile.layouts == ("full",):
+    if profile is not None and profile.layouts == ("full",):
         restricted = "this run draws one full-attention group only (--layouts full)"
     return {name: inv.unwitnessed_because or restricted for name, inv in REGISTRY.items()
             if is_checked_claim(inv, design_rules) and not witnessed.get(name)}
 
 
-def restriction_reasons(profile, version: str, patches: dict | None) -> dict[str, str]:
-    """Why the profile steps around each finding it names (its fix is not
-    applied, or no fix exists), and what the target does not map."""
-    from kvspec.harness.accepted_findings import accepted_for
-    findings = {f.id: f for f in accepted_for(version)}
-    not_fitting = (patches or {}).get("not_fitting", {})
-    reasons = {}
-    for fid in profile.because:
-        fix = findings[fid].fix_id if fid in findings else None
-        avoided = ", ".join(f"{k}={v!r}" for k, v in findings[fid].avoided_by) \
-            if fid in findings else ""
-        if fix is None:
-            why = "no fix exists (see its write-up in docs/findings/)"
-        elif fix in not_fitting:
-            why = f"its fix {fix} does not fit this release: {not_fitting[fix]}"
-        else:
-            why = f"its fix {fix} was not chosen (--fixes)"
-        reasons[fid] = f"{avoided}: {why}" if avoided else why
-    if not profile.spec_decode_with_last_state:  # a gap of the target, not a finding
-        reasons["spec_decode_with_last_state"] = (
-            "the vllm target maps no drafts beside a last-state group: vLLM keeps one "
-            "Mamba state per draft, which the spec does not model (docs/notes/hybrid-groups.md)")
-    return reasons
+def known_table(known: dict) -> Table:
+    """Known findings met during a run (kvspec.harness.fuzz.KnownHit)."""
+    table = Table(title="known findings met (the run went on)")
+    for column in ("finding", "times", "recognised", "upstream", "first trace"):
+        table.add_column(column)
+    for hit in known.values():
+        table.add_row(Text(printable(hit.finding or hit.label or "pre-existing")),
+                      str(hit.count), Text(printable(hit.how)), Text(printable(hit.upstream)),
+                      Text(printable(str(hit.trace_path or ""))))
+    return table
 
 
 def json_summary(result, version: str, budget_s: float, profile, design_rules: bool,
-                 patches: dict | None = None) -> dict:
+                 patches: dict | None = None, prep=None) -> dict:
     """``kvspec check --json``: one object describing the run."""
     import attrs
 
@@ -115,13 +99,17 @@ def json_summary(result, version: str, budget_s: float, profile, design_rules: b
             claims.append({"name": name, "kind": "outcome", "role": "safety", "checked": None,
                            "witnessed": None, "violations": counted[name]})
     defaults = {f.name: f.default for f in attrs.fields(type(profile))}
-    restrictions = {k: v for k, v in attrs.asdict(profile).items()
-                    if k not in ("name", "because") and v != defaults[k]}
+    changed = {k: v for k, v in attrs.asdict(profile).items()
+               if k not in ("name", "because") and v != defaults[k]}
     ce = result.counterexample
+    line, code = _verdict(result, prep)
     return {
+        "verdict_line": line, "exit_code": code,
         "target": result.target, "version": version, "seed": result.seed, "budget_s": budget_s,
         "elapsed_s": round(result.elapsed, 3), "runs": result.runs, "actions": result.actions,
         "actions_per_s": round(result.actions / result.elapsed, 1) if result.elapsed else 0.0,
+        "shrinking": {"started_s": None if result.shrink_started is None
+                      else round(result.shrink_started, 3), "cut_by_budget": result.shrink_cut},
         "design_rules": design_rules, "claims": claims,
         "unwitnessed": unwitnessed(result.checks, result.witnessed, design_rules, profile),
         "features": {f: result.features.get(f, 0) for f in FEATURES},
@@ -129,15 +117,34 @@ def json_summary(result, version: str, budget_s: float, profile, design_rules: b
             "steps": result.features.get(UNMODELLED_STEPS, 0),
             "why": "the conformance model (spec/effects.py) describes the synchronous step; "
                    "async steps are checked by every other claim"}},
-        "profile": {"name": profile.name, "restrictions": restrictions,
-                    "because": list(profile.because),
-                    "justification": restriction_reasons(profile, version, patches)},
+        "profile": {"name": profile.name, "restrictions": changed,
+                    "because": list(profile.because)},
+        "restrictions": [] if prep is None else [
+            {"field": r.field, "value": list(r.value) if isinstance(r.value, tuple) else r.value,
+             "kind": r.kind, "why": r.why} for r in prep.restrictions],
+        "source": None if prep is None or prep.runtime is None else prep.runtime,
+        "import_s": None if prep is None or prep.import_seconds is None
+        else round(prep.import_seconds, 2),
+        "base": None if prep is None or prep.base is None else prep.base.label,
+        "fixes": [] if prep is None else [attrs.asdict(s) for s in prep.statuses],
+        "known_findings": [{"finding": h.finding, "label": h.label, "count": h.count,
+                            "how": h.how, "upstream": h.upstream, "claims": h.claims,
+                            "trace": None if h.trace_path is None else str(h.trace_path)}
+                           for h in result.known.values()],
         "patches": patches,
-        "verdict": "hold" if ce is None else "violated",
+        "verdict": "violated" if ce is not None else ("hold" if code == 0 else "incomplete"),
         "violations": [] if ce is None else [{"claim": v.invariant, "message": v.message}
                                              for v in ce.violations],
         "trace": str(result.trace_path) if result.trace_path else None,
     }
+
+
+def _verdict(result, prep) -> tuple[str, int]:
+    if prep is None:
+        from kvspec.verdict import first_line
+        return first_line(result, [])
+    from kvspec.run import verdict
+    return verdict(result, prep)
 
 
 def _fmt_detection(d) -> tuple[str, str, str]:

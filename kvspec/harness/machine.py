@@ -6,6 +6,7 @@ teardown, by a healed phase (``drain``) in which every request must finish.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Callable
 
@@ -79,8 +80,13 @@ class KVSpecMachine(RuleBasedStateMachine):
     profile: EnvProfile = FULL
     design_rules: bool = True
     kv: str = "symbolic"  # the worker's KV: symbolic, or torch (real tensors)
-    #: called with the failing runner before anything else happens (save first)
-    on_counterexample: Callable[[Counterexample], None] | None = None
+    #: called with the failing runner before anything else happens (save first);
+    #: returns True when a known finding explains it: the run then ends quietly
+    #: (Hypothesis sees a pass) and fuzzing goes on
+    on_counterexample: Callable[[Counterexample], bool | None] | None = None
+    #: time.monotonic() past which every action is skipped: the budget bounds
+    #: shrinking too (a shrink candidate then passes, and shrinking stops)
+    deadline: float | None = None
     stats: Counter = Counter()
 
     def __init__(self) -> None:
@@ -88,16 +94,23 @@ class KVSpecMachine(RuleBasedStateMachine):
         self.runner: Runner | None = None
         self.next_index = 0
         self.failed = False
+        #: the run ended early: a known finding explained it, or the budget is spent
+        self.dead = False
         self.swarm = Swarm()
         type(self).stats["runs"] += 1
 
     def _apply(self, action: dict) -> None:
+        if self.dead or (self.deadline is not None and time.monotonic() > self.deadline):
+            self.dead = True
+            return
         try:
             self.runner.apply(action)
         except Counterexample as exc:
             self.failed = True
-            if self.on_counterexample is not None:
-                type(self).on_counterexample(exc)
+            if self.on_counterexample is not None and type(self).on_counterexample(exc):
+                self.dead = True
+                type(self).stats["explained"] += 1
+                return
             raise
         finally:
             type(self).stats["actions"] += 1
@@ -265,9 +278,10 @@ class KVSpecMachine(RuleBasedStateMachine):
 
 def machine_for(target: str, on_counterexample=None, kinds=ALL_KINDS,
                 profile: EnvProfile = FULL, design_rules: bool = True,
-                kv: str = "symbolic") -> type[KVSpecMachine]:
+                kv: str = "symbolic", deadline: float | None = None) -> type[KVSpecMachine]:
     """A fresh machine class bound to one target (class attributes are per class)."""
     return type(f"KVSpecMachine_{target.replace(':', '_')}", (KVSpecMachine,),
                 {"target_name": target, "on_counterexample": staticmethod(on_counterexample)
                  if on_counterexample else None, "stats": Counter(), "kinds": tuple(kinds),
-                 "profile": profile, "design_rules": design_rules, "kv": kv})
+                 "profile": profile, "design_rules": design_rules, "kv": kv,
+                 "deadline": deadline})

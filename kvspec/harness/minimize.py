@@ -111,9 +111,12 @@ def _size(failure: Counterexample) -> tuple[int, int]:
 
 
 def minimize(target: str, failure: Counterexample, kinds=ALL_KINDS,
-             time_limit: float = 20.0, design_rules: bool = True) -> Counterexample:
+             time_limit: float = 20.0, design_rules: bool = True,
+             still_new=None) -> Counterexample:
     """The smallest trace reached greedily that still violates one of
-    ``failure``'s claims (the original failure if nothing smaller does)."""
+    ``failure``'s claims (the original failure if nothing smaller does);
+    ``still_new``, if given, must hold of it too (a smaller trace that a known
+    finding explains is not kept: the new bug must stay in it)."""
     claims = {v.invariant for v in failure.violations}
     best = failure
     deadline = time.monotonic() + time_limit
@@ -131,7 +134,8 @@ def minimize(target: str, failure: Counterexample, kinds=ALL_KINDS,
             except (ValueError, TypeError):  # a configuration the target refuses
                 continue
             if (found is not None and claims & {v.invariant for v in found.violations}
-                    and _size(found) < _size(best)):
+                    and _size(found) < _size(best)
+                    and (still_new is None or still_new(found))):
                 best, improved = found, True
                 break
     return best

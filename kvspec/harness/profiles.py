@@ -1,10 +1,13 @@
-"""Environment profiles: restrictions on what the environment may do, each
-justified by the accepted finding it steps around.
+"""Environment profiles: what the environment may do.
 
-On the reference implementation the environment is unrestricted (``FULL``).
-On a release with known findings, CI fuzzes with a profile that avoids exactly
-the triggers of those findings, so they cannot hide a new one; the findings
-themselves are replayed from their traces (tests/test_vllm.py).
+Every run draws from the whole environment (``FULL``), less what the user asks
+to leave out (``--layouts``, ``--kv torch``) and what a target does not map at
+all (the vllm target: spec decode beside a last-state group, and last-state
+groups on releases before 0.28.0). Known findings narrow nothing: a
+counterexample one explains is reported as that finding and the run goes on
+(kvspec/harness/known.py). Any other difference from ``FULL`` is a narrowing
+nobody asked for, named in the verdict's first line, and the run exits 3
+(kvspec/verdict.py).
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ class EnvProfile:
     #: sync-loaded request's failure has no report the release takes) or "none"
     load_failures_with_groups: str = attrs.field(
         default="any", validator=attrs.validators.in_(("any", "async", "none")))
-    #: why each restriction is there (accepted finding ids)
+    #: why a restriction is there, where a caller says (named in the verdict)
     because: tuple[str, ...] = ()
 
 

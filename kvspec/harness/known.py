@@ -1,0 +1,441 @@
+"""Known findings, recognised by behaviour.
+
+Whether a vLLM source has a known finding is decided by replaying the
+finding's traces on it (a *probe*), never by its version string, so a release
+kvspec has not seen, a development version or a pull request's branch is
+treated exactly like a measured release. Probe results are cached per source
+content (``vllm_source.content_hash``) in ``.kvspec/probes.json``.
+
+Two uses:
+
+- **Fix statuses** (:func:`fix_statuses`): each of kvspec's fixes is
+  ``applied`` (as written), ``drifted`` (applied over context that differs
+  from its diff's; its finding's trace is replayed to show it still closes
+  it), ``not-needed`` (it does not fit, and its findings' traces pass: the
+  source does not have them, e.g. a branch that already carries the fix),
+  ``code-changed`` (it does not fit and a finding of it is still there: the
+  code it fixes was changed; the reviewer's signal, shown first), or
+  ``not-chosen`` (left out by ``--fixes``/``--strict``).
+- **Recognising a counterexample** (:class:`Recogniser`): instead of
+  narrowing the environment around a known finding, a run keeps everything
+  and asks, of each counterexample, whether a known finding explains it:
+  it passes once that finding's fix is applied (a fix the run left out), it
+  fails on the review's base too (``kvspec review``, or ``--base``), or, where
+  neither can be asked, it behaves exactly as the finding's trace does (the
+  same claims, messages of the same shape) on a source where that trace
+  still fails. An explained counterexample is reported as that finding and
+  the run goes on; anything else is new.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import attrs
+
+from kvspec.harness.accepted_findings import AcceptedFinding, catalogue, findings_of_fix
+
+#: the findings' traces and write-ups (an editable install: the repository's docs/)
+FINDINGS_DIR = Path(__file__).resolve().parent.parent.parent / "docs" / "findings"
+PROBES_FILE = Path(".kvspec/probes.json")
+
+
+# -- replaying and comparing --------------------------------------------------------
+
+@attrs.frozen
+class Outcome:
+    """What a replay gave: the violations as (claim, message), or why it could not run."""
+
+    violations: tuple[tuple[str, str], ...] = ()
+    error: str | None = None
+
+    @property
+    def claims(self) -> frozenset[str]:
+        return frozenset(c for c, _ in self.violations)
+
+    @property
+    def fails(self) -> bool:
+        return bool(self.violations)
+
+
+def replay(target: str, config, actions: list[dict]) -> Outcome:
+    """Run ``actions`` on a fresh ``target`` in this process."""
+    from kvspec.harness.runner import Runner
+    from kvspec.harness.targets import TargetCannotMap
+    try:
+        failure = Runner(target, config).run(actions)
+    except TargetCannotMap as exc:
+        return Outcome(error=f"the target cannot map it: {exc}")
+    except (ValueError, TypeError, RuntimeError, ImportError) as exc:
+        return Outcome(error=f"{type(exc).__name__}: {exc}")
+    if failure is None:
+        return Outcome()
+    return Outcome(tuple((v.invariant, v.message) for v in failure.violations))
+
+
+def template(message: str) -> str:
+    """A violation message with what varies between runs taken out: request
+    ids, numbers, line numbers and the list of patches applied."""
+    text = re.sub(r" \(kvspec patches: [^)]*\)", "", message)
+    text = re.sub(r"\br\d+\b", "r#", text)
+    return re.sub(r"\d+", "#", text)
+
+
+def shape(violations) -> frozenset[tuple[str, str]]:
+    return frozenset((claim, template(message)) for claim, message in violations)
+
+
+def behaves_as(violations, recorded) -> bool:
+    """Every violation is one the recorded verdict has (same claim, same message
+    shape), and the claims are the recorded ones."""
+    got, want = shape(violations), shape(recorded)
+    return bool(got) and got <= want and {c for c, _ in got} == {c for c, _ in want}
+
+
+# -- traces of the known findings ------------------------------------------------------
+
+def trace_path(name: str) -> Path:
+    return FINDINGS_DIR / name
+
+
+def load_finding_trace(name: str) -> dict | None:
+    """A finding's trace (None where kvspec was installed without its docs/)."""
+    from kvspec.harness.trace import load_trace
+    path = trace_path(name)
+    if not path.is_file():
+        return None
+    return load_trace(path)
+
+
+@functools.lru_cache(maxsize=None)
+def recorded(name: str) -> tuple[tuple[str, str], ...]:
+    data = load_finding_trace(name)
+    if data is None:
+        return ()
+    return tuple((v["invariant"], v["message"]) for v in data.get("verdict", ()))
+
+
+def _crash_kinds(violations) -> set[str]:
+    return {m.split(":", 1)[0] for c, m in violations if c == "target_crashed"}
+
+
+def fails_as_recorded(outcome: Outcome, want) -> bool:
+    """The recorded claims exactly, and a recorded crash with the same exception."""
+    return (outcome.fails and outcome.claims == {c for c, _ in want}
+            and _crash_kinds(outcome.violations) == _crash_kinds(want))
+
+
+# -- probes (cached per source content) ---------------------------------------------------
+
+class ProbeCache:
+    """Replays of finding traces on one source, kept across runs in
+    ``.kvspec/probes.json`` (keyed by the source's content, kvspec's fixes and
+    the trace)."""
+
+    def __init__(self, source_key: str, path: Path = PROBES_FILE) -> None:
+        self.source_key = source_key
+        self.path = path
+        self.entries: dict[str, dict] = {}
+        self.dirty = False
+        try:
+            self.entries = json.loads(path.read_text())
+            if not isinstance(self.entries, dict):
+                self.entries = {}
+        except (OSError, ValueError):
+            self.entries = {}
+
+    def probe(self, trace: str, target: str) -> Outcome:
+        key = f"{self.source_key}|{_kvspec_key()}|{trace}|{target}"
+        hit = self.entries.get(key)
+        if hit is not None:
+            return Outcome(tuple(tuple(v) for v in hit["violations"]), hit["error"])
+        data = load_finding_trace(trace)
+        if data is None:
+            outcome = Outcome(error=f"no trace {trace} (kvspec installed without docs/findings)")
+        else:
+            outcome = replay(target, data["config"], data["actions"])
+        self.entries[key] = {"violations": [list(v) for v in outcome.violations],
+                             "error": outcome.error}
+        self.dirty = True
+        return outcome
+
+    def save(self) -> None:
+        if not self.dirty:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".probes-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.entries, f)
+            os.replace(tmp, self.path)
+            self.dirty = False
+        except OSError:
+            pass  # a cache: a run that cannot keep it probes again next time
+
+
+_KVSPEC_KEY: str | None = None
+
+
+def _kvspec_key() -> str:
+    """A hash of what a probe's result depends on besides the source: kvspec's
+    patches, its claims and its harness (the package's Python files)."""
+    global _KVSPEC_KEY
+    if _KVSPEC_KEY is None:
+        h = hashlib.sha256()
+        root = Path(__file__).resolve().parent.parent.parent
+        for folder in ("kvspec", "spec", "impl"):
+            for path in sorted((root / folder).rglob("*")):
+                if path.suffix in (".py", ".diff") and path.is_file():
+                    h.update(path.as_posix().encode() + path.read_bytes())
+        _KVSPEC_KEY = h.hexdigest()[:16]
+    return _KVSPEC_KEY
+
+
+def fixes_target(fix_ids, planted=()) -> str:
+    from kvspec.harness.targets import vllm_target_name
+    ids = sorted(set(fix_ids))
+    return vllm_target_name(",".join(ids) if ids else "none", tuple(planted))
+
+
+# -- fix statuses ---------------------------------------------------------------------
+
+STATUSES = ("code-changed", "drifted", "applied", "not-needed", "not-chosen")
+
+
+@attrs.frozen
+class FixStatus:
+    fix: str
+    status: str
+    detail: str = ""
+    #: known findings of this fix that the source still has (probe: their trace
+    #: fails as recorded without the fix)
+    present: tuple[str, ...] = ()
+
+
+def fix_statuses(patched, chosen: set[str], cache: ProbeCache,
+                 planted: tuple[str, ...] = ()) -> list[FixStatus]:
+    """The status of every fix kvspec has on this source (see the module doc),
+    code-changed first."""
+    from kvspec.harness.vllm_patches import FIXES
+    applied = set(patched.applied) & set(FIXES)
+    out = []
+    for fix in FIXES:
+        if fix not in chosen:
+            out.append(FixStatus(fix, "not-chosen", "left out by --fixes/--strict"))
+        elif fix in applied and fix not in patched.drift:
+            out.append(FixStatus(fix, "applied"))
+        elif fix in applied:
+            out.append(_drifted(fix, patched, applied, cache, planted))
+        else:
+            out.append(_not_fitting(fix, patched, applied, cache, planted))
+    return sorted(out, key=lambda s: STATUSES.index(s.status))
+
+
+def _drifted(fix, patched, applied, cache, planted) -> FixStatus:
+    still = _present(fix, applied, cache, planted)
+    notes = "; ".join(patched.drift[fix])
+    if still:
+        return FixStatus(fix, "code-changed", f"applied over drifted context ({notes}), but "
+                         f"{', '.join(still)} still fails with it", tuple(still))
+    return FixStatus(fix, "drifted", f"{notes}; its findings' traces pass with it")
+
+
+def _not_fitting(fix, patched, applied, cache, planted) -> FixStatus:
+    still = _present(fix, applied, cache, planted)
+    why = patched.skipped.get(fix, "").split(": ", 1)[-1]
+    if still:
+        return FixStatus(fix, "code-changed", f"{why}; its findings still fail here: "
+                         f"{', '.join(still)}", tuple(still))
+    if patched.reasons.get(fix) == "present":
+        return FixStatus(fix, "not-needed", f"the source already has it ({why})")
+    return FixStatus(fix, "not-needed", "its findings' traces pass here")
+
+
+def _present(fix: str, applied: set[str], cache: ProbeCache, planted) -> list[str]:
+    """The findings of ``fix`` whose trace fails as recorded with every other fix
+    applied and ``fix`` itself (if it is applied: drifted) left in place."""
+    target = fixes_target(applied, planted)
+    found = []
+    for finding in findings_of_fix(fix):
+        for trace in finding.traces:
+            if fails_as_recorded(cache.probe(trace, target), recorded(trace)):
+                found.append(finding.id)
+                break
+    return found
+
+
+def present_unfixed(applied: set[str], cache: ProbeCache, planted=()) -> list[AcceptedFinding]:
+    """Known findings with no fix applied here (no fix exists, or it did not
+    fit) whose trace fails as recorded on this source."""
+    target = fixes_target(applied, planted)
+    found = []
+    for finding in catalogue().values():
+        if finding.remedy == "contract" or (finding.fix_id and finding.fix_id in applied):
+            continue
+        if any(fails_as_recorded(cache.probe(t, target), recorded(t)) for t in finding.traces):
+            found.append(finding)
+    return found
+
+
+# -- recognising a counterexample ------------------------------------------------------------
+
+@attrs.frozen
+class Explanation:
+    #: the known finding, or None: several at once, or it fails on the base too
+    #: but is no known finding
+    finding: str | None
+    #: how it was recognised
+    how: str
+    upstream: str = ""
+    #: what it is when no one finding is named
+    unnamed: str = "pre-existing"
+
+    @property
+    def key(self) -> str:
+        return self.finding or self.unnamed
+
+
+class Recogniser:
+    """Decides, of a counterexample, whether a known finding (or the review's
+    base) explains it. Deterministic for a given trace, so that shrinking a
+    new counterexample never wanders into a known one."""
+
+    def __init__(self, target: str, applied: set[str], toggles: list[str],
+                 unfixed: list[AcceptedFinding], base=None, planted: tuple[str, ...] = (),
+                 base_toggles: list[str] = (), base_decides: bool = False):
+        #: the fixes applied on the run's target
+        self.applied = set(applied)
+        #: fixes that fit this source but that the run left out (--fixes, --strict)
+        self.toggles = list(toggles)
+        #: known findings present here with no fix applied (asked by shape when
+        #: there is no base)
+        self.unfixed = list(unfixed)
+        #: a BaseWorker (kvspec.harness.base_worker) or None
+        self.base = base
+        #: fixes that did not fit this source (code-changed): a counterexample
+        #: that fails on the base too is named by the one that closes it there
+        self.base_toggles = list(base_toggles)
+        #: a review: what passes on the base is a regression, whatever it resembles.
+        #: A check asks the base only to recognise: a finding with no fix that this
+        #: source has (its trace fails here) is known even where the base lacks it
+        self.base_decides = base_decides
+        self.planted = tuple(planted)
+        self.target = target
+        self._memo: dict[str, Explanation | None] = {}
+        self.base_errors: list[str] = []
+
+    @property
+    def is_active(self) -> bool:
+        return bool(self.toggles or self.unfixed or self.base)
+
+    def explain(self, config, actions: list[dict], violations) -> Explanation | None:
+        pairs = tuple((v.invariant, v.message) for v in violations)
+        key = hashlib.sha256(json.dumps([repr(config), actions, pairs], sort_keys=True,
+                                        default=str).encode()).hexdigest()
+        if key not in self._memo:
+            self._memo[key] = self._explain(config, actions, pairs)
+        return self._memo[key]
+
+    def _explain(self, config, actions, pairs) -> Explanation | None:
+        if any(c == "environment_contract" for c, _ in pairs):
+            return None  # the environment's own bug: never a finding of the target
+        for fix in self._likely_first(self.toggles, pairs):
+            if not replay(fixes_target(self.applied | {fix}, self.planted), config,
+                          actions).fails:
+                return self._by_fix(fix, pairs)
+        if len(self.toggles) > 1 and not replay(
+                fixes_target(self.applied | set(self.toggles), self.planted), config,
+                actions).fails:  # two known findings in one trace: no one fix closes it
+            named = self._by_shape(pairs)
+            return Explanation(named.id if named else None, "passes with the fixes left out "
+                               "of this run (several findings at once)",
+                               named.upstream if named else "", "several known findings")
+        if self.base is not None:
+            found = self._on_base(config, actions, pairs)
+            if found is not None or self.base_decides:
+                return found
+        unfixed = self.unfixed if self.base is None else [
+            f for f in self.unfixed if f.remedy == "none"]
+        for finding in unfixed:
+            if any(behaves_as(pairs, recorded(t)) for t in finding.traces):
+                return Explanation(finding.id, "behaves as its trace does (no fix applied here)",
+                                   finding.upstream)
+        return None
+
+    def _likely_first(self, fixes: list[str], pairs) -> list[str]:
+        claims = {c for c, _ in pairs}
+
+        def overlap(fix: str) -> int:
+            return -len(claims & {c for f in findings_of_fix(fix) for t in f.traces
+                                  for c, _ in recorded(t)})
+        return sorted(fixes, key=overlap)
+
+    def _by_fix(self, fix: str, pairs) -> Explanation:
+        findings = findings_of_fix(fix)
+        named = [f for f in findings if any(behaves_as(pairs, recorded(t)) for t in f.traces)]
+        chosen = (named or findings)[:1]
+        if not chosen:
+            return Explanation(None, f"passes with the fix {fix}")
+        f = chosen[0]
+        return Explanation(f.id, f"passes with its fix {fix} (left out of this run)", f.upstream)
+
+    def _on_base(self, config, actions, pairs) -> Explanation | None:
+        try:
+            got = self.base.replay(self.base.target_for(self.applied), config, actions)
+        except Exception as exc:  # noqa: BLE001 - a base that cannot answer explains nothing
+            self.base_errors.append(f"{type(exc).__name__}: {exc}")
+            return None
+        if got.error is not None:
+            self.base_errors.append(got.error)
+            return None
+        if not (got.claims & {c for c, _ in pairs}):
+            return None
+        how = f"fails on the base ({self.base.label}) too"
+        for fix in self._likely_first(self.base_toggles, pairs):
+            closed = self.base.replay(self.base.target_for(self.applied | {fix}), config, actions)
+            if closed.error is None and not closed.fails:
+                named = self._by_fix(fix, pairs)
+                return attrs.evolve(named, how=f"{how}; passes there with {fix}")
+        named = self._by_shape(pairs)
+        return Explanation(named.id if named else None, how, named.upstream if named else "")
+
+    def _by_shape(self, pairs) -> AcceptedFinding | None:
+        """The known finding whose trace failed exactly this way, if one did,
+        among those with no fix applied here (an applied fix closes its own)."""
+        for finding in catalogue().values():
+            if finding.fix_id is not None and finding.fix_id in self.applied:
+                continue
+            if any(behaves_as(pairs, recorded(t)) for t in finding.traces):
+                return finding
+        return None
+
+
+def build_recogniser(target: str, base=None,
+                     base_decides: bool = False) -> tuple[Recogniser | None, list[FixStatus]]:
+    """The recogniser and fix statuses for a vllm ``target`` on the active source
+    (None for other targets); ``base_decides``: a review (see Recogniser)."""
+    from kvspec.harness.targets import parse_vllm_target
+    from kvspec.harness.vllm_patches import FIXES, patched, select
+    from kvspec.harness.vllm_source import active, content_hash
+    options = parse_vllm_target(target)
+    if options is None:
+        return None, []
+    fixes, planted = options
+    chosen = {p.id for p in select(fixes) if p.id in FIXES}
+    built = patched(fixes, planted)
+    applied = set(built.applied) & set(FIXES)
+    cache = ProbeCache(content_hash(active()))
+    statuses = fix_statuses(built, chosen, cache, planted)
+    fitting = set(patched("all", planted).applied) & set(FIXES)
+    toggles = sorted(fitting - applied)
+    unfixed = [] if base_decides else present_unfixed(applied, cache, planted)
+    changed = [s.fix for s in statuses if s.status == "code-changed" and s.fix not in applied]
+    cache.save()
+    return Recogniser(target, applied, toggles, unfixed, base, planted, changed,
+                      base_decides), statuses

@@ -1,0 +1,97 @@
+"""A run's verdict: its first summary line and its exit code.
+
+Never narrow silently. Whatever a run did not check is in the verdict's first
+line, and only a run that checked what it set out to check exits 0:
+
+- a *restriction* is any way the environment a run draws from differs from
+  the whole environment (``profiles.FULL``). The user may ask for one
+  (``--layouts``, ``--kv torch``); the target may not map a feature at all (a
+  *gap* of the target, such as spec decode beside a last-state group on the
+  vllm target: the spec does not model vLLM's per-draft Mamba states); any
+  other restriction is *unasked* and makes the run exit 3, whatever it found;
+- a fix whose code was changed is shown before anything else (its finding is
+  still there, and a counterexample of it is reported as that known finding);
+- known findings met on the way are listed; they do not fail a run.
+
+Exit codes: 0 every claim held (known findings aside), 1 a new violation,
+2 bad input (the command line's), 3 incomplete: something was not checked
+that nobody asked to leave out.
+"""
+from __future__ import annotations
+
+import attrs
+
+EXIT_HOLD, EXIT_VIOLATED, EXIT_BAD_INPUT, EXIT_INCOMPLETE = 0, 1, 2, 3
+
+
+@attrs.frozen
+class Restriction:
+    #: the EnvProfile field that differs from the whole environment
+    field: str
+    value: object
+    why: str
+    #: "asked" (an option of the user's), "gap" (the target does not map it),
+    #: or "unasked" (nobody asked: the run is incomplete)
+    kind: str
+
+    def text(self) -> str:
+        return f"{self.field}={_value(self.value)} ({self.why})"
+
+
+def _value(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def restrictions(profile, asked: dict[str, str], gaps: dict[str, str]) -> list[Restriction]:
+    """Every field of ``profile`` that differs from the whole environment,
+    classified: ``asked`` and ``gaps`` map field names to why."""
+    import attrs as _attrs
+
+    from kvspec.harness.profiles import FULL
+    found = []
+    for f in _attrs.fields(type(profile)):
+        if f.name in ("name", "because"):
+            continue
+        value, whole = getattr(profile, f.name), getattr(FULL, f.name)
+        if value == whole:
+            continue
+        if f.name in asked:
+            found.append(Restriction(f.name, value, asked[f.name], "asked"))
+        elif f.name in gaps:
+            found.append(Restriction(f.name, value, gaps[f.name], "gap"))
+        else:
+            why = (f"profile {profile.name}" + (f", stepping around {', '.join(profile.because)}"
+                                                 if profile.because else ""))
+            found.append(Restriction(f.name, value, why, "unasked"))
+    return found
+
+
+def first_line(result, found: list[Restriction], code_changed=(), base_errors=()) -> tuple[str, int]:
+    """The verdict's first line and the exit code (see the module doc)."""
+    unasked = [r for r in found if r.kind == "unasked"]
+    notes = []
+    if code_changed:
+        notes.append("the code a fix changes has changed: " + "; ".join(
+            f"{s.fix} ({', '.join(s.present) or 'its finding'} still there)" for s in code_changed))
+    if unasked:
+        notes.append("NOT CHECKED (nobody asked): " + "; ".join(r.text() for r in unasked))
+    asked = [r for r in found if r.kind == "asked"]
+    if asked:
+        notes.append("narrowed as asked: " + "; ".join(r.text() for r in asked))
+    gaps = [r for r in found if r.kind == "gap"]
+    if gaps:
+        notes.append("not mapped by the target: " + "; ".join(r.text() for r in gaps))
+    if base_errors:
+        notes.append(f"the base could not answer {len(base_errors)} time(s): {base_errors[0]}")
+    known = getattr(result, "known", {}) or {}
+    if known:
+        notes.append("known findings met: " + ", ".join(
+            f"{hit.label or hit.finding or 'pre-existing'} ({hit.count}x)"
+            for hit in known.values()))
+    tail = (": " + " | ".join(notes)) if notes else ""
+    if result.counterexample is not None:
+        claims = sorted({v.invariant for v in result.counterexample.violations})
+        return f"VIOLATED, new: {', '.join(claims)}{tail}", EXIT_VIOLATED
+    if unasked:
+        return f"INCOMPLETE{tail}", EXIT_INCOMPLETE
+    return f"HOLD: every claim held{tail}", EXIT_HOLD

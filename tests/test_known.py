@@ -1,0 +1,188 @@
+"""Known findings recognised by behaviour (kvspec/harness/known.py), and runs that
+go on past them instead of narrowing the environment (kvspec/harness/fuzz.py)."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvspec.harness.fuzz import fuzz
+from kvspec.harness.known import (Explanation, Outcome, Recogniser, behaves_as, recorded,
+                                  template)
+from kvspec.harness.machine import machine_for
+from kvspec.harness.replay import replay_trace
+from kvspec.spec.registry import Violation
+
+MUTANT = "mutant:async_block_rounding"
+
+
+def test_template_takes_out_what_varies():
+    a = "r3: token 12 is counted as computed (num_computed=14) but its KV is not valid"
+    b = "r0: token 2 is counted as computed (num_computed=5) but its KV is not valid"
+    assert template(a) == template(b)
+    assert template("AssertionError: v1/core/sched/scheduler.py:1234: assert x "
+                    "(kvspec patches: a, b)") == template(
+        "AssertionError: v1/core/sched/scheduler.py:99: assert x")
+
+
+def test_behaves_as_needs_the_same_claims_and_message_shapes():
+    want = (("target_crashed", "RuntimeError: A KV connector reported block-level load "
+                               "failures (invalid_block_ids) which is not supported"),)
+    assert behaves_as(want, want)
+    assert not behaves_as((("target_crashed", "ValueError: too many values to unpack"),), want)
+    assert not behaves_as(want + (("computed_means_valid", "r0: x"),), want)
+    assert not behaves_as((), want)
+
+
+class FakeBase:
+    label = "fake base"
+
+    def __init__(self, outcome: Outcome) -> None:
+        self.outcome, self.asked = outcome, []
+
+    def target_for(self, applied) -> str:
+        return "vllm?fixes=" + ",".join(sorted(applied))
+
+    def replay(self, target, config, actions):
+        self.asked.append(target)
+        return self.outcome
+
+
+def violations(*pairs):
+    return [Violation(c, m, "") for c, m in pairs]
+
+
+def test_a_counterexample_that_fails_on_the_base_too_is_pre_existing():
+    base = FakeBase(Outcome((("computed_means_valid", "r1: token 0 ..."),)))
+    rec = Recogniser("vllm", {"a-fix"}, [], [], base)
+    why = rec.explain({"c": 1}, [{"op": "drain"}],
+                      violations(("computed_means_valid", "r0: token 0 ...")))
+    assert why is not None and why.finding is None and "fails on the base" in why.how
+    assert base.asked == ["vllm?fixes=a-fix"]  # the base runs with the head's fixes
+
+
+def test_a_known_findings_shape_names_it_on_the_base():
+    trace = "vllm-0.32.0-hybrid-sync-load-failure-unreportable.json"
+    base = FakeBase(Outcome(recorded(trace)))
+    why = Recogniser("vllm", set(), [], [], base).explain({}, [], violations(*recorded(trace)))
+    assert why.finding == "hybrid-sync-load-failure-unreportable" and why.upstream
+
+
+def test_a_counterexample_that_passes_on_the_base_is_new():
+    rec = Recogniser("vllm", set(), [], [], FakeBase(Outcome()))
+    assert rec.explain({}, [], violations(("computed_means_valid", "r0"))) is None
+
+
+def test_other_claims_on_the_base_do_not_explain_it():
+    rec = Recogniser("vllm", set(), [], [], FakeBase(Outcome((("stats_are_ordered", "x"),))))
+    assert rec.explain({}, [], violations(("computed_means_valid", "r0"))) is None
+
+
+def test_the_environments_own_contract_is_never_a_known_finding():
+    rec = Recogniser("vllm", set(), [], [], FakeBase(Outcome((("environment_contract", "x"),))))
+    assert rec.explain({}, [], violations(("environment_contract", "x"))) is None
+
+
+def test_a_base_that_cannot_answer_explains_nothing_and_is_reported():
+    class Broken(FakeBase):
+        def replay(self, *a):
+            raise RuntimeError("gone")
+    rec = Recogniser("vllm", set(), [], [], Broken(Outcome()))
+    assert rec.explain({}, [], violations(("computed_means_valid", "r0"))) is None
+    assert rec.base_errors and "gone" in rec.base_errors[0]
+
+
+class ExplainAll:
+    """A recogniser that explains every counterexample as one known finding."""
+
+    is_active = True
+    base_errors: list = []
+
+    def explain(self, config, actions, found):
+        return Explanation("some-known-finding", "stand-in", "upstream #1")
+
+
+def test_a_run_goes_on_past_a_known_finding_and_keeps_its_trace(tmp_path):
+    result = fuzz(MUTANT, budget=4, seed=0, out_dir=tmp_path, recogniser=ExplainAll())
+    assert result.counterexample is None and result.trace_path is None
+    hit = result.known["some-known-finding"]
+    assert hit.count >= 2, "the run stopped at the first known finding"
+    assert hit.trace_path.is_file() and hit.trace_path.parent.name == "known"
+    assert replay_trace(hit.trace_path).violations  # it replays, failing, as saved
+    assert not list(tmp_path.glob(".pending-*"))
+
+
+def test_a_new_counterexample_is_never_shrunk_into_a_known_one(tmp_path):
+    """Shrinking asks the recogniser too: with every counterexample known but
+    those breaking computed_means_valid, the trace kept still breaks it."""
+    class KnownUnlessComputed(ExplainAll):
+        def explain(self, config, actions, found):
+            if any(v.invariant == "computed_means_valid" for v in found):
+                return None
+            return super().explain(config, actions, found)
+    result = fuzz(MUTANT, budget=20, seed=0, out_dir=tmp_path, recogniser=KnownUnlessComputed())
+    assert result.counterexample is not None
+    assert "computed_means_valid" in {v.invariant for v in result.counterexample.violations}
+    saved = json.loads(result.trace_path.read_text())
+    assert "computed_means_valid" in {v["invariant"] for v in saved["verdict"]}
+
+
+def test_past_the_deadline_a_run_does_nothing():
+    """The budget bounds shrinking: past the deadline every action is skipped,
+    so a shrink candidate passes and shrinking stops."""
+    machine = machine_for(MUTANT, deadline=time.monotonic() - 1)
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=5, stateful_step_count=10, deadline=None, database=None,
+        suppress_health_check=list(HealthCheck), phases=(Phase.generate,)))
+    assert machine.stats["runs"] > 0 and machine.stats["actions"] == 0
+
+
+@pytest.mark.parametrize("budget", [2])
+def test_shrinking_within_the_budget_is_said(tmp_path, budget):
+    result = fuzz(MUTANT, budget=budget, seed=0, out_dir=tmp_path)
+    assert result.counterexample is not None and result.shrink_started is not None
+    assert result.trace_path.is_file()
+
+
+def test_a_pre_existing_counterexample_is_named_by_the_fix_that_closes_it_on_the_base():
+    """A fix that does not fit the head (its code changed) still fits the base:
+    the counterexample that fails there too passes there with it, which names
+    the finding, whatever other finding's message it resembles."""
+    fix = "recovery-cuts-every-request-at-its-first-failed-block"
+
+    class Base(FakeBase):
+        def replay(self, target, config, actions):
+            self.asked.append(target)
+            return Outcome() if fix in target else Outcome(
+                (("no_caching_of_invalid_blocks", "block 4 is in the prefix cache"),))
+    base = Base(Outcome())
+    rec = Recogniser("vllm", {"priority-preempt-caches-uncomputed-block"}, [], [], base,
+                     base_toggles=[fix])
+    why = rec.explain({}, [], violations(("no_caching_of_invalid_blocks",
+                                          "block 5 is in the prefix cache")))
+    assert why.finding in ("recompute-failed-block-stays-cached",
+                           "fail-policy-shared-failure-downstream-cached"), why
+    assert f"passes there with {fix}" in why.how
+
+
+def test_a_finding_whose_fix_is_applied_is_never_named_by_its_shape():
+    trace = "vllm-0.32.0-priority-preempt-caches-uncomputed-block.json"
+    base = FakeBase(Outcome(recorded(trace)))
+    applied = {"priority-preempt-caches-uncomputed-block"}
+    why = Recogniser("vllm", applied, [], [], base).explain({}, [], violations(*recorded(trace)))
+    assert why is not None and why.finding != "priority-preempt-caches-uncomputed-block"
+
+
+def test_a_check_knows_a_finding_with_no_fix_that_its_source_has_even_if_the_base_lacks_it():
+    """``check --vllm`` asks its base only to recognise; ``review`` asks it to decide."""
+    from kvspec.harness.accepted_findings import catalogue
+    trace = "vllm-0.24.0-waiting-head-blocks-finished-load.json"
+    finding = catalogue()["waiting-head-blocks-finished-load"]
+    passes = FakeBase(Outcome())
+    check = Recogniser("vllm", set(), [], [finding], passes)
+    assert check.explain({}, [], violations(*recorded(trace))).finding == finding.id
+    review = Recogniser("vllm", set(), [], [finding], passes, base_decides=True)
+    assert review.explain({}, [], violations(*recorded(trace))) is None

@@ -1,0 +1,101 @@
+"""``kvspec review`` without vLLM: what changed (hunks), what ran of it (coverage
+mapped back through kvspec's own patches), and the verdict's first line.
+tests/test_review_vllm.py runs whole reviews of vLLM."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvspec.harness.fuzz import FuzzResult, KnownHit
+from kvspec.harness.vllm_source import resolve
+from kvspec.review import (Hunk, _map_back, attach_coverage, attach_statements, changed_hunks,
+                           review_verdict)
+
+BASE = """\
+def schedule(self):
+    budget = self.budget
+    for request in self.running:
+        budget -= 1
+    return budget
+
+
+def recover(self, blocks):
+    blocks = list(blocks)
+    return [b for b in blocks if b.ok]
+"""
+
+
+def tree(root: Path, scheduler: str, extra: dict[str, str] | None = None) -> Path:
+    pkg = root / "vllm"
+    (pkg / "v1" / "core" / "sched").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "v1" / "core" / "sched" / "scheduler.py").write_text(scheduler)
+    for rel, text in (extra or {}).items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_hunks_name_what_head_changes(tmp_path):
+    head_text = BASE.replace("budget -= 1", "budget -= 2").replace(
+        "    blocks = list(blocks)\n", "")
+    base = resolve(str(tree(tmp_path / "base", BASE)))
+    head = resolve(str(tree(tmp_path / "head", head_text, {"vllm/v1/worker/new.py": "x = 1\n"})))
+    hunks = changed_hunks(base, head)
+    where = {(h.path, h.head_start, h.head_end) for h in hunks}
+    assert ("vllm/v1/core/sched/scheduler.py", 4, 4) in where
+    deletion = next(h for h in hunks if h.is_deletion)
+    assert deletion.base_start == 9 and "list(blocks)" in deletion.base_text
+    added = next(h for h in hunks if h.path == "vllm/v1/worker/new.py")
+    assert added.head_start == 1 and not added.checked_module
+    assert next(h for h in hunks if h.head_start == 4).checked_module
+    attach_statements(hunks, head)
+    assert next(h for h in hunks if h.head_start == 4).statements == (4,)
+    assert deletion.statements  # the statements beside a deletion stand for it
+
+
+def test_identical_sources_change_nothing(tmp_path):
+    base = resolve(str(tree(tmp_path / "a", BASE)))
+    head = resolve(str(tree(tmp_path / "b", BASE)))
+    assert changed_hunks(base, head) == []
+
+
+def test_lines_of_patched_code_map_back_to_the_source():
+    """A fix adds lines; what ran of the patched text maps to the source's lines."""
+    patched = BASE.replace("    budget = self.budget\n",
+                           "    budget = self.budget\n    self.fence()\n    self.fence()\n")
+    by_line = {2: ["run1"], 3: ["run1"], 4: ["run1"], 6: ["run2"]}
+    mapped = _map_back(by_line, patched, BASE)
+    assert mapped == {2: ["run1"], 4: ["run2"]}  # the fix's own lines map nowhere
+
+
+def test_coverage_counts_runs_per_hunk():
+    hunk = Hunk("vllm/v1/core/sched/scheduler.py", 3, 4, 3, 4, statements=(3, 4))
+    attach_coverage([hunk], {"vllm/v1/core/sched/scheduler.py": {3: {"run1", "run2"},
+                                                                 4: {"run3"}}})
+    assert hunk.ran == (3, 4) and hunk.runs == 3 and not hunk.never_ran
+
+
+def result() -> FuzzResult:
+    return FuzzResult("vllm", 0, 60.0, 100, 2000, {})
+
+
+def test_a_hunk_that_never_ran_keeps_the_review_from_passing():
+    ran = Hunk("vllm/a.py", 1, 2, 1, 2, statements=(1,), ran=(1,), runs=5)
+    idle = Hunk("vllm/b.py", 7, 9, 7, 8, statements=(7, 8))
+    assert review_verdict(result(), [ran], [], []).code == 0
+    verdict = review_verdict(result(), [ran, idle], [], [])
+    assert verdict.code == 3 and verdict.line.startswith("INCOMPLETE")
+    assert "vllm/b.py:7-9" in verdict.line
+
+
+def test_pre_existing_findings_do_not_fail_a_review():
+    r = result()
+    r.known["x"] = KnownHit("recompute-failed-block-stays-cached", "fails on the base too", "",
+                            ["no_caching_of_invalid_blocks"], 3)
+    verdict = review_verdict(r, [], [], [])
+    assert verdict.code == 0 and "recompute-failed-block-stays-cached (3x)" in verdict.line
+
+
+def test_a_base_that_could_not_answer_makes_it_incomplete():
+    verdict = review_verdict(result(), [], ["the base process exited"], [])
+    assert verdict.code == 3 and "could not answer" in verdict.line

