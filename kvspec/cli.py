@@ -284,7 +284,9 @@ def progress_line(what: str, seconds: float, named: bool = False):
     on stderr (``named``: the target after ``what``)."""
     def line(result) -> None:
         name = f" {result.target}" if named else ""
-        late = " (finishing)" if result.elapsed > seconds else ""  # a batch, or shrinking
+        late = " (finishing)" if result.elapsed > seconds else ""  # the last batch
+        if getattr(result, "shrink_started", None) is not None:
+            late = f" (shrinking a new counterexample since {result.shrink_started:.0f}s)"
         print(f"kvspec: {what}{name} {result.elapsed:.0f}s/{seconds:g}s{late}: "
               f"{result.runs} runs, {result.actions} actions, {rate(result)}",
               file=sys.stderr, flush=True)

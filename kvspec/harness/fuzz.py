@@ -210,7 +210,8 @@ def _start_heartbeat(heartbeat, every: float, machine, result: FuzzResult,
     def beat() -> None:
         stats = machine.stats  # the fuzzing thread's Counter; single reads are atomic
         heartbeat(FuzzResult(result.target, result.seed, time.monotonic() - start,
-                             stats["runs"], stats["actions"], {}))
+                             stats["runs"], stats["actions"], {},
+                             shrink_started=result.shrink_started))
     return periodic(beat, every)
 
 

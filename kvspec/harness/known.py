@@ -260,7 +260,7 @@ def _not_fitting(fix, patched, applied, cache, planted) -> FixStatus:
 def _present(fix: str, applied: set[str], cache: ProbeCache, planted) -> list[str]:
     """The findings of ``fix`` whose trace fails as recorded with every other fix
     applied and ``fix`` itself (if it is applied: drifted) left in place."""
-    target = fixes_target(applied, planted)
+    target = fixes_target(applied, source_patches(planted))
     found = []
     for finding in findings_of_fix(fix):
         for trace in finding.traces:
@@ -270,13 +270,34 @@ def _present(fix: str, applied: set[str], cache: ProbeCache, planted) -> list[st
     return found
 
 
+def is_recognisable_by_shape(finding: AcceptedFinding) -> bool:
+    """Whether a counterexample that fails the way the finding's traces do can
+    be taken for it without asking a fix or a base: only a crash, whose
+    exception and message vLLM itself wrote. Any other claim's message is
+    kvspec's own and shared by unrelated bugs (a liveness bug of a change under
+    review reads "r1 still WAITING ..." exactly as a known deadlock does)."""
+    return all(claim == "target_crashed" for t in finding.traces for claim, _ in recorded(t)) \
+        and any(recorded(t) for t in finding.traces)
+
+
+def source_patches(planted: tuple[str, ...]) -> tuple[str, ...]:
+    """Of a target's planted patches, those that stand for the source itself
+    (edits under review); kvspec's own planted bugs are not the source, and a
+    probe of the source's findings leaves them out."""
+    from kvspec.harness.vllm_patches import PLANTED
+    return tuple(p for p in planted if p in PLANTED and PLANTED[p].kind == "edit")
+
+
 def present_unfixed(applied: set[str], cache: ProbeCache, planted=()) -> list[AcceptedFinding]:
     """Known findings with no fix applied here (no fix exists, or it did not
-    fit) whose trace fails as recorded on this source."""
-    target = fixes_target(applied, planted)
+    fit), recognisable by their shape, whose trace fails as recorded on this
+    source."""
+    target = fixes_target(applied, source_patches(planted))
     found = []
     for finding in catalogue().values():
         if finding.remedy == "contract" or (finding.fix_id and finding.fix_id in applied):
+            continue
+        if not is_recognisable_by_shape(finding):
             continue
         if any(fails_as_recorded(cache.probe(t, target), recorded(t)) for t in finding.traces):
             found.append(finding)
