@@ -15,7 +15,6 @@ from pathlib import Path
 import attrs
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvspec.harness.accepted_findings import installed_vllm_version
 from kvspec.text import clip, printable, shown

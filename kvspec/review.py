@@ -58,7 +58,8 @@ class Hunk:
 
     def where(self) -> str:
         if self.is_deletion:
-            return f"{self.path}: lines {self.base_start}-{self.base_end} removed (HEAD line {self.head_start})"
+            return (f"{self.path}: lines {self.base_start}-{self.base_end} removed "
+                    f"(HEAD line {self.head_start})")
         return f"{self.path}:{self.head_start}-{self.head_end}"
 
 

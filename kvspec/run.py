@@ -130,7 +130,7 @@ def print_statuses(console, prep: Prepared) -> None:
     for s in prep.statuses:
         by.setdefault(s.status, []).append(s)
     for s in by.get("code-changed", ()):
-        console.print(Text.assemble(("fix " + s.fix + ": the code it fixes has changed", "bold red"),
+        console.print(Text.assemble((f"fix {s.fix}: the code it fixes has changed", "bold red"),
                                     f": {s.detail}"))
     for s in by.get("drifted", ()):
         console.print(Text(f"fix {s.fix}: applied over drifted context: {s.detail}"))

@@ -66,7 +66,8 @@ def restrictions(profile, asked: dict[str, str], gaps: dict[str, str]) -> list[R
     return found
 
 
-def first_line(result, found: list[Restriction], code_changed=(), base_errors=()) -> tuple[str, int]:
+def first_line(result, found: list[Restriction], code_changed=(),
+               base_errors=()) -> tuple[str, int]:
     """The verdict's first line and the exit code (see the module doc)."""
     unasked = [r for r in found if r.kind == "unasked"]
     notes = []

@@ -48,12 +48,19 @@ def test_the_package_directory_itself(tmp_path):
     assert src.version == "0.99.0"
 
 
-def test_a_checkout_names_its_commit_and_changes(tmp_path):
-    repo = make_tree(tmp_path / "repo", version=None)
+def git_repo(root: Path) -> list[str]:
+    """A stand-in tree committed to a fresh repository; the git command line for it."""
+    repo = make_tree(root, version=None)
     git = ["git", "-C", str(repo), "-c", "user.email=k@s", "-c", "user.name=k"]
     subprocess.run(git + ["init", "-q"], check=True)
     subprocess.run(git + ["add", "."], check=True)
     subprocess.run(git + ["commit", "-qm", "base"], check=True)
+    return git
+
+
+def test_a_checkout_names_its_commit_and_changes(tmp_path):
+    repo = tmp_path / "repo"
+    git = git_repo(repo)
     subprocess.run(git + ["tag", "v0.50.0"], check=True)
     src = resolve(str(repo))
     assert src.kind == "checkout" and len(src.commit) == 40 and not src.dirty
@@ -63,11 +70,8 @@ def test_a_checkout_names_its_commit_and_changes(tmp_path):
 
 
 def test_a_git_ref_of_a_checkout(tmp_path):
-    repo = make_tree(tmp_path / "repo", version=None)
-    git = ["git", "-C", str(repo), "-c", "user.email=k@s", "-c", "user.name=k"]
-    subprocess.run(git + ["init", "-q"], check=True)
-    subprocess.run(git + ["add", "."], check=True)
-    subprocess.run(git + ["commit", "-qm", "base"], check=True)
+    repo = tmp_path / "repo"
+    git = git_repo(repo)
     path = repo / "vllm" / "v1" / "core" / "sched" / "scheduler.py"
     path.write_text(SCHEDULER + "x = 1\n")
     subprocess.run(git + ["commit", "-qam", "head"], check=True)

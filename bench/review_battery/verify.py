@@ -38,38 +38,21 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))
 
+from kvspec.harness.hunk_apply import HunkDoesNotFit  # noqa: E402
+from kvspec.harness.hunk_apply import apply_hunks as apply_located  # noqa: E402
 from kvspec.harness.vllm_patches import PATCHES_DIR  # noqa: E402
-
-try:  # the context-tolerant applier (newer kvspec)
-    from kvspec.harness.hunk_apply import HunkDoesNotFit, apply_hunks as apply_located
-except ImportError:  # pragma: no cover
-    apply_located = None
-
-
-class DoesNotFit(Exception):
-    pass
+from kvspec.harness.vllm_patches import PatchDoesNotFit as DoesNotFit  # noqa: E402
+from kvspec.harness.vllm_patches import _apply_exactly, _hunks_by_module  # noqa: E402
 
 
 def hunks_by_module(diff_text: str) -> dict[str, list]:
-    """Module name -> its hunks (``a/vllm/x/y.py`` -> ``vllm.x.y``)."""
-    found: dict[str, list] = {}
-    for pf in PatchSet(diff_text):
-        path = pf.source_file[2:] if pf.source_file.startswith("a/") else pf.source_file
-        found.setdefault(path[:-3].replace("/", "."), []).extend(pf)
-    return found
+    """Module name -> its hunks (``a/vllm/x/y.py`` -> ``vllm.x.y``): kvspec's own reader."""
+    return _hunks_by_module(diff_text)
 
 
 def apply_exactly(text: str, hunks) -> str:
-    """Each hunk where its old lines (context and removed) occur exactly once."""
-    lines = text.splitlines(keepends=True)
-    for hunk in hunks:
-        old = [ln.value for ln in hunk if ln.is_context or ln.is_removed]
-        new = [ln.value for ln in hunk if ln.is_context or ln.is_added]
-        at = [i for i in range(len(lines) - len(old) + 1) if lines[i:i + len(old)] == old]
-        if len(at) != 1:
-            raise DoesNotFit(f"{len(at)} places")
-        lines[at[0]:at[0] + len(old)] = new
-    return "".join(lines)
+    """Each hunk where its old lines occur exactly once: the rule kvspec applies fixes by."""
+    return _apply_exactly(text, hunks, "edit")
 
 
 def site_packages() -> Path:
@@ -152,15 +135,13 @@ def check(diff_path: Path, site: Path) -> dict:
             continue
         except DoesNotFit:
             as_written.append(fix_id)
-        if apply_located is None:
-            continue
         try:
             for module, hunks in fix_hunks.items():
                 apply_located(sources[module], hunks, module)
         except HunkDoesNotFit:
             located.append(fix_id)
     result["fixes_disturbed_as_written"] = as_written
-    result["fixes_not_fitting_located"] = located if apply_located else None
+    result["fixes_not_fitting_located"] = located
     result["ok"] = not problems
     return result
 

@@ -35,7 +35,6 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Callable
 
 import attrs
 

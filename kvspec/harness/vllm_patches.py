@@ -198,8 +198,8 @@ def stage(patch: Patch, texts: dict[str, str]) -> tuple[dict[str, str], list[str
     """``texts`` (module -> patched source so far) with ``patch`` applied, and
     the drift notes (context that differs from the diff's; empty if it fit as
     written). Every variant is tried as written first, then the base variant
-    located by the code it changes (``hunk_apply``). PatchDoesNotFit otherwise, with why (its ``reason`` that of
-    the first variant: "present" when the source already has the change)."""
+    located by the code it changes (``hunk_apply``). PatchDoesNotFit otherwise,
+    with why (its ``reason``: "present" when the source already has the change)."""
     reasons, first_reason = [], None
     for exact in (True, False):
         for variant in _variant_order(patch, exact):

@@ -446,8 +446,9 @@ def runtime(m=None) -> dict:
         platform = f"unknown ({type(exc).__name__})"
     notes = []
     if not source.is_installed:
-        notes.append(f"dependencies are the runtime's ({', '.join(f'{k} {v}' for k, v in deps.items())}), "
-                     "not the ones this source pins")
+        runtime_deps = ", ".join(f"{k} {v}" for k, v in deps.items())
+        notes.append(f"dependencies are the runtime's ({runtime_deps}), not the ones this "
+                     "source pins")
         notes.append("compiled extensions are not loaded (the scheduler, KV cache and "
                      "connector code is pure Python)")
     if outside:
