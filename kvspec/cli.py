@@ -188,7 +188,7 @@ def vllm_gaps(target: str) -> dict[str, str]:
     return {"layouts": f"{source_label()} has no align-mode Mamba admission that tells a "
                        "connector hit from a local one (0.28.0 on): no last-state group",
             "spec_decode_with_last_state": "vLLM keeps one Mamba state per draft, which the "
-                                           "spec does not model (docs/notes/hybrid-groups.md)"}
+                                           "spec does not model; docs/notes/hybrid-groups.md"}
 
 
 def source_label() -> str:
@@ -517,10 +517,9 @@ def review(base: str = typer.Argument(..., help="the vLLM before the change: a s
     import time as _time
 
     from kvspec.harness import vllm_source
+    from kvspec.review import Review, attach_statements, changed_hunks
     global console
     started = _time.monotonic()
-    if as_json:
-        console = Console(stderr=True, width=200)
     seconds = parse_budget_or_fail(budget)
     try:
         base_src = vllm_source.resolve(base, repo)
@@ -528,20 +527,26 @@ def review(base: str = typer.Argument(..., help="the vLLM before the change: a s
     except vllm_source.SourceError as exc:
         fail(str(exc))
     check_writable_dir(out, "--out")
-    from kvspec.review import attach_statements, changed_hunks
-    hunks = changed_hunks(base_src, head_src)
-    attach_statements(hunks, head_src)
-    from kvspec.harness.base_worker import BaseWorker
-    # the worker is given the unpacked directory (a git ref needs no --repo there)
-    worker = BaseWorker("installed" if base_src.is_installed else str(base_src.root),
-                        out / "base-worker.log")
+    markdown = markdown or out / "review.md"
+    check_writable_dir(markdown.parent, "--markdown")  # before anything runs
+    if markdown.is_dir():
+        fail(f"--markdown {shown(markdown)}: is a directory")
+    review_ = Review(base_src, head_src, changed_hunks(base_src, head_src), seconds)
+    attach_statements(review_.hunks, head_src)
     saved = console
+    if as_json:
+        console = Console(stderr=True, width=200)
     try:
-        _review(base_src, head_src, hunks, worker, seconds, seed, out, markdown, as_json,
-                started)
+        if review_.hunks:
+            _check_head(review_, base_src, head_src, seed, out)
+        else:  # nothing changed: nothing to run
+            from kvspec.review import review_verdict
+            review_.verdict = review_verdict(None, [], [], [])
+        review_.wall = _time.monotonic() - started
+        _write_review(review_, markdown, as_json)
     finally:
-        worker.close()
         console = saved
+    raise typer.Exit(review_.verdict.code)
 
 
 def parse_budget_or_fail(budget: str) -> float:
@@ -551,71 +556,42 @@ def parse_budget_or_fail(budget: str) -> float:
         fail(str(exc))
 
 
-def _review(base_src, head_src, hunks, worker, seconds, seed, out, markdown, as_json, started):
-    import time as _time
+def _check_head(review_, base_src, head_src, seed: int, out: Path) -> None:
+    """The check on HEAD here, BASE in a second process (its import overlaps ours)."""
+    from kvspec.harness import vllm_source
+    from kvspec.harness.base_worker import BaseWorker
+    from kvspec.review import check_head
+    # the worker is given the unpacked directory (a git ref needs no --repo there)
+    worker = BaseWorker(base_src.cli_name(), out / "base-worker.log")
+    try:
+        try:
+            vllm_source.activate(head_src)
+        except vllm_source.SourceError as exc:
+            fail(str(exc))
+        check_head(review_, worker, seed, out, console)
+    finally:
+        worker.close()
 
+
+def _write_review(review_, path: Path, as_json: bool) -> None:
+    """The verdict first (it stands even if the file cannot be written), the
+    hunks, the check's summary, then the Markdown review and the JSON object."""
     from rich.text import Text
 
-    from kvspec.harness import vllm_source
-    from kvspec.review import Coverage, attach_coverage, measured_lines, review_verdict
-    from kvspec.review import markdown as render
-    from kvspec.run import describe_source, execute, prepare, print_statuses
-    try:
-        vllm_source.activate(head_src)
-    except vllm_source.SourceError as exc:
-        fail(str(exc))
-    check_target("vllm")
-    profile = drawn_profile("vllm", None, "symbolic")
-    prep = prepare("vllm", seconds, profile, {}, vllm_gaps("vllm"), worker, review=True)
-    console.print(Text(f"kvspec review: base {base_src.label()}, head {head_src.label()}; "
-                       f"{len(hunks)} changed hunk(s); budget {seconds:g}s"))
-    describe_source(console, prep)
-    print_statuses(console, prep)
-    coverage = Coverage(head_src)
-    coverage.start()
-    try:
-        result = execute(prep, seed, out, None, True, "symbolic", console,
-                         on_run=coverage.on_run, trace_name=f"review-seed{seed}.json")
-    finally:
-        coverage.stop()
-    from kvspec.harness.vllm_patches import patched
-    attach_coverage(hunks, measured_lines(coverage.data(), head_src, patched("all").files))
-    changed = [s for s in prep.statuses if s.status == "code-changed"]
-    verdict = review_verdict(result, hunks, prep.recogniser.base_errors, changed)
-    wall = _time.monotonic() - started
-    text = render(verdict, result, hunks, base_src.label(), head_src.label(), head_src.given,
-                  base_src.given if not base_src.is_installed else "installed",
-                  prep.statuses, seconds, wall)
-    path = markdown or out / "review.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text + "\n")
-    style = {0: "bold green", 1: "bold red", 3: "bold yellow"}.get(verdict.code, "bold")
-    console.print(Text(verdict.line, style=style))
-    for h in hunks:
-        state = ("never ran" if h.never_ran else f"{len(h.ran)}/{len(h.statements)} statements "
-                 f"ran, in {h.runs} runs" if h.statements else "no statements")
+    from kvspec.review import markdown, to_json
+    style = {0: "bold green", 1: "bold red", 3: "bold yellow"}.get(review_.verdict.code, "bold")
+    console.print(Text(review_.verdict.line, style=style))
+    for h in review_.hunks:
+        state = ("never ran" if h.never_ran else f"{len(h.ran)}/{len(h.statements)} lines "
+                 f"with code ran, in {h.runs} runs" if h.statements else "no code")
         console.print(Text(f"  {h.where()}: {state}"))
-    report(result, True, prep, first_line=False)
-    console.print(Text(f"review written: {path} (wall time {wall:.0f}s)"))
+    if review_.result is not None:
+        report(review_.result, True, review_.prep, first_line=False)
+    path.write_text(markdown(review_) + "\n")
+    console.print(Text(f"review written: {path} (wall time {review_.wall:.0f}s)"))
     if as_json:
         import json
-        print(json.dumps({
-            "verdict": verdict.line.split(":")[0].lower(), "verdict_line": verdict.line,
-            "exit_code": verdict.code, "base": base_src.label(), "head": head_src.label(),
-            "wall_s": round(wall, 1), "budget_s": seconds, "runs": result.runs,
-            "actions": result.actions, "markdown": str(path),
-            "regression": None if result.counterexample is None else {
-                "claims": sorted({v.invariant for v in result.counterexample.violations}),
-                "trace": str(result.trace_path)},
-            "pre_existing": [{"finding": h.finding, "count": h.count, "how": h.how,
-                              "trace": str(h.trace_path)} for h in result.known.values()],
-            "hunks": [{"where": h.where(), "path": h.path, "checked_module": h.checked_module,
-                       "statements": len(h.statements), "ran": len(h.ran), "runs": h.runs}
-                      for h in hunks],
-            "fixes": [attrs.asdict(s) for s in prep.statuses],
-            "import_s": {"head": prep.import_seconds, "base": worker.import_seconds}},
-            indent=1))
-    raise typer.Exit(verdict.code)
+        print(json.dumps(to_json(review_, path), indent=1))
 
 
 def target_version(target: str) -> str:

@@ -16,6 +16,7 @@ ran (or the base could not answer).
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 
 import attrs
@@ -37,8 +38,8 @@ class Hunk:
     base_end: int
     head_text: str = ""       # the hunk's HEAD lines (for the report)
     base_text: str = ""
-    #: HEAD statements in the hunk (coverage.py's parser); for a deletion, the
-    #: statements next to it
+    #: HEAD lines of the hunk that hold code (``executable_lines``); for a
+    #: deletion, those next to it
     statements: tuple[int, ...] = ()
     ran: tuple[int, ...] = ()  # those that executed
     runs: int = 0              # runs in which any of them executed
@@ -103,32 +104,33 @@ def _file_hunks(rel: str, a: list[str], b: list[str]) -> list[Hunk]:
 
 # -- what ran of it --------------------------------------------------------------------------
 
-def statements_of(text: str) -> tuple[set[int], dict[int, int]]:
-    """The statement lines of a Python text (coverage.py's parser) and, for
-    every line of a multi-line statement, the statement's first line."""
-    from coverage.parser import PythonParser
-    parser = PythonParser(text=text)
+def executable_lines(text: str) -> set[int]:
+    """The lines of a Python text that hold code (bytecode of any of its code
+    objects). Coverage records the lines that ran, each on its own: a line of a
+    multi-line condition that short-circuiting skips did not run, whatever the
+    statement's first line did."""
     try:
-        parser.parse_source()
-    except Exception:  # noqa: BLE001 - a file coverage cannot parse: no statements
-        return set(), {}
-    firsts = {}
-    for line in range(1, text.count("\n") + 2):
-        firsts[line] = parser.first_line(line)
-    return set(parser.statements), firsts
+        code = compile(text, "<review>", "exec", dont_inherit=True)
+    except (SyntaxError, ValueError):
+        return set()
+    lines, todo = set(), [code]
+    while todo:
+        co = todo.pop()
+        lines |= {line for _, _, line in co.co_lines() if line}
+        todo += [c for c in co.co_consts if hasattr(c, "co_lines")]
+    return lines
 
 
 def attach_statements(hunks: list[Hunk], head: VllmSource) -> None:
-    parsed: dict[str, tuple[set[int], dict[int, int]]] = {}
+    parsed: dict[str, set[int]] = {}
     for h in hunks:
         path = head.package.parent / h.path
         if h.path not in parsed:
-            text = path.read_text(errors="replace") if path.is_file() else ""
-            parsed[h.path] = statements_of(text)
-        statements, firsts = parsed[h.path]
+            parsed[h.path] = executable_lines(path.read_text(errors="replace")
+                                              if path.is_file() else "")
         lines = (range(h.head_start - 1, h.head_start + 1) if h.is_deletion
                  else range(h.head_start, h.head_end + 1))
-        h.statements = tuple(sorted({firsts.get(x, x) for x in lines} & statements))
+        h.statements = tuple(sorted(set(lines) & parsed[h.path]))
 
 
 def measured_lines(data, head: VllmSource, patched_files: dict) -> dict[str, dict[int, set[str]]]:
@@ -137,10 +139,13 @@ def measured_lines(data, head: VllmSource, patched_files: dict) -> dict[str, dic
     own file name; its lines are mapped back to the HEAD file's through the
     lines the patch left as they were."""
     out: dict[str, dict[int, set[str]]] = {}
+    # coverage.py names a file by its real path: a source given as the package
+    # directory itself runs through a link, so both spellings are looked up
+    by_name = {**{os.path.realpath(k): v for k, v in patched_files.items()}, **patched_files}
     for filename in data.measured_files():
         by_line = data.contexts_by_lineno(filename)
-        if filename in patched_files:
-            original, text, patched = patched_files[filename]
+        if filename in by_name:
+            original, text, patched = by_name[filename]
             by_line = _map_back(by_line, patched, text)
             filename = original
         rel = _relative(filename, head)
@@ -154,12 +159,8 @@ def measured_lines(data, head: VllmSource, patched_files: dict) -> dict[str, dic
 
 def _map_back(by_line: dict, patched: str, original: str) -> dict[int, list[str]]:
     """Lines of ``patched`` -> lines of ``original`` (where they are unchanged)."""
-    a, b = original.splitlines(), patched.splitlines()
-    mapping = {}
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
-        if tag == "equal":
-            for k in range(i2 - i1):
-                mapping[j1 + k + 1] = i1 + k + 1
+    from kvspec.harness.hunk_apply import unchanged_lines
+    mapping = unchanged_lines(original, patched)
     return {mapping[line]: ctx for line, ctx in by_line.items() if line in mapping}
 
 
@@ -217,6 +218,10 @@ class ReviewVerdict:
     line: str
     code: int
 
+    @property
+    def word(self) -> str:
+        return {0: "pass", 1: "regression", 3: "incomplete"}.get(self.code, "error")
+
 
 def review_verdict(result, hunks: list[Hunk], base_errors, code_changed) -> ReviewVerdict:
     """The review's first line and exit code (see the module doc)."""
@@ -236,64 +241,197 @@ def review_verdict(result, hunks: list[Hunk], base_errors, code_changed) -> Revi
     if known:
         notes.append("pre-existing (fail on the base too): " + ", ".join(
             f"{h.finding or 'not a known finding'} ({h.count}x)" for h in known.values()))
-    tail = (" | " + " | ".join(notes)) if notes else ""
-    if result.counterexample is not None:
+    tail = "".join(f" | {note}" for note in notes)
+    if result is not None and result.counterexample is not None:
         claims = sorted({v.invariant for v in result.counterexample.violations})
-        return ReviewVerdict(f"REGRESSION: HEAD breaks {', '.join(claims)}, BASE does not"
+        return ReviewVerdict(f"REGRESSION on HEAD (passes on BASE): {', '.join(claims)}"
                              f"{tail}", 1)
     if unrun or base_errors:
         return ReviewVerdict(f"INCOMPLETE: no regression found, but not all of the change "
                              f"was checked{tail}", 3)
     if not hunks:
-        return ReviewVerdict(f"PASS: no regression (HEAD changes none of vLLM's Python "
+        return ReviewVerdict(f"PASS: nothing to review (HEAD changes none of vLLM's Python "
                              f"files){tail}", 0)
     ran = sum(1 for h in hunks if h.statements)
     return ReviewVerdict(f"PASS: no regression; every changed hunk with code ran ({ran} of "
-                         f"{len(hunks)} hunks have statements){tail}", 0)
+                         f"{len(hunks)} hunks have code){tail}", 0)
+
+
+# -- a whole review ----------------------------------------------------------------------------
+
+@attrs.define
+class Review:
+    base: VllmSource
+    head: VllmSource
+    hunks: list[Hunk]
+    seconds: float
+    verdict: ReviewVerdict | None = None
+    #: the check on HEAD (None: nothing changed, nothing was run)
+    result: object = None
+    prep: object = None
+    base_label: str = ""
+    #: the regression replayed on BASE as released (no kvspec fixes): a known
+    #: finding there that kvspec's fixes close on BASE but not on HEAD
+    base_as_released: object = None
+    wall: float = 0.0
+    base_import_s: float | None = None
+
+
+def check_head(review: Review, worker, seed: int, out: Path, console) -> None:
+    """The default check on HEAD (this process must have activated it), every
+    counterexample asked of the base, coverage of HEAD's package."""
+    from kvspec.cli import check_target, drawn_profile, vllm_gaps
+    from kvspec.harness.vllm_patches import patched
+    from kvspec.run import describe_source, execute, prepare, print_statuses
+    check_target("vllm")
+    prep = prepare("vllm", review.seconds, drawn_profile("vllm", None, "symbolic"), {},
+                   vllm_gaps("vllm"), worker, review=True)
+    review.prep, review.base_label = prep, worker.label
+    from rich.text import Text
+    console.print(Text(f"kvspec review: base {review.base.label()}, head {review.head.label()}; "
+                       f"{len(review.hunks)} changed hunk(s); budget {review.seconds:g}s"))
+    describe_source(console, prep)
+    print_statuses(console, prep)
+    coverage = Coverage(review.head)
+    coverage.start()
+    try:
+        review.result = execute(prep, seed, out, None, True, "symbolic", console,
+                                on_run=coverage.on_run, trace_name=f"review-seed{seed}.json")
+    finally:
+        coverage.stop()
+    attach_coverage(review.hunks, measured_lines(coverage.data(), review.head,
+                                                 patched("all").files))
+    ce = review.result.counterexample
+    if ce is not None:  # what BASE does with it when nothing of kvspec's is applied
+        review.base_as_released = worker.replay("vllm?fixes=none", ce.runner.config,
+                                                list(ce.runner.actions))
+    review.base_import_s = worker.import_seconds
+    changed = [s for s in prep.statuses if s.status == "code-changed"]
+    review.verdict = review_verdict(review.result, review.hunks,
+                                    prep.recogniser.base_errors, changed)
+
+
+def to_json(review: Review, markdown_path: Path) -> dict:
+    r, prep = review.result, review.prep
+    ce = None if r is None else r.counterexample
+    return {
+        "verdict": review.verdict.word, "verdict_line": review.verdict.line,
+        "exit_code": review.verdict.code, "base": review.base.label(),
+        "head": review.head.label(), "wall_s": round(review.wall, 1),
+        "budget_s": review.seconds, "runs": 0 if r is None else r.runs,
+        "actions": 0 if r is None else r.actions, "markdown": str(markdown_path),
+        "regression": None if ce is None else {
+            "claims": sorted({v.invariant for v in ce.violations}),
+            "trace": str(r.trace_path), "shrink_cut_by_budget": r.shrink_cut,
+            "fails_on_base_as_released": review.base_as_released is not None
+            and review.base_as_released.fails},
+        "pre_existing": [] if r is None else [
+            {"finding": h.finding, "count": h.count, "how": h.how, "trace": str(h.trace_path)}
+            for h in r.known.values()],
+        "hunks": [{"where": h.where(), "path": h.path, "checked_module": h.checked_module,
+                   "statements": len(h.statements), "ran": len(h.ran), "runs": h.runs}
+                  for h in review.hunks],
+        "fixes": [] if prep is None else [attrs.asdict(s) for s in prep.statuses],
+        "import_s": {"head": None if prep is None else prep.import_seconds,
+                     "base": review.base_import_s}}
 
 
 # -- the Markdown review ---------------------------------------------------------------------
 
-def markdown(verdict: ReviewVerdict, result, hunks: list[Hunk], base_label: str,
-             head_label: str, head_given: str, base_given: str, statuses, seconds: float,
-             wall: float) -> str:
+LEGEND = (
+    "Each row is an action and the requests after it: `c=` computed/known tokens, `ph=` "
+    "output placeholders (async scheduling), `hit=` the cache-hit stats "
+    "(cached/external tokens), `pre=` preemptions, `b=` the first KV cache group's blocks; "
+    "statuses are cut to 12 characters (`WAITING_FOR_` is WAITING_FOR_REMOTE_KVS, "
+    "`FINISHED_ABO` FINISHED_ABORTED, `FINISHED_LEN` FINISHED_LENGTH_CAPPED). In `add`: "
+    "`ext` tokens the external KV store holds, `async` an async load, `none` times the "
+    "connector answers \"not yet\" first, `send` a KV send delays the free, `offload` the "
+    "store keeps what the request computes. In `step`: `finish_loads`, `fail` (loads that "
+    "fail, from block `fail_offset`, `fail_blocks` of them), `fail_all`, `eos`, "
+    "`finish_sends`, `accept` (drafts accepted), `drafts`. `drain`: the healed phase, where "
+    "every load and send completes and every request must finish.")
+
+
+def _config_line(config) -> str:
+    groups = ", ".join(g.kind + (f" (window {g.sliding_window})" if g.sliding_window else "")
+                       for g in config.groups)
+    return (f"block size {config.block_size}, {config.num_blocks} blocks, groups: {groups}; "
+            f"token budget {config.max_num_batched_tokens}, max_num_seqs "
+            f"{config.max_num_seqs}, max_model_len {config.max_model_len}, long-prefill "
+            f"threshold {config.long_prefill_token_threshold}; {config.policy} policy; load "
+            f"failure policy \"{config.kv_load_failure_policy}\"; "
+            f"{'async' if config.async_scheduling else 'sync'} scheduling"
+            + (f" with {config.num_speculative_tokens} draft tokens"
+               if config.num_speculative_tokens else "") + f"; connector role {config.kv_role}")
+
+
+def markdown(review: Review) -> str:
     from kvspec.spec.catalogue import REGISTRY
     from kvspec.text import command_arg
-    md = [f"## kvspec review: {verdict.line.split(':')[0]}", "", f"**{verdict.line}**", "",
-          f"- base: {base_label}", f"- head: {head_label}",
-          f"- check: {result.runs} runs, {result.actions} actions in {result.elapsed:.0f}s "
-          f"(budget {seconds:g}s; review wall time {wall:.0f}s)", ""]
-    if result.counterexample is not None:
-        ce = result.counterexample
-        md += ["### Regression", "", "| step | action | requests after it |", "| --- | --- | --- |"]
-        md += [f"| {s.index} | `{s.action}` | {s.requests} |" for s in ce.runner.log]
-        md += [""] + [f"- **{v.invariant}**: {v.message}" for v in ce.violations] + [""]
-        md += ["Replay:", "", "```",
-               f"kvspec replay {command_arg(result.trace_path)} --vllm {command_arg(head_given)}"
-               "    # fails",
-               f"kvspec replay {command_arg(result.trace_path)} --vllm {command_arg(base_given)}"
-               "    # passes", "```", ""]
-    if result.known:
+    v, result = review.verdict, review.result
+    md = [f"## kvspec review: {v.word.upper()}", "", f"**{v.line}**", "",
+          f"- base: {review.base.label()}", f"- head: {review.head.label()}"]
+    if result is not None:
+        fixes = [s.fix for s in review.prep.statuses if s.status in ("applied", "drifted")]
+        md += [f"- check: {result.runs} runs, {result.actions} actions in "
+               f"{result.elapsed:.0f}s (budget {review.seconds:g}s; review wall time "
+               f"{review.wall:.0f}s)",
+               f"- both sides run with kvspec's {len(fixes)} fixes of known vLLM findings "
+               "applied (so that a known finding hides no regression): "
+               + ", ".join(f"`{f}`" for f in fixes)]
+    md.append("")
+    if result is not None and result.counterexample is not None:
+        md += _regression(review, command_arg)
+    if result is not None and result.known:
         md += ["### Pre-existing (fail on the base too)", "",
                "| finding | times | upstream | trace |", "| --- | --- | --- | --- |"]
         md += [f"| {h.finding or 'not a known finding'} | {h.count} | {h.upstream} | "
-               f"`{h.trace_path}` |" for h in result.known.values()]
+               f"`{Path(h.trace_path).resolve()}` |" for h in result.known.values()]
         md.append("")
     md += ["### Coverage of the change", "",
-           "| hunk | kvspec drives it | statements ran | runs that ran it |",
+           "| hunk | in a module kvspec checks | lines with code that ran | runs that ran it |",
            "| --- | --- | --- | --- |"]
-    for h in hunks:
-        ran = f"{len(h.ran)}/{len(h.statements)}" if h.statements else "no statements"
+    for h in review.hunks:
+        ran = f"{len(h.ran)}/{len(h.statements)}" if h.statements else "no code"
         md.append(f"| `{h.where()}` | {'yes' if h.checked_module else 'no'} | {ran} | "
                   f"{h.runs}{' **never ran**' if h.never_ran else ''} |")
     md.append("")
-    changed = [s for s in statuses if s.status in ("code-changed", "drifted")]
-    if changed:
-        md += ["### kvspec's fixes on HEAD", ""]
-        md += [f"- `{s.fix}`: {s.status}: {s.detail}" for s in changed]
-        md.append("")
-    witnessed = sum(1 for n in REGISTRY if result.witnessed.get(n))
-    never = [n for n in REGISTRY if not result.witnessed.get(n)]
-    md += ["### Claims", "", f"{witnessed} of {len(REGISTRY)} claims witnessed"
-           + (f"; never witnessed: {', '.join(never)}" if never else "") + ".", ""]
+    if review.prep is not None:
+        changed = [s for s in review.prep.statuses if s.status in ("code-changed", "drifted")]
+        if changed:
+            md += ["### kvspec's fixes on HEAD", ""]
+            md += [f"- `{s.fix}`: {s.status}: {s.detail}" for s in changed]
+            md.append("")
+    if result is not None:
+        witnessed = sum(1 for n in REGISTRY if result.witnessed.get(n))
+        never = [n for n in REGISTRY if not result.witnessed.get(n)]
+        md += ["### Claims", "", f"{witnessed} of {len(REGISTRY)} claims witnessed"
+               + (f"; never witnessed: {', '.join(never)}" if never else "") + ".", ""]
     return "\n".join(md)
+
+
+def _regression(review: Review, command_arg) -> list[str]:
+    result = review.result
+    ce = result.counterexample
+    trace = Path(result.trace_path).resolve()
+    md = ["### Regression", "", f"Configuration: {_config_line(ce.runner.config)}.", "",
+          "| step | action | requests after it |", "| --- | --- | --- |"]
+    md += [f"| {s.index} | `{s.action}` | {s.requests} |" for s in ce.runner.log]
+    md += [""] + [f"- **{x.invariant}**: {x.message}" for x in ce.violations] + [""]
+    if result.shrink_cut:
+        md += ["The budget ran out while this example was being shrunk: it may hold actions "
+               "it does not need (a longer `--budget` shrinks it further).", ""]
+    released = review.base_as_released
+    if released is not None and released.fails:
+        md += ["On BASE as released (without kvspec's fixes) it fails too "
+               f"({', '.join(sorted(released.claims))}): a known finding there, which "
+               "kvspec's fixes close on BASE but not on HEAD. HEAD's change defeats what a fix "
+               "relies on, or meets the finding another way; on stock BASE the two coincide.",
+               ""]
+    md += [LEGEND, "", "Replay:", "", "```",
+           f"kvspec replay {command_arg(trace)} --vllm {command_arg(review.head.cli_name())}"
+           "    # fails",
+           f"kvspec replay {command_arg(trace)} --vllm {command_arg(review.base.cli_name())}"
+           "    # passes",
+           "```", ""]
+    return md

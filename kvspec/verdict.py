@@ -89,7 +89,7 @@ def first_line(result, found: list[Restriction], code_changed=(),
         notes.append("known findings met: " + ", ".join(
             f"{hit.label or hit.finding or 'pre-existing'} ({hit.count}x)"
             for hit in known.values()))
-    tail = (": " + " | ".join(notes)) if notes else ""
+    tail = "".join(f" | {note}" for note in notes)
     if result.counterexample is not None:
         claims = sorted({v.invariant for v in result.counterexample.violations})
         return f"VIOLATED, new: {', '.join(claims)}{tail}", EXIT_VIOLATED

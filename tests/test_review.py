@@ -99,3 +99,40 @@ def test_pre_existing_findings_do_not_fail_a_review():
 def test_a_base_that_could_not_answer_makes_it_incomplete():
     verdict = review_verdict(result(), [], ["the base process exited"], [])
     assert verdict.code == 3 and "could not answer" in verdict.line
+
+
+def test_a_line_short_circuiting_skips_never_ran(tmp_path):
+    """A changed operand of a multi-line condition that an earlier operand
+    short-circuits (a LoRA-only branch, say) did not run, though the statement's
+    first line did: the hunk counts as never run."""
+    from kvspec.review import executable_lines
+    text = "def f(lora, n):\n    if (\n        lora\n        and n >= 2\n    ):\n        return 1\n"
+    assert executable_lines(text) == {1, 2, 3, 4, 6}  # "):" holds no code
+    hunk = Hunk("vllm/x.py", 4, 4, 4, 4, statements=(4,))
+    attach_coverage([hunk], {"vllm/x.py": {2: {"run1"}, 3: {"run1"}}})
+    assert hunk.never_ran
+
+
+def test_patched_code_run_through_a_link_maps_back(tmp_path):
+    """A source given as the vllm package directory runs through a link;
+    coverage.py names files by their real path, kvspec's patched modules by the
+    path Python imported: both spellings reach the same HEAD lines."""
+    from kvspec.review import measured_lines
+    real = tree(tmp_path / "real", BASE)
+    link_root = tmp_path / "link"
+    link_root.mkdir()
+    (link_root / "vllm").symlink_to(real / "vllm", target_is_directory=True)
+    head = resolve(str(link_root))
+    imported = str(link_root / "vllm" / "v1" / "core" / "sched" / "scheduler.py")
+    code_file = f"{imported} (kvspec patches: a-fix)"
+    patched = BASE.replace("    budget = self.budget\n", "    budget = self.budget\n    x = 1\n")
+
+    class Data:
+        def measured_files(self):
+            return [str(Path(tmp_path / "real" / "vllm" / "v1" / "core" / "sched").resolve()
+                        / "scheduler.py (kvspec patches: a-fix)")]
+
+        def contexts_by_lineno(self, name):
+            return {3: ["run0"], 4: ["run1"], 5: ["run2"]}  # 3: the fix's own line
+    lines = measured_lines(Data(), head, {code_file: (imported, BASE, patched)})
+    assert lines == {"vllm/v1/core/sched/scheduler.py": {3: {"run1"}, 4: {"run2"}}}

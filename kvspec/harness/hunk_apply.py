@@ -116,11 +116,19 @@ def apply_change(lines: list[str], change: Change, start: int, where: str) -> tu
 
 
 def _is_present(lines: list[str], change: Change, start: int) -> bool:
-    """The change's new side (its added lines, with context) is already there."""
+    """The change's new side is already there: its added lines with all their
+    context (a change that removes lines), or beside the neighbour they were
+    written next to (a pure insertion, which must never be made twice). A
+    common added line found elsewhere with less context says nothing."""
     if not change.added:
         return False
-    done = Change(change.before, change.added, (), change.after)
-    return _locate(lines, done, start) is not None
+    if change.removed:
+        block = list(change.before) + list(change.added) + list(change.after)
+        return len(_occurrences(lines, block, start)) == 1
+    sides = (list(change.before[-1:]) + list(change.added),
+             list(change.added) + list(change.after[:1]))
+    return any(len(side) > len(change.added) and _occurrences(lines, side, start)
+               for side in sides)
 
 
 def _near(change: Change) -> str:
@@ -161,3 +169,15 @@ def apply_hunks(text: str, hunks, where: str) -> tuple[str, list[str]]:
             if note:
                 drift.append(note)
     return "".join(lines), drift
+
+
+def unchanged_lines(original: str, patched: str) -> dict[int, int]:
+    """Line of ``patched`` -> line of ``original``, for the lines a patch left
+    as they were (1-based): a place in patched code told as the source's."""
+    import difflib
+    a, b = original.splitlines(), patched.splitlines()
+    mapping = {}
+    for tag, i1, i2, j1, _ in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if tag == "equal":
+            mapping.update({j1 + k + 1: i1 + k + 1 for k in range(i2 - i1)})
+    return mapping

@@ -153,6 +153,9 @@ TRACE_SCHEMA = {
         # model samples the tokens, so a trace replays only in its own mode
         "kv": {"enum": ["symbolic", "torch"]},
         "config": _CONFIG_SCHEMA,
+        # the vLLM a trace of the vllm target was found on (vllm_source.VllmSource
+        # .as_dict()): information for the reader; a replay runs the vLLM it is given
+        "vllm_source": {"type": "object", "maxProperties": 20},
         "actions": {"type": "array", "maxItems": MAX_ACTIONS, "items": _action_schema()},
         "verdict": _VERDICT_SCHEMA,
         # a finding's continuation: what the replay gives with some claims unchecked
@@ -389,10 +392,12 @@ def _umask() -> int:
 def save_trace(path: Path, *, target: str, config: Config, actions: list[dict],
                violations=(), steps=(), seed=None, kv: str = "symbolic") -> Path:
     """Write atomically: a crash mid-write never leaves a half trace behind. The
-    file is readable as any file the user creates (mode 0666 less the umask)."""
+    file is readable as any file the user creates (mode 0666 less the umask).
+    A trace of the vllm target records which vLLM it ran on."""
     payload = {
         "format": FORMAT, "target": target, "seed": seed,
         **({"kv": kv} if kv != "symbolic" else {}), "config": config_to_dict(config),
+        **_source_of(target),
         "actions": actions,
         "verdict": [{"invariant": v.invariant, "message": v.message} for v in violations],
         "steps": [{"index": s.index, "action": s.action, "requests": s.requests} for s in steps],
@@ -408,6 +413,16 @@ def save_trace(path: Path, *, target: str, config: Config, actions: list[dict],
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _source_of(target: str) -> dict:
+    """``{"vllm_source": ...}`` for a vllm target whose source this process has
+    chosen (nothing is imported or chosen here), else nothing."""
+    if not target.startswith("vllm"):
+        return {}
+    from kvspec.harness import vllm_source
+    chosen = vllm_source.chosen()
+    return {} if chosen is None else {"vllm_source": chosen.as_dict()}
 
 
 class DuplicateKey(ValueError):

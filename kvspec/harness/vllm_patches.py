@@ -336,7 +336,32 @@ def build(patches: list[Patch]) -> PatchedVllm:
         original = sys.modules[name].__file__
         files[modules[name].__kvspec_code_file__] = (original, _source(name), text)
     _rebind(modules)
+    CODE_FILES.update(files)
     return PatchedVllm(modules, tuple(applied), skipped, drift, reasons, files)
+
+
+#: every patched module's code file name -> (the source's file, its text, the
+#: patched text), for telling a place in patched code as the source's
+CODE_FILES: dict[str, tuple[str, str, str]] = {}
+
+
+def source_place(filename: str, line: int) -> tuple[str, int, bool]:
+    """(file, line, inside kvspec's own patch) of a place that may be in a
+    patched module: its line in the source's file where the patch left it as it
+    was; otherwise the patched line, flagged as kvspec's."""
+    if filename not in CODE_FILES:
+        return filename, line, False
+    original, text, patched = CODE_FILES[filename]
+    mapping = _line_maps.get(filename)
+    if mapping is None:
+        from kvspec.harness.hunk_apply import unchanged_lines
+        mapping = _line_maps[filename] = unchanged_lines(text, patched)
+    if line in mapping:
+        return original, mapping[line], False
+    return original, line, True
+
+
+_line_maps: dict[str, dict[int, int]] = {}
 
 
 #: modules that subclass or build a class of another module: executed again when

