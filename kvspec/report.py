@@ -59,12 +59,12 @@ def summary_table(checks: dict[str, int], witnessed: dict[str, int],
 def unwitnessed(checks: dict[str, int], witnessed: dict[str, int],
                 design_rules: bool = True, profile=None) -> dict[str, str]:
     """Claims checked but never witnessed in a run: name -> why that may be
-    expected (the registry's reason, or the run's narrowed profile; empty when
-    it should have been witnessed)."""
-    restricted = ""
+    expected: the registry's reason, the run's narrowed profile, or else that
+    this run's draws did not reach it (a short budget can miss a rare one)."""
+    why = "not reached by this run's draws; a longer --budget may reach it"
     if profile is not None and profile.layouts == ("full",):
-        restricted = "this run draws one full-attention group only (--layouts full)"
-    return {name: inv.unwitnessed_because or restricted for name, inv in REGISTRY.items()
+        why = "this run draws one full-attention group only (--layouts full)"
+    return {name: inv.unwitnessed_because or why for name, inv in REGISTRY.items()
             if is_checked_claim(inv, design_rules) and not witnessed.get(name)}
 
 

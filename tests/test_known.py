@@ -198,3 +198,26 @@ def test_only_a_crash_vllm_wrote_is_recognised_by_its_shape():
     assert is_recognisable_by_shape(found["hybrid-block-failure-unpack-crash"])
     assert not is_recognisable_by_shape(found["waiting-head-blocks-finished-load"])
     assert not is_recognisable_by_shape(found["full-async-hit-external-exceeds-cached"])
+
+
+def test_a_fix_that_leaves_only_a_known_finding_with_no_fix_names_its_own(monkeypatch):
+    """One trace can meet two findings, the second hidden behind the first (a
+    --strict run on 0.32.0 found one: the placeholder-draft assert, then the
+    hybrid load-failure crash). The fix whose finding the counterexample fails as
+    names it; a fix that only steers the trace onto the second does not."""
+    from kvspec.harness import known
+    from kvspec.harness.accepted_findings import catalogue
+    found = catalogue()
+    pad, hybrid = found["spec-pad-clipped-by-prefill-threshold"], \
+        found["hybrid-sync-load-failure-unreportable"]
+    first = recorded(pad.traces[0])
+    behind = recorded(hybrid.traces[0])
+    steer = "abort-mid-load-frees-under-send"
+
+    def fake_replay(target, config, actions):
+        return Outcome(behind) if (pad.fix_id in target or steer in target) else Outcome(first)
+    monkeypatch.setattr(known, "replay", fake_replay)
+    rec = Recogniser("vllm?fixes=none", set(), [steer, pad.fix_id], [hybrid])
+    why = rec.explain({}, [], violations(*first))
+    assert why.finding == pad.id, why
+    assert f"it then fails only as {hybrid.id}" in why.how

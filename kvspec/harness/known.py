@@ -249,8 +249,8 @@ def _not_fitting(fix, patched, applied, cache, planted) -> FixStatus:
     still = _present(fix, applied, cache, planted)
     why = patched.skipped.get(fix, "").split(": ", 1)[-1]
     if still:
-        return FixStatus(fix, "code-changed", f"{why}; its findings still fail here: "
-                         f"{', '.join(still)}", tuple(still))
+        return FixStatus(fix, "code-changed", f"it does not fit ({why}) and its findings "
+                         f"still fail here: {', '.join(still)}", tuple(still))
     if patched.reasons.get(fix) == "present":
         return FixStatus(fix, "not-needed", f"the source already has it ({why})")
     return FixStatus(fix, "not-needed", "its findings' traces pass here")
@@ -366,12 +366,11 @@ class Recogniser:
         if any(c == "environment_contract" for c, _ in pairs):
             return None  # the environment's own bug: never a finding of the target
         for fix in self._likely_first(self.toggles, pairs):
-            if not replay(fixes_target(self.applied | {fix}, self.planted), config,
-                          actions).fails:
-                return self._by_fix(fix, pairs)
-        if len(self.toggles) > 1 and not replay(
-                fixes_target(self.applied | set(self.toggles), self.planted), config,
-                actions).fails:  # two known findings in one trace: no one fix closes it
+            rest = self._with_fixes({fix}, config, actions)
+            if rest == "" or (rest and self._fix_shape(fix, pairs)):
+                return self._by_fix(fix, pairs, rest)
+        if len(self.toggles) > 1 and self._with_fixes(set(self.toggles), config, actions) \
+                is not None:  # two known findings in one trace: no one fix closes it
             named = self._by_shape(pairs)
             return Explanation(named.id if named else None, "passes with the fixes left out "
                                "of this run (several findings at once)",
@@ -396,14 +395,43 @@ class Recogniser:
                                   for c, _ in recorded(t)})
         return sorted(fixes, key=overlap)
 
-    def _by_fix(self, fix: str, pairs) -> Explanation:
+    def _with_fixes(self, fixes: set[str], config, actions) -> str | None:
+        """What is left of the trace with ``fixes`` added: "" when it passes, the
+        id of the one known finding with no fix here that it then fails as (a
+        trace can meet two findings, the second hidden behind the first), None
+        when it still fails some other way."""
+        got = replay(fixes_target(self.applied | fixes, self.planted), config, actions)
+        if got.error is not None:
+            return None
+        if not got.fails:
+            return ""
+        behind = self._unfixed_shape(got.violations)
+        return behind.id if behind is not None else None
+
+    @staticmethod
+    def _fix_shape(fix: str, pairs) -> bool:
+        """Whether the counterexample fails as one of ``fix``'s findings' traces
+        does: asked before a fix that leaves another finding behind is credited
+        (a fix can steer a trace away from a bug without closing it)."""
+        return any(behaves_as(pairs, recorded(t)) for f in findings_of_fix(fix)
+                   for t in f.traces)
+
+    def _unfixed_shape(self, pairs) -> AcceptedFinding | None:
+        return next((f for f in self.unfixed
+                     if any(behaves_as(pairs, recorded(t)) for t in f.traces)), None)
+
+    def _by_fix(self, fix: str, pairs, behind: str = "") -> Explanation:
         findings = findings_of_fix(fix)
         named = [f for f in findings if any(behaves_as(pairs, recorded(t)) for t in f.traces)]
         chosen = (named or findings)[:1]
+        then = f"; it then fails only as {behind}, a known finding with no fix" if behind else ""
         if not chosen:
-            return Explanation(None, f"passes with the fix {fix}")
+            return Explanation(None, f"passes with the fix {fix}{then}")
         f = chosen[0]
-        return Explanation(f.id, f"passes with its fix {fix} (left out of this run)", f.upstream)
+        how = f"passes with its fix {fix} (left out of this run)"
+        if behind:
+            how = f"with its fix {fix} (left out of this run){then}"
+        return Explanation(f.id, how, f.upstream)
 
     def _on_base(self, config, actions, pairs) -> Explanation | None:
         try:
