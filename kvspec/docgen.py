@@ -385,6 +385,22 @@ not by a conformance check.
   primitive's guard* imply *every invariant after* and *stats unchanged, or lowered in
   an admissible way by a failure*, over a symbolic request with unbounded counters;
   and for each pool action and pool invariant, over a symbolic pool.
+- **sentinel** (a refutation): a bug that leaves a request one step past one claim's
+  boundary, from a state pinned within the claim by bounds stated apart from its
+  predicate; the conclusion is that claim's entry alone. An induction cannot tell a
+  claim from a weaker one (`True` is inductive too); a sentinel can.
+
+## Proofs with teeth
+
+A claim listed as established by Z3 is one whose obligations notice a weakened
+predicate: `tests/test_prove_teeth.py` replaces each such claim's predicate by `True`,
+and where it has a bound or a conjunct to give up by a variant one step weaker, and
+requires a guarding refutation to fail (a sentinel, a pool refutation, or a lemma's
+historical refutation). Every claim fails under `True`; the one-step variants are
+checked for the per-request and pool claims. Not yet with a one-step variant:
+`every_group_serves_computed`, `placeholders_match_in_flight`,
+`placeholders_nonnegative` (their refuted rules miss by more than one step), and
+`no_load_into_free_blocks` (a single implication).
 
 ## The card's claims
 
@@ -403,7 +419,8 @@ each is established.
   async path: a request whose load finished is waiting with stats).
 - `cached_le_computed` covers waiting requests too: one waiting with a finished or
   in-flight load counts all its hits but the last token.
-- `well_formed`: a preempted request has stats; a PREEMPTED one has been preempted.
+- `well_formed`: a preempted request has stats (a PREEMPTED one has been preempted is
+  `preempted_means_preempted`'s own entry).
 - `release_loaded` (a loaded request giving its blocks back) only when its stats do
   not describe that load: otherwise a scheduler would report hits it threw away.
 

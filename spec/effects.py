@@ -42,7 +42,7 @@ from kvspec.spec.arith import (compute_computed_after_rejection, compute_first_e
 from kvspec.spec.logic import And, If, Implies, Min, Not, Or
 from kvspec.spec.predicates import (is_admissible_lowering, is_blocks_cover_computed,
                                     is_cached_le_computed, is_computed_within_tokens,
-                                    is_first_cached_count,
+                                    is_first_cached_count, is_preempted_counted,
                                     is_running_with_stats, is_stats_ordered,
                                     is_unscheduled_without_output, is_waiting_with_work)
 
@@ -126,13 +126,14 @@ def request_invariants(r: Counters) -> dict:
                         r.num_computed == Min(r.num_hits, r.num_tokens - 1)))),
     }
     claims = {name: Implies(live, claim) for name, claim in claims.items()}
+    claims["preempted_means_preempted"] = is_preempted_counted(r.status == PREEMPTED,
+                                                               r.num_preemptions)
     # shape facts the invariants above need to be inductive
     claims["well_formed"] = And(
         r.status >= WAITING, r.status <= FINISHED, r.prompt_len >= 1,
         r.num_tokens >= r.prompt_len, r.block_size >= 1, r.num_preemptions >= 0,
         r.num_blocks >= 0, r.num_recoveries >= 0, r.num_hits >= 0, r.num_resume_limit >= 0,
         r.num_hits <= r.num_tokens, r.num_resume_limit <= r.num_tokens,
-        Implies(r.status == PREEMPTED, r.num_preemptions >= 1),
         Implies(r.num_preemptions >= 1, stats))
     return claims
 
@@ -187,13 +188,15 @@ def primitive(*params: str):
     return register
 
 
-def record_stats(c: Counters, records, num_local, num_external, num_cached):
+def record_stats(c: Counters, records, num_local, num_external, num_cached,
+                 first_external=compute_first_external):
     """Guard and effect of recording the stats for ``num_local + num_external``
     hits, where ``records`` says the step records them (only a request that has
     none does): the cached count per ``is_first_cached_count``, the external part
-    the connector's answer less what that count leaves out."""
+    the connector's answer less what that count leaves out (``first_external``:
+    a historical rule may be put in its place)."""
     first = And(records, Not(has_stats(c)))
-    external = compute_first_external(num_cached, num_local, num_external)
+    external = first_external(num_cached, num_local, num_external)
     guard = Implies(first, is_first_cached_count(num_cached, num_local + num_external,
                                                  c.num_tokens))
     return guard, dict(num_cached=If(first, num_cached, c.num_cached),
@@ -202,13 +205,14 @@ def record_stats(c: Counters, records, num_local, num_external, num_cached):
 
 
 @primitive("num_local", "num_external", "num_new", "num_drafts", "num_blocks", "num_cached")
-def act_schedule_waiting(c: Counters, p):
+def act_schedule_waiting(c: Counters, p, first_external=compute_first_external):
     """A waiting request with nothing computed is scheduled. It starts at its
     hits (local, then external, leaving the last token), computes ``num_new``
     tokens, and records its stats if it never had them."""
     start = compute_num_computed_after_hit(p.num_local, p.num_external, c.num_tokens)
     end = start + p.num_new
-    stats_guard, stats = record_stats(c, True, p.num_local, p.num_external, p.num_cached)
+    stats_guard, stats = record_stats(c, True, p.num_local, p.num_external, p.num_cached,
+                                      first_external)
     guard = And(is_waiting(c), c.num_computed == 0, p.num_local >= 0, p.num_external >= 0,
                 p.num_local + p.num_external <= c.num_tokens,
                 is_chunk(c.num_tokens, end, p.num_new, p.num_drafts),

@@ -9,10 +9,12 @@ import attrs
 
 from kvspec.spec.arith import (compute_first_external, compute_num_computed_pre_34616,
                                compute_placeholders_after_output, compute_real_computed)
-from kvspec.spec.effects import (Counters, Params, act_finish_async_load, act_recover,
-                                 act_sample, act_schedule_waiting, has_stats)
+from kvspec.spec.effects import (PREEMPTED, RUNNING, WAITING, Counters, Params,
+                                 act_finish_async_load, act_recover, act_sample,
+                                 act_schedule_loaded, act_schedule_waiting, has_stats, is_chunk)
 from kvspec.spec.groups import is_served
 from kvspec.spec.logic import And, If, Min, Or, fdiv
+from kvspec.spec.predicates import is_blocks_cover_computed
 from kvspec.spec.pool_effects import Pool, _set, act_free, act_issue_async_load, act_sync_load
 
 
@@ -163,6 +165,56 @@ def act_sample_without_rollback(c: Counters, p):
     return guard, attrs.evolve(after, num_computed=c.num_computed)
 
 
+# -- one past each per-request claim's boundary (the sentinels of spec/prove.py) ------
+
+def act_schedule_waiting_recording_whole_external(c: Counters, p):
+    """The connector's whole answer recorded as external hits, the token a full
+    hit recomputes included: one more external than cached (what 0.18.1 reports
+    for a full-prompt async hit)."""
+    return act_schedule_waiting(c, p, first_external=first_external_uncapped)
+
+
+def act_schedule_waiting_recording_again(c: Counters, p):
+    """A re-scheduling after preemption records the stats a second time."""
+    return act_schedule_waiting(attrs.evolve(c, num_cached=-1), p)
+
+
+def act_finish_async_load_dropping_last_loaded(c: Counters, p):
+    """A finished load gives back its last loaded token on every hit, as if each
+    were a full-prompt hit: one token short of the hits it reported."""
+    guard, after = act_finish_async_load(c, p)
+    return guard, attrs.evolve(after, num_computed=If(c.num_computed >= 1,
+                                                      c.num_computed - 1, 0))
+
+
+def act_compute_one_token_uncovered(c: Counters, p):
+    """Slots asked for every scheduled token but the last."""
+    end = c.num_computed + p.num_new
+    guard = And(c.status == RUNNING, is_chunk(c.num_tokens, end, p.num_new, p.num_drafts),
+                is_blocks_cover_computed(p.num_blocks, c.block_size, end - 1))
+    return guard, attrs.evolve(c, num_computed=end, num_blocks=p.num_blocks)
+
+
+def act_schedule_loaded_without_stats(c: Counters, p):
+    """A request whose load finished runs without recording its stats."""
+    guard, after = act_schedule_loaded(c, p)
+    return guard, attrs.evolve(after, num_cached=c.num_cached, num_external=c.num_external,
+                               num_stats_sets=c.num_stats_sets)
+
+
+def act_preempt_uncounted(c: Counters, p):
+    """A preemption that sends the request back to WAITING uncounted: it looks
+    like a request that never ran, tokens it sampled and all."""
+    return c.status == RUNNING, attrs.evolve(c, status=WAITING, num_computed=0, num_blocks=0)
+
+
+def act_finish_async_load_waking_as_preempted(c: Counters, p):
+    """The status a finished load wakes to, with its threshold one too low: every
+    request comes back PREEMPTED."""
+    guard, after = act_finish_async_load(c, p)
+    return guard, attrs.evolve(after, status=If(c.num_preemptions >= 0, PREEMPTED, WAITING))
+
+
 # -- the block pool ----------------------------------------------------------------
 
 def act_issue_async_load_caching(p: Pool, r: int, b: int):
@@ -187,3 +239,9 @@ def act_free_keeping_references(p: Pool, r: int):
     """A free that drops the request's table but not the blocks' counts."""
     return True, attrs.evolve(p, holds=_set(p.holds, r, tuple(False for _ in p.holds[r])))
 
+
+
+def act_free_leaving_blocks_unqueued(p: Pool, r: int):
+    """A free that drops the counts but queues no block that reaches zero: a leak."""
+    guard, after = act_free(p, r)
+    return guard, attrs.evolve(after, free=p.free)

@@ -18,7 +18,7 @@ from kvspec.spec.arith import compute_first_external
 from kvspec.spec.groups import NULL_BLOCK, get_needed_blocks
 from kvspec.spec.predicates import (is_blocks_cover_computed, is_cached_le_computed,
                                     is_computed_within_tokens, is_free_iff_unreferenced,
-                                    is_load_target_held,
+                                    is_load_target_held, is_preempted_counted,
                                     is_ref_count_of_holders, is_stats_ordered,
                                     is_unscheduled_without_output, is_waiting_with_work)
 from kvspec.spec.arith import compute_real_computed
@@ -329,11 +329,11 @@ def preempted_means_preempted(ctx: Context):
 
     Protects the scheduler's own bookkeeping (new vs resumed requests in the
     scheduler output) and the stats' scope; it is one of the shape facts the Z3
-    induction needs (``well_formed`` in spec/effects.py)."""
+    induction needs (``request_invariants`` in spec/effects.py)."""
     for r in ctx.live():
         if r.status == RequestStatus.PREEMPTED:
             ctx.witness()
-            if r.num_preemptions < 1:
+            if not is_preempted_counted(True, r.num_preemptions):
                 yield f"{r.request_id} is PREEMPTED with num_preemptions={r.num_preemptions}"
 
 

@@ -29,6 +29,11 @@ def is_waiting_with_work(is_waiting, num_computed, num_tokens):
     return Implies(is_waiting, num_computed < num_tokens)
 
 
+def is_preempted_counted(is_preempted, num_preemptions):
+    """A PREEMPTED request has been preempted at least once."""
+    return Implies(is_preempted, num_preemptions >= 1)
+
+
 def is_blocks_cover_computed(num_blocks, block_size, num_computed):
     return num_blocks * block_size >= num_computed
 

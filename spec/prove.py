@@ -29,7 +29,7 @@ from kvspec.spec import arith, historical
 from kvspec.spec.effects import (ALL_SHAPES, PRIMITIVES, Counters, Params, Primitive,
                                  is_initial, is_stats_step_ok, request_invariants)
 from kvspec.spec.groups import compute_read_start, compute_recovered_computed, is_windowed
-from kvspec.spec.logic import And, Implies, Not, Or
+from kvspec.spec.logic import And, If, Implies, Not, Or
 from kvspec.spec.predicates import is_admissible_lowering, is_first_cached_count
 from kvspec.spec.state import GroupSpec
 
@@ -746,7 +746,7 @@ INVARIANT_CLAIMS = {
     "waiting_with_work": "computed_within_tokens", "blocks_cover_computed": "blocks_cover_computed",
     "running_request_has_stats": "running_request_has_stats",
     "unscheduled_request_has_no_output": "unscheduled_request_has_no_output",
-    "well_formed": "preempted_means_preempted",
+    "preempted_means_preempted": "preempted_means_preempted",
     "loaded_prefix_is_the_hits": "cached_le_computed",
 }
 
@@ -755,9 +755,10 @@ def shape_name(shape) -> str:
     return "+".join(shape)
 
 
-def _step_goal(shape, replaced=None, bounds=None) -> Goal:
-    """Invariants before and every guard of ``shape`` imply the invariants after;
-    ``replaced`` swaps a primitive's effect for a historical one."""
+def _step_goal(shape, replaced=None, bounds=None, entry=None) -> Goal:
+    """Invariants before and every guard of ``shape`` imply the invariants after
+    (only ``entry`` of them, for a sentinel); ``replaced`` swaps a primitive's
+    effect for a historical one."""
     s = Symbols()
     before = _counters(s, "state")
     params_for = _shape_params(s, shape)
@@ -771,6 +772,8 @@ def _step_goal(shape, replaced=None, bounds=None) -> Goal:
                      bounds(before) if bounds else True)
     conclusion = And(*request_invariants(after).values(),
                      is_stats_step_ok(before, after, "recover" in shape))
+    if entry is not None:
+        conclusion = request_invariants(after)[entry]
     return Goal(((hypothesis, conclusion),), s)
 
 
@@ -816,8 +819,72 @@ STEP_REFUTATIONS = {
         "Recovery that raises the external count (a guard that admits any ordered pair)."),
 }
 
+#: Sentinels: a bug that leaves a request one step past a claim's boundary, and a
+#: refutation that concludes that claim's entry of ``request_invariants`` alone.
+#: The induction alone cannot tell a claim from a weaker one (``True`` is
+#: inductive too); a sentinel can: weaken the claim's predicate to ``True`` or
+#: one past its bound and the bug is no longer refuted, so ``kvspec prove``
+#: fails (tests/test_prove_teeth.py). Bounds pin the state before the bug within
+#: the claim, stated apart from its predicate, so that a weakened predicate cannot
+#: start the bug past the boundary already. name -> (entry, shape, primitive
+#: replaced, bug, bounds, why)
+SENTINELS = {
+    "sentinel_stats_are_ordered": (
+        "stats_are_ordered", ("schedule_waiting", "sample"), "schedule_waiting",
+        historical.act_schedule_waiting_recording_whole_external, None,
+        "A full-prompt hit whose external count keeps the recomputed token: one more "
+        "external than cached (0.18.1's full-async-hit-external-exceeds-cached)."),
+    "sentinel_stats_set_exactly_once": (
+        "stats_set_exactly_once", ("schedule_waiting", "keep_prefilling"), "schedule_waiting",
+        historical.act_schedule_waiting_recording_again,
+        lambda c: c.num_stats_sets <= 1,
+        "A re-scheduling after preemption that records the stats a second time (#36859's "
+        "family)."),
+    "sentinel_cached_le_computed": (
+        "cached_le_computed", ("finish_async_load",), "finish_async_load",
+        historical.act_finish_async_load_dropping_last_loaded,
+        lambda c: c.num_cached <= c.num_computed,
+        "A finished load that gives back its last loaded token on a partial hit: one "
+        "hit reported that is not computed."),
+    "sentinel_computed_within_tokens": (
+        "waiting_with_work", ("finish_async_load",), "finish_async_load",
+        historical.act_finish_async_load_counting_every_token,
+        lambda c: c.num_computed <= c.num_tokens,
+        "A finished full-prompt load that counts the last token too: nothing left to "
+        "compute (#30320 on the async path)."),
+    "sentinel_blocks_cover_computed": (
+        "blocks_cover_computed", ("compute", "keep_prefilling"), "compute",
+        historical.act_compute_one_token_uncovered, None,
+        "Slots asked for every scheduled token but the last."),
+    "sentinel_running_request_has_stats": (
+        "running_request_has_stats", ("schedule_loaded", "keep_prefilling"), "schedule_loaded",
+        historical.act_schedule_loaded_without_stats, lambda c: c.num_hits >= 1,
+        "A loaded request that runs without recording its stats."),
+    "sentinel_unscheduled_request_has_no_output": (
+        "unscheduled_request_has_no_output", ("preempt",), "preempt",
+        historical.act_preempt_uncounted,
+        lambda c: c.num_tokens <= c.prompt_len + 1,
+        "A preemption left uncounted: a request that sampled one token waits as if "
+        "it never ran."),
+    "sentinel_preempted_means_preempted": (
+        "preempted_means_preempted", ("finish_async_load",), "finish_async_load",
+        historical.act_finish_async_load_waking_as_preempted, None,
+        "A finished load that wakes a never-preempted request as PREEMPTED."),
+}
+
+
+def _register_sentinels() -> None:
+    for name, (entry, shape, prim, fn, bounds, why) in SENTINELS.items():
+        induction = f"step_{shape_name(shape)}"
+        assert induction in OBLIGATIONS, induction
+        register(name, "refutation", lambda e=entry, shape=shape, prim=prim, fn=fn, b=bounds:
+                 _step_goal(shape, {prim: fn}, b, e),
+                 f"{why} Expected: refuted, by the entry {entry} of {induction}'s "
+                 "conclusion alone.", refutes_rule_of=induction)
+
 
 _register_steps()
+_register_sentinels()
 
 
 # -- induction over the block pool ------------------------------------------------
@@ -840,12 +907,12 @@ def _choices(params):
     return [(first, *rest) for first in ranges[params[0]] for rest in _choices(params[1:])]
 
 
-def _pool_goal(action: str, invariant: str, effect=None) -> Goal:
+def _pool_goal(action: str, invariant: str, effect=None, bounds=None) -> Goal:
     from kvspec.spec.pool_effects import POOL_ACTIONS, pool_invariants
     s = Symbols()
     pool = _symbolic_pool(s)
     fn, params = POOL_ACTIONS[action]
-    before = And(*pool_invariants(pool).values())
+    before = And(*pool_invariants(pool).values(), bounds(pool) if bounds else True)
     cases = []
     for choice in _choices(params):
         guard, after = (effect or fn)(pool, *choice)
@@ -863,10 +930,17 @@ POOL_REFUTATIONS = {
         "Review of #34616: a block whose load failed stays in the prefix cache."),
     "refute_free_keeps_references": (
         "free", "ref_count_is_holders", historical.act_free_keeping_references,
-        "A free that forgets to drop the blocks' reference counts."),
+        "A free that forgets to drop the blocks' reference counts.",
+        # from exact counts (stated apart from the predicate): one holder too many
+        lambda pool: And(*[pool.ref[b] == sum(If(h[b], 1, 0) for h in pool.holds)
+                           for b in range(len(pool.ref))])),
     "refute_free_under_load": (
         "free", "no_load_into_free_blocks", historical.act_free_under_load,
         "#46240: an aborted request's blocks freed while its load still writes them."),
+    "refute_free_leaves_blocks_unqueued": (
+        "free", "free_queue_is_free_blocks", historical.act_free_leaving_blocks_unqueued,
+        "A free that drops the counts but never queues a block that reaches zero: it "
+        "leaks."),
 }
 
 
@@ -881,8 +955,9 @@ def _register_pool() -> None:
                      f"block and outcome) over a symbolic pool of {NUM_REQUESTS} requests and "
                      f"{NUM_BLOCKS} blocks with unbounded counts, when the pool invariants "
                      f"held before.", (invariant,))
-    for name, (action, invariant, effect, why) in POOL_REFUTATIONS.items():
-        register(name, "refutation", lambda a=action, i=invariant, e=effect: _pool_goal(a, i, e),
+    for name, (action, invariant, effect, why, *bounds) in POOL_REFUTATIONS.items():
+        register(name, "refutation", lambda a=action, i=invariant, e=effect, b=bounds:
+                 _pool_goal(a, i, e, *b),
                  f"{why} Expected: refuted, by pool_{invariant}_under_{action}.",
                  refutes_rule_of=f"pool_{invariant}_under_{action}")
 
