@@ -15,13 +15,14 @@ from typing import Iterator
 import attrs
 
 from kvspec.spec.arith import compute_first_external
-from kvspec.spec.groups import NULL_BLOCK, get_needed_blocks
+from kvspec.spec.groups import NULL_BLOCK
 from kvspec.spec.predicates import (is_blocks_cover_computed, is_cached_le_computed,
                                     is_computed_within_tokens, is_free_iff_unreferenced,
                                     is_load_target_held, is_preempted_counted,
                                     is_ref_count_of_holders, is_stats_ordered,
                                     is_unscheduled_without_output, is_waiting_with_work)
 from kvspec.spec.arith import compute_real_computed
+from kvspec.spec.reads import get_blocks_read
 from kvspec.spec.registry import Witnessing, invariant
 from kvspec.spec.state import Observation, RequestStatus, RequestView
 
@@ -44,8 +45,8 @@ class Ghost:
     #: the connector's answer (num_local, num_external) when the stats were set
     first_hits: dict[str, tuple[int, int]] = attrs.Factory(dict)
     #: async scheduling: per request, the placeholders its steps in flight own
-    #: (``compute_placeholders_after_schedule``/``_after_output``), kept by the
-    #: harness from the scheduler outputs and the worker's reports
+    #: (the shares, 1 + drafts, of its sampling steps whose output is not stale),
+    #: kept by the harness from the scheduler outputs and the worker's reports
     placeholders: dict[str, int] = attrs.Factory(dict)
     #: per request, position -> the tokens the worker sampled there (a position
     #: is sampled again after a preemption)
@@ -259,10 +260,10 @@ def placeholders_nonnegative(ctx: Context):
 def placeholders_match_in_flight(ctx: Context):
     """Between steps, a live request's ``num_output_placeholders`` is exactly the
     tokens its steps in flight will sample and have not delivered: one per
-    sampling step (plus its drafts) when scheduled
-    (``compute_placeholders_after_schedule``), returned with its output
-    (``compute_placeholders_after_output``), none after a preemption, whose
-    output in flight is stale. Prefill chunks sample nothing and own none.
+    sampling step (plus its drafts) when scheduled, returned with its output,
+    none after a preemption, whose output in flight is stale. Prefill chunks
+    sample nothing and own none. Counted by the harness as those shares, not with
+    ``spec/arith.py``'s placeholder rules, which the reference uses.
 
     Protects the real boundary ``num_computed_tokens - num_output_placeholders``
     that the prefix cache, a connector's store and the max-tokens check use: too
@@ -356,7 +357,7 @@ def every_group_serves_computed(ctx: Context):
     block, not ``NULL_BLOCK``: full attention every block under its computed
     prefix, a sliding window the blocks of its last ``w - 1`` positions, a
     last-state group the block of the state after its last computed token
-    (``spec/groups.py``). The prefix counted is the real one (without the
+    (``spec/reads.py``, apart from the block arithmetic the reference frees by). The prefix counted is the real one (without the
     placeholders of steps in flight): a step runs from it at the earliest.
 
     Protects hybrid models (Gemma 3, gpt-oss, Jamba): a windowed group gives
@@ -370,7 +371,7 @@ def every_group_serves_computed(ctx: Context):
         real = get_real_computed(r)
         for g, table in enumerate(r.block_ids):
             ctx.witness(NULL_BLOCK in table)
-            missing = [i for i in get_needed_blocks(groups[g], real)
+            missing = [i for i in get_blocks_read(groups[g], real)
                        if i >= len(table) or table[i] == NULL_BLOCK]
             if groups[g].kind == "full_attention" and NULL_BLOCK in table:
                 missing = [table.index(NULL_BLOCK)]

@@ -36,7 +36,8 @@ from typing import Hashable, Iterator
 
 import attrs
 
-from kvspec.spec.groups import NULL_BLOCK, get_read_positions, split_cache_key
+from kvspec.spec.groups import NULL_BLOCK, split_cache_key
+from kvspec.spec.reads import get_positions_read
 from kvspec.spec.predicates import is_cached_block_valid
 from kvspec.spec.state import GroupSpec, Observation, RequestView, StepView
 
@@ -173,7 +174,7 @@ class KVContent:
         """The first position a step starting at ``upto`` reads, in any group,
         that does not hold valid content (None if all do)."""
         bad = [pos for g, group in enumerate(self.groups)
-               for pos in get_read_positions(group, upto)
+               for pos in get_positions_read(group, upto)
                if not self._is_valid(tables[g] if g < len(tables) else (), g, keys, pos)][:1]
         return bad[0] if bad else None
 

@@ -31,6 +31,7 @@ from kvspec.spec.effects import (ALL_SHAPES, PRIMITIVES, Counters, Params, Primi
 from kvspec.spec.groups import compute_read_start, compute_recovered_computed, is_windowed
 from kvspec.spec.logic import And, If, Implies, Not, Or
 from kvspec.spec.predicates import is_admissible_lowering, is_first_cached_count
+from kvspec.spec.reads import is_read_by_step
 from kvspec.spec.state import GroupSpec
 
 
@@ -429,19 +430,6 @@ def is_failed_load(groups, load: FailedLoad):
                Or(*[load.cut == f for f in load.first_invalid]))
 
 
-def is_read_by_step(group, recovered, p):
-    """A step from ``recovered`` reads position ``p`` in ``group``: written out
-    per kind here, not through ``compute_read_start``, so that a wrong window
-    start in the spec's own arithmetic shows as a counterexample."""
-    if group.kind == "sliding_window":  # the token attends to itself and w - 1 before it
-        start = recovered - (group.sliding_window - 1)
-    elif group.kind == "last_state":  # the state after the last computed token
-        start = recovered - 1
-    else:
-        start = 0
-    return And(p >= 0, p >= start, p < recovered)
-
-
 def is_read_valid(group, recovered, first_present, first_invalid, p):
     """If a step from ``recovered`` reads position ``p`` in ``group``, the group
     holds ``p`` and its KV there is valid."""
@@ -471,7 +459,7 @@ def lemma_recovery_cut_served_by_every_group(rule=None, bounded=False):
     and the reference's restart from zero) never reaches the first failed block,
     and every position the next step reads from it is held and valid in every
     group. Stated over positions, with each kind's read window written out
-    (``is_read_by_step``), not through ``is_served`` or ``compute_read_start``. Protects the
+    (``spec/reads.py``), not through ``is_served`` or ``compute_read_start``. Protects the
     recovery part of ``every_group_serves_computed``: a cut counted by the
     full-attention group alone leaves a window behind it empty (seed 003,
     #35223). Under the "fail" policy the request is finished: no count is kept."""

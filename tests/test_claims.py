@@ -78,7 +78,7 @@ def test_alternative_designs_pass_every_safety_claim(name, tmp_path):
     with design rules on, only the rule it breaks on purpose objects."""
     from kvspec.impl.alternatives import ALTERNATIVES
     target = f"alt:{name}"
-    safe = fuzz(target, budget=20, seed=1, out_dir=tmp_path, design_rules=False)
+    safe = fuzz(target, budget=10, seed=1, out_dir=tmp_path, design_rules=False)
     assert safe.counterexample is None, [str(v) for v in safe.counterexample.violations]
     ruled = fuzz(target, budget=40, seed=1, out_dir=tmp_path)
     assert ruled.counterexample is not None, f"{target} never broke {ALTERNATIVES[name].breaks}"

@@ -16,8 +16,7 @@ from kvspec.harness.env import (EOS_TOKEN_ID, EnvConnector, EnvironmentContractV
 from kvspec.harness.targets import TargetCannotMap, make_target
 from kvspec.impl.connector import ConnectorContractError
 from kvspec.spec.actions import Transition
-from kvspec.spec.arith import (compute_num_rejected, compute_placeholders_after_output,
-                               compute_placeholders_after_schedule)
+from kvspec.spec.arith import compute_num_rejected
 from kvspec.spec.conformance import Hints, ModelBook, ModelStep
 from kvspec.spec.groups import NULL_BLOCK, compute_tainted_blocks
 from kvspec.spec.invariants import Context, Ghost
@@ -109,6 +108,9 @@ class InFlight:
     sampled: dict[str, tuple[int, ...]]
     #: requests preempted after this step was scheduled: their output is stale
     stale: set[str] = attrs.Factory(set)
+    #: per request that samples in this step, the tokens it will sample if every
+    #: draft is accepted (1 + drafts): the placeholders it owns until delivered
+    shares: dict[str, int] = attrs.Factory(dict)
 
 
 def _tainted_blocks(obs: Observation, report) -> set[int]:
@@ -433,7 +435,7 @@ class Runner:
         self.content.learn(mid)
         self._update_ghost(mid, lowered_ok=frozenset())
         self._count_async_schedule(step)
-        self._note_placeholders_scheduled(step, mid)
+        shares = self._note_placeholders_scheduled(step, mid)
         t = self._transition("schedule", before, mid, step=step)
         found = self._check(mid, kinds=("state",), transition=t)
         if found:  # the worker cannot run a broken step (positions past the tokens)
@@ -446,7 +448,7 @@ class Runner:
         report = self._execute(work, mid, a, pending)
         self.ghost.just_loaded |= report.loaded_ok
         sampled = self._sample(work, mid, a, pending)
-        self.in_flight.append(InFlight(step, mid, report, sampled))
+        self.in_flight.append(InFlight(step, mid, report, sampled, shares=shares))
         self.obs = mid
         # the state again, synced (the real boundary), with the data the step wrote
         return step, mid, self._check(mid, kinds=("state", "data"))
@@ -484,17 +486,25 @@ class Runner:
         return {rid for job in self.in_flight for rid in job.step.num_scheduled_tokens
                 if rid not in job.stale}
 
-    def _note_placeholders_scheduled(self, step: StepView, mid: Observation) -> None:
+    def _note_placeholders_scheduled(self, step: StepView, mid: Observation) -> dict[str, int]:
         """The ghost's placeholder count (``placeholders_match_in_flight``): a
-        preempted request's output in flight turns stale and owns none; a
-        sampling step adds its share."""
-        ghost = self.ghost.placeholders
+        preempted request's output in flight turns stale and owns none; a step
+        that schedules a request up to its last known token (and the placeholder
+        positions) samples, and owns a share of 1 + its drafts. Counted here as
+        the shares of the steps in flight, apart from ``spec/arith.py``'s rules,
+        which the reference's bookkeeping (``impl/in_flight.py``) uses."""
         self._drop_output_in_flight(step.preempted_req_ids)
+        shares = {}
         for rid, n in step.num_scheduled_tokens.items():
-            held = ghost.get(rid, 0)
-            drafts = len(step.scheduled_spec_decode_tokens.get(rid, ()))
-            chunk = step.num_computed_before[rid] + n < mid.requests[rid].num_tokens + held
-            ghost[rid] = compute_placeholders_after_schedule(held, drafts, chunk)
+            held = self._shares_in_flight(rid)
+            if step.num_computed_before[rid] + n >= mid.requests[rid].num_tokens + held:
+                shares[rid] = 1 + len(step.scheduled_spec_decode_tokens.get(rid, ()))
+            self.ghost.placeholders[rid] = held + shares.get(rid, 0)
+        return shares
+
+    def _shares_in_flight(self, rid: str) -> int:
+        """What the steps in flight will sample for ``rid``, stale output aside."""
+        return sum(job.shares.get(rid, 0) for job in self.in_flight if rid not in job.stale)
 
     def _drop_output_in_flight(self, request_ids) -> None:
         """Their output still in flight is stale (a preemption, or a recovery cut
@@ -540,12 +550,9 @@ class Runner:
         output of this step and of every later step in flight computed on top
         of the failure: it is discarded, so it owns no placeholders."""
         ghost = self.ghost.placeholders
-        for rid, tokens in job.sampled.items():
-            if rid in job.stale or rid not in ghost:
-                continue
-            drafts = len(job.step.scheduled_spec_decode_tokens.get(rid, ()))
-            ghost[rid] = compute_placeholders_after_output(ghost[rid], drafts, len(tokens),
-                                                           False)
+        for rid in job.sampled:
+            if rid not in job.stale and rid in ghost:
+                ghost[rid] = self._shares_in_flight(rid)
         readers = set(job.report.garbage_readers) - job.stale
         cut = {rid for rid in before.running if rid in readers or _was_cut(rid, job, before, after)}
         self._drop_output_in_flight(cut)
