@@ -183,6 +183,20 @@ class ModelBook:
     last_shape: dict[str, tuple[str, ...]] = attrs.Factory(dict)
 
 
+@attrs.frozen
+class Admission:
+    """What the model says of one action: the transitions it admits none of,
+    and the model's ghost (and last shapes) once the action is done."""
+
+    messages: tuple[str, ...]
+    ghost: dict[str, dict[str, int]]
+    last_shape: dict[str, tuple[str, ...]]
+    witnessed: int
+
+    def get_book(self) -> ModelBook:
+        return ModelBook(dict(self.ghost), dict(self.last_shape))
+
+
 @attrs.define
 class ModelStep:
     """One runner action as the conformance claim sees it."""
@@ -195,10 +209,45 @@ class ModelStep:
     request_id: str | None = None
     #: requests that left the scheduler during the action, as they ended
     departed: dict = attrs.Factory(dict)
+    #: computed once by the runner (compute_admission), which then advances the book
+    admission: Admission | None = None
     witnessed: int = 0
 
-    def witness(self) -> None:
-        self.witnessed += 1
+    def witness(self, times: int = 1) -> None:
+        self.witnessed += times
+
+
+def compute_admission(m: ModelStep) -> Admission:
+    """Judge every request transition of the action against the model, from the
+    book as it was before the action; pure: the book is not written."""
+    size = m.after.config.block_size
+    ghost, shapes = dict(m.book.ghost), dict(m.book.last_shape)
+    messages, witnessed = [], 0
+    for rid, new in (m.after.requests | m.departed).items():
+        old = m.before.requests.get(rid)
+        if old is None:
+            ghost[rid] = dict(INITIAL_GHOST)
+            if not is_initial(get_counters(new, size)):
+                messages.append(f"{rid} arrived as {describe(get_counters(new, size))}, "
+                                "not the initial state")
+            continue
+        before = get_counters(old, size, m.book.ghost.get(rid))
+        after = get_counters(new, size)
+        hints = m.hints.get(rid, Hints())
+        if is_same(before, after) and not must_recover(before, hints):
+            continue
+        witnessed += 1
+        found = find_shape(m.action, before, after, hints)
+        if found is None:
+            messages.append(f"{rid}: {describe(before)} -> {describe(after)} in {m.action} "
+                            f"({_hint_text(hints)}) is admitted by no shape of spec/effects.py")
+            continue
+        shapes[rid], model = found
+        ghost[rid] = {f: getattr(model, f) for f in GHOST_FIELDS}
+    for rid in [rid for rid in ghost if rid not in m.after.requests]:
+        del ghost[rid]
+        shapes.pop(rid, None)
+    return Admission(tuple(messages), ghost, shapes, witnessed)
 
 
 @invariant(cites="docs/proofs.md (one model)", kind="model")
@@ -210,32 +259,11 @@ def transition_admitted_by_model(m: ModelStep) -> Iterator[str]:
 
     Protects the proofs' relevance: a proof about transitions no target makes,
     or silent about ones it does, establishes nothing about the scheduler. A
-    violation is either a scheduler bug or a gap in the model."""
-    size = m.after.config.block_size
-    for rid, new in (m.after.requests | m.departed).items():
-        old = m.before.requests.get(rid)
-        if old is None:
-            m.book.ghost[rid] = dict(INITIAL_GHOST)
-            if not is_initial(get_counters(new, size)):
-                yield f"{rid} arrived as {describe(get_counters(new, size))}, not the initial state"
-            continue
-        before = get_counters(old, size, m.book.ghost.get(rid))
-        after = get_counters(new, size)
-        hints = m.hints.get(rid, Hints())
-        if is_same(before, after) and not must_recover(before, hints):
-            continue
-        m.witness()
-        found = find_shape(m.action, before, after, hints)
-        if found is None:
-            yield (f"{rid}: {describe(before)} -> {describe(after)} in {m.action} "
-                   f"({_hint_text(hints)}) is admitted by no shape of spec/effects.py")
-            continue
-        shape, model = found
-        m.book.ghost[rid] = {f: getattr(model, f) for f in GHOST_FIELDS}
-        m.book.last_shape[rid] = shape
-    for rid in [rid for rid in m.book.ghost if rid not in m.after.requests]:
-        del m.book.ghost[rid]
-        m.book.last_shape.pop(rid, None)
+    violation is either a scheduler bug or a gap in the model. A pure check: the
+    runner, not the claim, advances the model's ghost (``compute_admission``)."""
+    admission = m.admission if m.admission is not None else compute_admission(m)
+    m.witness(admission.witnessed)
+    yield from admission.messages
 
 
 def _hint_text(h: Hints) -> str:

@@ -17,7 +17,7 @@ from kvspec.harness.targets import TargetCannotMap, make_target
 from kvspec.impl.connector import ConnectorContractError
 from kvspec.spec.actions import Transition
 from kvspec.spec.arith import compute_num_rejected
-from kvspec.spec.conformance import Hints, ModelBook, ModelStep
+from kvspec.spec.conformance import Hints, ModelBook, ModelStep, compute_admission
 from kvspec.spec.groups import NULL_BLOCK, compute_tainted_blocks
 from kvspec.spec.invariants import Context, Ghost
 from kvspec.spec.oracle import KVContent
@@ -255,7 +255,10 @@ class Runner:
         self.content.learn(after)
         self._update_ghost(after, lowered_ok)
         self.obs = after
-        return self._check(after, transition=transition, model_step=model_step)
+        found = self._check(after, transition=transition, model_step=model_step)
+        if model_step is not None and model_step.admission is not None:
+            self.book = model_step.admission.get_book()  # the model's ghost moves on
+        return found
 
     def _update_ghost(self, obs: Observation, lowered_ok) -> None:
         for r in obs.requests.values():
@@ -295,8 +298,11 @@ class Runner:
     def _model_step(self, transition: Transition, hints=None) -> ModelStep:
         """The conformance claim's view of an action (from the state before it)."""
         t = transition
-        return ModelStep(t.action, t.before, t.after, hints or {}, self.book, t.request_id,
+        step = ModelStep(t.action, t.before, t.after, hints or {}, self.book, t.request_id,
                          departed=t.departed)
+        if self.is_checked(REGISTRY["transition_admitted_by_model"]):
+            step.admission = compute_admission(step)
+        return step
 
     # -- actions --------------------------------------------------------------
     def _do_add(self, a: dict) -> list[Violation]:

@@ -1,0 +1,55 @@
+"""Claims are pure (issue 25): a claim judges what it is given and changes
+nothing, so evaluating it twice gives the same verdict, and what it judged
+(the observation, the ghosts, the model's book, the data oracle) is as before.
+Only the runner advances the ghosts (``transition_admitted_by_model`` once
+wrote the model's own while it was evaluated)."""
+from __future__ import annotations
+
+import io
+import pickle
+
+from kvspec.harness import runner as runner_module
+from kvspec.harness.fuzz import fuzz
+from kvspec.spec.oracle import KeyBook
+from kvspec.spec.registry import REGISTRY
+
+
+class _StatePickler(pickle.Pickler):
+    """Pickles what a claim judges, less the oracle's memo of prefix keys (a
+    cache a claim may fill: it changes no answer)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, KeyBook):
+            return KeyBook, ()
+        return NotImplemented
+
+
+def _state(subject) -> bytes:
+    subject.witnessed = 0  # the count a claim reports through, reset by evaluate
+    out = io.BytesIO()
+    _StatePickler(out).dump(subject)
+    return out.getvalue()
+
+
+def test_evaluating_a_claim_twice_gives_the_same_verdict_and_changes_nothing(
+        monkeypatch, tmp_path):
+    real = runner_module.evaluate
+    seen: dict[str, int] = {}
+    impure: list[str] = []
+
+    def twice(inv, subject):
+        before = _state(subject)
+        first = real(inv, subject)
+        if _state(subject) != before:
+            impure.append(f"{inv.name} changed what it judged")
+        if real(inv, subject) != first:
+            impure.append(f"{inv.name} judged the same thing twice differently")
+        seen[inv.name] = seen.get(inv.name, 0) + 1
+        return first
+    monkeypatch.setattr(runner_module, "evaluate", twice)
+    result = fuzz("impl", budget=8, seed=5, out_dir=tmp_path)
+    assert result.runs > 0 and result.counterexample is None
+    assert not impure, sorted(set(impure))[:5]
+    kinds = {REGISTRY[name].kind for name in seen}
+    assert {"state", "data", "relation", "model"} <= kinds, kinds
+    assert seen.get("transition_admitted_by_model"), "the model claim was never evaluated"
