@@ -397,10 +397,13 @@ predicate: `tests/test_prove_teeth.py` replaces each such claim's predicate by `
 and where it has a bound or a conjunct to give up by a variant one step weaker, and
 requires a guarding refutation to fail (a sentinel, a pool refutation, or a lemma's
 historical refutation). Every claim fails under `True`; the one-step variants are
-checked for the per-request and pool claims. Not yet with a one-step variant:
-`every_group_serves_computed`, `placeholders_match_in_flight`,
-`placeholders_nonnegative` (their refuted rules miss by more than one step), and
-`no_load_into_free_blocks` (a single implication).
+checked for the per-request, pool and placeholder claims (the placeholder sentinels
+play one step with no drafts, so #47900 and #48245 miss by exactly one). Not yet
+with a one-step variant: `every_group_serves_computed` (its refuted rule breaks the
+read window, not a bound one past it) and `no_load_into_free_blocks` (a single
+implication). Not yet sharpened: `lemma_real_boundary_within_known_tokens` concludes
+`0 <= boundary <= num_tokens`, which a boundary one too high still meets, and the
+placeholder scenarios hold no prefill chunk.
 
 ## The card's claims
 

@@ -627,13 +627,17 @@ def _play_async(rules: AsyncRules, r: AsyncRequest, steps, hits, events: str) ->
     return And(*guards), r, boundary, samples
 
 
-def _async_goal(rules: AsyncRules, bounded: bool, conclude) -> Goal:
-    """One case per prefix of the scenarios: ``conclude(request, boundary, samples)``
-    after its last event."""
+def _async_goal(rules: AsyncRules, bounded: bool, conclude, scenarios=None,
+                no_drafts: bool = False) -> Goal:
+    """One case per prefix of the scenarios (``scenarios``: those event strings
+    only): ``conclude(request, boundary, samples)`` after its last event;
+    ``no_drafts``: every step drafts nothing (a sentinel's single share)."""
     s = Symbols()
     ranges, start, steps, hits = _async_parameters(s, bounded)
+    if no_drafts:
+        ranges = And(ranges, s.int("parameter", "num_spec_tokens") == 0)
     cases = []
-    for events in _async_prefixes():
+    for events in scenarios or _async_prefixes():
         guards, r, boundary, samples = _play_async(rules, start, steps, hits, events)
         conclusion = conclude(r, boundary, samples)  # plain True where the rules give constants
         cases.append((And(ranges, guards), z3.BoolVal(conclusion) if isinstance(conclusion, bool)
@@ -641,10 +645,21 @@ def _async_goal(rules: AsyncRules, bounded: bool, conclude) -> Goal:
     return Goal(tuple(cases), s)
 
 
+def is_placeholders_match(r: AsyncRequest, boundary, samples):
+    """The placeholders are the shares of the steps in flight whose output is not
+    stale (``placeholders_match_in_flight``)."""
+    return r.num_placeholders == _shares(r)
+
+
+def is_placeholders_nonnegative(r: AsyncRequest, boundary, samples):
+    return r.num_placeholders >= 0
+
+
 def is_placeholders_of_in_flight(r: AsyncRequest, boundary, samples):
     """The step just scheduled (if any) samples, and the placeholders are the
     shares of the steps in flight whose output is not stale, never negative."""
-    return And(samples, r.num_placeholders == _shares(r), r.num_placeholders >= 0)
+    return And(samples, is_placeholders_match(r, boundary, samples),
+               is_placeholders_nonnegative(r, boundary, samples))
 
 
 def is_boundary_within_tokens(r: AsyncRequest, boundary, samples):
@@ -695,6 +710,37 @@ def lemma_placeholders_track_in_flight_steps(rule=ASYNC_RULES, bounded=False):
     count against stale output decrementing it (#47900) and a preemption keeping
     it (#48245)."""
     return _async_goal(rule, bounded, is_placeholders_of_in_flight)
+
+
+#: Sentinels of the placeholder claims (see SENTINELS): one step in flight with no
+#: drafts, so the bug misses by exactly one placeholder, and the claim alone concluded.
+ASYNC_SENTINELS = {
+    "sentinel_placeholders_nonnegative": (
+        attrs.evolve(ASYNC_RULES, output=historical.placeholders_after_stale_output_decrementing),
+        "SPD", "is_placeholders_nonnegative",
+        "#47900 with one step and no drafts: its stale output takes one placeholder off "
+        "the zero the preemption left."),
+    "sentinel_placeholders_match_in_flight": (
+        attrs.evolve(ASYNC_RULES, preempt=historical.preempt_keeping_placeholders),
+        "SP", "is_placeholders_match",
+        "#48245 with one step and no drafts: the preemption keeps the one placeholder its "
+        "stale step no longer owns."),
+}
+
+
+def _by_name(name: str):
+    """This module's predicate ``name`` as it is when a goal is built (a test
+    weakens it in place, tests/test_prove_teeth.py)."""
+    return lambda *args: globals()[name](*args)
+
+
+def _register_async_sentinels() -> None:
+    for name, (rules, events, conclusion, why) in ASYNC_SENTINELS.items():
+        register(name, "refutation",
+                 lambda rules=rules, events=events, conclusion=conclusion: _async_goal(
+                     rules, True, _by_name(conclusion), scenarios=(events,), no_drafts=True),
+                 f"{why} Expected: refuted, by {conclusion} alone.",
+                 refutes_rule_of="lemma_placeholders_track_in_flight_steps")
 
 
 @lemma(rule_of=BOUNDARY_REFUTATIONS, establishes=("computed_within_tokens",))
@@ -873,6 +919,7 @@ def _register_sentinels() -> None:
 
 _register_steps()
 _register_sentinels()
+_register_async_sentinels()
 
 
 # -- induction over the block pool ------------------------------------------------

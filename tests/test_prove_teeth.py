@@ -94,10 +94,11 @@ WEAKENINGS = {
     "every_group_serves_computed": ({"lemma": ["is_recovery_served"]},
                                     "not yet: its refutation breaks the read window, not "
                                     "a bound one past it"),
-    "placeholders_match_in_flight": ({"lemma": ["is_placeholders_of_in_flight"]},
-                                     "not yet: the refuted rules miss by a whole share"),
-    "placeholders_nonnegative": ({"lemma": ["is_placeholders_of_in_flight"]},
-                                 "not yet: implied by placeholders_match_in_flight"),
+    "placeholders_match_in_flight": ({"lemma": ["is_placeholders_match"]}, {"lemma": {
+        "is_placeholders_match": lambda r, boundary, samples: And(
+            r.num_placeholders >= prove._shares(r), r.num_placeholders <= prove._shares(r) + 1)}}),
+    "placeholders_nonnegative": ({"lemma": ["is_placeholders_nonnegative"]}, {"lemma": {
+        "is_placeholders_nonnegative": lambda r, boundary, samples: r.num_placeholders >= -1}}),
 }
 
 
