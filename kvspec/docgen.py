@@ -398,10 +398,9 @@ and where it has a bound or a conjunct to give up by a variant one step weaker, 
 requires a guarding refutation to fail (a sentinel, a pool refutation, or a lemma's
 historical refutation). Every claim fails under `True`; the one-step variants are
 checked for the per-request, pool and placeholder claims (the placeholder sentinels
-play one step with no drafts, so #47900 and #48245 miss by exactly one). Not yet
-with a one-step variant: `every_group_serves_computed` (its refuted rule breaks the
-read window, not a bound one past it) and `no_load_into_free_blocks` (a single
-implication). Not yet sharpened: `lemma_real_boundary_within_known_tokens` concludes
+play one step with no drafts, so #47900 and #48245 miss by exactly one; the
+recovery lemma refutes a cut one token late). `no_load_into_free_blocks`, a single
+implication, has `True` as its only weakening. Not yet sharpened: `lemma_real_boundary_within_known_tokens` concludes
 `0 <= boundary <= num_tokens`, which a boundary one too high still meets, and the
 placeholder scenarios hold no prefill chunk.
 

@@ -12,7 +12,7 @@ from kvspec.spec.arith import (compute_first_external, compute_num_computed_pre_
 from kvspec.spec.effects import (PREEMPTED, RUNNING, WAITING, Counters, Params,
                                  act_finish_async_load, act_recover, act_sample,
                                  act_schedule_loaded, act_schedule_waiting, has_stats, is_chunk)
-from kvspec.spec.groups import is_served
+from kvspec.spec.groups import compute_recovered_computed, is_served
 from kvspec.spec.logic import And, If, Min, Or, fdiv
 from kvspec.spec.predicates import is_blocks_cover_computed
 from kvspec.spec.pool_effects import Pool, _set, act_free, act_issue_async_load, act_sync_load
@@ -100,6 +100,12 @@ def recovered_computed_by_full_attention(groups, cut, first_present, first_inval
     prefix) serves it, asking no other group. A sliding-window or last-state
     group may have given back the blocks a step from the cut reads."""
     return If(is_served(groups[0], cut, first_present[0], first_invalid[0]), cut, 0)
+
+
+def recovered_one_past_cut(groups, cut, first_present, first_invalid):
+    """A recovery that keeps the first failed token too (the cut one late)."""
+    kept = compute_recovered_computed(groups, cut, first_present, first_invalid)
+    return If(kept > 0, kept + 1, kept)
 
 
 # -- primitives --------------------------------------------------------------------

@@ -450,7 +450,11 @@ def is_recovery_served(groups, load: FailedLoad, recovered, p):
     "Seed 003 (#35223's review of the per-group recovery): the cut at the first failed "
     "block kept where the full-attention group serves it, no other group asked; a "
     "sliding-window or last-state group that gave back the blocks a step from the cut "
-    "reads is left without them.")}, establishes=("every_group_serves_computed",))
+    "reads is left without them."),
+    "sentinel_every_group_serves_computed": (
+        historical.recovered_one_past_cut,
+        "A cut one token late: the first failed position counts as computed, one past "
+        "what every group serves.")}, establishes=("every_group_serves_computed",))
 def lemma_recovery_cut_served_by_every_group(rule=None, bounded=False):
     """After a failed load of a hybrid request (full attention with a sliding
     window of 1 to 9 tokens, with a last-state group, or with both; block sizes

@@ -31,6 +31,17 @@ def _cached_le_computed_one_off(r):
         Implies(waiting, Min(r.num_cached, r.num_tokens - 1) <= r.num_computed + 1)))
 
 
+def _served_one_past(groups, load, recovered, p):
+    """``is_recovery_served`` admitting one position more: the first failed one."""
+    import z3
+
+    from kvspec.spec.reads import is_read_by_step
+    bounds = zip(groups, load.first_present, load.first_invalid)
+    return And(recovered <= load.cut + 1, z3.ForAll([p], And(*[
+        Implies(is_read_by_step(g, recovered, p), And(present <= p, p < invalid + 1))
+        for g, present, invalid in bounds])))
+
+
 def _pool_each(pred):
     def entry(p):
         return And(*[pred(p, b) for b in range(len(p.ref))])
@@ -92,8 +103,7 @@ WEAKENINGS = {
     "no_load_into_free_blocks": ({"pool": ["no_load_into_free_blocks"]},
                                  "a single implication: True is its only weakening"),
     "every_group_serves_computed": ({"lemma": ["is_recovery_served"]},
-                                    "not yet: its refutation breaks the read window, not "
-                                    "a bound one past it"),
+                                    {"lemma": {"is_recovery_served": _served_one_past}}),
     "placeholders_match_in_flight": ({"lemma": ["is_placeholders_match"]}, {"lemma": {
         "is_placeholders_match": lambda r, boundary, samples: And(
             r.num_placeholders >= prove._shares(r), r.num_placeholders <= prove._shares(r) + 1)}}),
