@@ -400,9 +400,10 @@ historical refutation). Every claim fails under `True`; the one-step variants ar
 checked for the per-request, pool and placeholder claims (the placeholder sentinels
 play one step with no drafts, so #47900 and #48245 miss by exactly one; the
 recovery lemma refutes a cut one token late). `no_load_into_free_blocks`, a single
-implication, has `True` as its only weakening. Not yet sharpened: `lemma_real_boundary_within_known_tokens` concludes
-`0 <= boundary <= num_tokens`, which a boundary one too high still meets, and the
-placeholder scenarios hold no prefill chunk.
+implication, has `True` as its only weakening. The placeholder scenarios hold
+prefill chunks (a chunk that reserves a share is refuted; on the scenarios without
+chunks it was proved). Not yet sharpened: `lemma_real_boundary_within_known_tokens`
+concludes `0 <= boundary <= num_tokens`, which a boundary one too high still meets.
 
 ## The card's claims
 

@@ -62,6 +62,13 @@ def placeholders_after_stale_output_decrementing(num_placeholders, num_drafts, n
     return compute_placeholders_after_output(num_placeholders, num_drafts, num_sampled, False)
 
 
+def placeholders_after_schedule_ignoring_chunk(num_placeholders, num_drafts,
+                                               is_prefill_chunk):
+    """A prefill chunk counted like a sampling step: it reserves a placeholder
+    for a token it will never sample."""
+    return num_placeholders + 1 + num_drafts
+
+
 def preempt_keeping_placeholders(num_computed, num_placeholders):
     """#48245: a preemption starts the request over but keeps the placeholders of
     its steps in flight, whose stale output never gives them back."""

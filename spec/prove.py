@@ -526,6 +526,7 @@ class InFlight:
     num_drafts: object
     num_sampled: object    # what its output will append: the accepted drafts and one token
     is_stale: bool = False  # a preemption came after it was scheduled
+    is_chunk: bool = False  # a prefill chunk: it samples nothing and owns no share
 
 
 @attrs.frozen
@@ -536,10 +537,12 @@ class AsyncRequest:
     in_flight: tuple[InFlight, ...] = ()  # oldest first
 
 
-#: event sequences (every prefix is a case): S schedules a step, D delivers the
-#: oldest step's output, P preempts, R resumes a preempted request once its stale
-#: output drained (vLLM 0.32 does not resume it before)
-ASYNC_SCENARIOS = ("SSDD", "SSDSDD", "SPD", "SSPDD", "SSDPD", "SSPDDRSD")
+#: event sequences (every prefix is a case): S schedules a step, C a prefill chunk
+#: (part of the prompt, sampling nothing), D delivers the oldest step's output, P
+#: preempts, R resumes a preempted request once its stale output drained (vLLM
+#: 0.32 does not resume it before)
+ASYNC_SCENARIOS = ("SSDD", "SSDSDD", "SPD", "SSPDD", "SSDPD", "SSPDDRSD", "CSDD", "CCDSD",
+                   "CPD")
 
 #: what follows an event: (guard, request after, boundary it exposes, whether the step samples)
 AsyncEvent = tuple[object, AsyncRequest, object, object]
@@ -558,9 +561,26 @@ def _schedule_step(rules: AsyncRules, r: AsyncRequest, step: InFlight) -> AsyncE
             Not(is_chunk))
 
 
+def _schedule_chunk(rules: AsyncRules, r: AsyncRequest, num_new) -> AsyncEvent:
+    """Schedule ``num_new`` prompt tokens that stop short of the end: a prefill
+    chunk, which samples nothing (its placeholders, by ``rules.schedule``, must
+    not grow; it is not asked to sample)."""
+    computed = r.num_computed + num_new
+    placeholders = rules.schedule(r.num_placeholders, 0, True)
+    chunk = InFlight(0, 0, is_chunk=True)
+    after = AsyncRequest(r.num_tokens, computed, placeholders, r.in_flight + (chunk,))
+    # (the scenarios schedule chunks before any sampling step: a request in prefill)
+    guard = And(num_new >= 1, computed < r.num_tokens)
+    return (guard, after, rules.boundary(computed, r.num_placeholders, placeholders), True)
+
+
 def _deliver_oldest(rules: AsyncRules, r: AsyncRequest) -> AsyncEvent:
     """The oldest step's output arrives: its tokens are appended (stale ones too,
-    as vLLM 0.32 delivers them), and fresh output rolls back its rejected drafts."""
+    as vLLM 0.32 delivers them), and fresh output rolls back its rejected drafts.
+    A chunk's output appends nothing and gives nothing back."""
+    if r.in_flight[0].is_chunk:
+        after = attrs.evolve(r, in_flight=r.in_flight[1:])
+        return True, after, arith.compute_real_computed(r.num_computed, r.num_placeholders), True
     step, accepted = r.in_flight[0], r.in_flight[0].num_sampled - 1
     computed = (r.num_computed if step.is_stale else
                 arith.compute_computed_after_rejection(r.num_computed, step.num_drafts, accepted))
@@ -588,7 +608,8 @@ def _resume(r: AsyncRequest, num_hits) -> AsyncEvent:
 def _shares(r: AsyncRequest):
     """The independent description: what the steps in flight will sample and give
     back, less the steps whose output is stale."""
-    return sum((1 + step.num_drafts for step in r.in_flight if not step.is_stale), 0)
+    return sum((1 + step.num_drafts for step in r.in_flight
+                if not step.is_stale and not step.is_chunk), 0)
 
 
 def _async_prefixes() -> list[str]:
@@ -606,21 +627,26 @@ def _async_parameters(s: Symbols, bounded: bool):
     steps = [InFlight(*(s.int("parameter", f"step{i}.{x}") for x in ("num_drafts", "num_sampled")))
              for i in range(1, most + 1)]
     hits = s.int("parameter", "resume.num_hits")
+    chunks = [s.int("parameter", f"chunk{i}.num_new") for i in range(1, 3)]
     ranges = [k >= 0, r.num_tokens >= 1, r.num_computed >= 0, r.num_computed <= r.num_tokens,
               hits >= 0]
     ranges += [And(x.num_drafts >= 0, x.num_drafts <= k, x.num_sampled >= 1,
                    x.num_sampled <= x.num_drafts + 1) for x in steps]
     if bounded:  # a small counterexample
         ranges += [k <= 3, r.num_tokens <= 8]
-    return And(*ranges), r, steps, hits
+    return And(*ranges), r, steps, (hits, chunks)
 
 
 def _play_async(rules: AsyncRules, r: AsyncRequest, steps, hits, events: str) -> tuple:
     """Play ``events`` on ``r``: every event's guard, and what follows the last."""
     guards, steps = [], iter(steps)
+    hits, chunks = hits
+    chunks = iter(chunks)
     for event in events:
         if event == "S":
             guard, r, boundary, samples = _schedule_step(rules, r, next(steps))
+        elif event == "C":
+            guard, r, boundary, samples = _schedule_chunk(rules, r, next(chunks))
         elif event == "D":
             guard, r, boundary, samples = _deliver_oldest(rules, r)
         elif event == "P":
@@ -684,6 +710,10 @@ PLACEHOLDER_REFUTATIONS = {
         attrs.evolve(ASYNC_RULES, output=historical.placeholders_after_output_forgetting_rejected),
         "Delivery that takes off the appended tokens but not the rejected drafts: the "
         "placeholders of a step with a rejection outlive it."),
+    "refute_chunk_owns_a_share": (
+        attrs.evolve(ASYNC_RULES, schedule=historical.placeholders_after_schedule_ignoring_chunk),
+        "A prefill chunk that reserves a placeholder like a sampling step: no output "
+        "ever gives it back."),
     "refute_running_new_tokens_without_placeholders": (
         attrs.evolve(ASYNC_RULES, new_tokens=historical.running_new_tokens_without_placeholders),
         "The sync scheduler's count under async scheduling: a second step in flight "
@@ -706,13 +736,14 @@ BOUNDARY_REFUTATIONS = {
        establishes=("placeholders_nonnegative", "placeholders_match_in_flight"))
 def lemma_placeholders_track_in_flight_steps(rule=ASYNC_RULES, bounded=False):
     """Under async scheduling with up to two steps in flight (each with its own
-    drafts, 0 to ``num_spec_tokens``, and sampling 1 to drafts + 1 tokens), across
-    scheduling, in-order delivery, a preemption followed by the stale delivery of
-    what was in flight, and a resume: every step samples, and after every event
-    the placeholders are exactly the shares (1 + drafts) of the steps in flight
-    whose output is not stale, hence never negative. Protects the placeholder
-    count against stale output decrementing it (#47900) and a preemption keeping
-    it (#48245)."""
+    drafts, 0 to ``num_spec_tokens``, and sampling 1 to drafts + 1 tokens, or a
+    prefill chunk that samples nothing), across scheduling, in-order delivery, a
+    preemption followed by the stale delivery of what was in flight, and a
+    resume: every sampling step samples, and after every event the placeholders
+    are exactly the shares (1 + drafts) of the sampling steps in flight whose
+    output is not stale, hence never negative. Protects the placeholder count
+    against stale output decrementing it (#47900), a preemption keeping it
+    (#48245), and a chunk reserving a share."""
     return _async_goal(rule, bounded, is_placeholders_of_in_flight)
 
 

@@ -165,8 +165,10 @@ def _first_failing_prefix(rules, values, conclusion):
     steps = [prove.InFlight(values[f"step{i}.num_drafts"], values[f"step{i}.num_sampled"])
              for i in (1, 2, 3)]
     for events in prove._async_prefixes():
+        chunks = [values.get(f"chunk{i}.num_new", 1) for i in (1, 2)]
         guards, r, boundary, samples = prove._play_async(rules, start, steps,
-                                                         values["resume.num_hits"], events)
+                                                         (values["resume.num_hits"], chunks),
+                                                         events)
         if guards and not conclusion(r, boundary, samples):
             return events
     return None
