@@ -16,6 +16,7 @@ import attrs
 
 from kvspec.spec.arith import compute_first_external
 from kvspec.spec.groups import NULL_BLOCK
+from kvspec.spec.history import Ghost
 from kvspec.spec.predicates import (is_blocks_cover_computed, is_cached_le_computed,
                                     is_computed_within_tokens, is_free_iff_unreferenced,
                                     is_load_target_held, is_preempted_counted,
@@ -25,32 +26,6 @@ from kvspec.spec.arith import compute_real_computed
 from kvspec.spec.reads import get_blocks_read
 from kvspec.spec.registry import Witnessing, invariant
 from kvspec.spec.state import Observation, RequestStatus, RequestView
-
-
-@attrs.define
-class Ghost:
-    """History the state alone does not show."""
-
-    #: stats as first recorded, lowered only by failure recovery
-    stats: dict[str, tuple[int, int]] = attrs.Factory(dict)
-    #: requests a load failure was reported for (recovery may lower their stats)
-    recovered: set[str] = attrs.Factory(set)
-    #: requests that finished while their async load was in flight: they may hold
-    #: their blocks until the worker reports the load (finished_recving)
-    finished_mid_load: set[str] = attrs.Factory(set)
-    #: requests live when the healed phase began
-    draining: set[str] = attrs.Factory(set)
-    #: requests whose async load finished and that have not run since
-    just_loaded: set[str] = attrs.Factory(set)
-    #: the connector's answer (num_local, num_external) when the stats were set
-    first_hits: dict[str, tuple[int, int]] = attrs.Factory(dict)
-    #: async scheduling: per request, the placeholders its steps in flight own
-    #: (the shares, 1 + drafts, of its sampling steps whose output is not stale),
-    #: kept by the harness from the scheduler outputs and the worker's reports
-    placeholders: dict[str, int] = attrs.Factory(dict)
-    #: per request, position -> the tokens the worker sampled there (a position
-    #: is sampled again after a preemption)
-    sampled_at: dict[str, dict[int, set[int]]] = attrs.Factory(dict)
 
 
 @attrs.define

@@ -19,9 +19,10 @@ from kvspec.spec.actions import Transition
 from kvspec.spec.arith import compute_num_rejected
 from kvspec.spec.conformance import Hints, ModelBook, ModelStep, compute_admission
 from kvspec.spec.groups import NULL_BLOCK, compute_tainted_blocks
-from kvspec.spec.invariants import Context, Ghost
+from kvspec.spec import history
+from kvspec.spec.history import Ghost
+from kvspec.spec.invariants import Context
 from kvspec.spec.oracle import KVContent
-from kvspec.spec.predicates import is_admissible_lowering
 from kvspec.spec.registry import REGISTRY, Violation, evaluate
 from kvspec.spec.state import (BATCH_QUEUE_DEPTH, Config, Observation, RequestStatus, StepView,
                                WorkerOutcome)
@@ -261,22 +262,7 @@ class Runner:
         return found
 
     def _update_ghost(self, obs: Observation, lowered_ok) -> None:
-        for r in obs.requests.values():
-            now = (r.num_cached_tokens, r.num_external_computed_tokens)
-            first = self.ghost.stats.get(r.request_id)
-            if first is None and r.has_stats:
-                self.ghost.stats[r.request_id] = now
-                if r.request_id in self.env.answers:
-                    self.ghost.first_hits[r.request_id] = self.env.answers[r.request_id]
-            elif (first is not None and r.request_id in lowered_ok and r.has_stats
-                  and is_admissible_lowering(first[0], first[1], now[0], now[1])):
-                self.ghost.stats[r.request_id] = now  # recovery may lower them
-        self.ghost.recovered |= lowered_ok
-        self.ghost.just_loaded = {rid for rid in self.ghost.just_loaded if rid in obs.requests
-                                  and obs.requests[rid].status != RequestStatus.RUNNING}
-        for rid in [rid for rid in self.ghost.stats if rid not in obs.requests]:
-            del self.ghost.stats[rid]
-            self.ghost.first_hits.pop(rid, None)
+        history.process_observation(self.ghost, obs, self.env.answers, lowered_ok)
 
     def _departed(self, before: Observation, after: Observation) -> dict:
         """Requests that left the scheduler during an action, as they ended."""
@@ -334,7 +320,7 @@ class Runner:
                                  transition=self._transition("schedule", before, mid, step=step))
         report = self._execute(step, mid, a)
         self.content.complete(report.step_id)  # synchronous: its output is back at once
-        self.ghost.just_loaded |= report.loaded_ok
+        history.process_loads_finished(self.ghost, report.loaded_ok)
         outcome = self._outcome(report, self._sample(step, mid, a), a, mid)
         self.target.update_from_output(outcome)
         self.target.update_draft_token_ids(self._drafts(a.get("drafts", 0)))
@@ -393,14 +379,7 @@ class Runner:
             if rid not in report.garbage_readers:  # an offloading store keeps real tokens
                 self.env.note_computed(rid, r.num_computed_tokens - r.num_output_placeholders,
                                        r.num_tokens)
-        # a request that ended while its load was in flight (an abort, or the
-        # "fail" policy) may hold its blocks until the worker reports the load
-        self.ghost.finished_mid_load = {
-            rid for rid, r in after.requests.items() if r.status.is_finished
-            and rid not in outcome.finished_recving and (
-                rid in self.ghost.finished_mid_load
-                or (rid in before.requests
-                    and before.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS))}
+        history.process_output_applied(self.ghost, before, after, outcome.finished_recving)
 
     # -- async scheduling -------------------------------------------------------
     def _do_async_step(self, a: dict) -> list[Violation]:
@@ -452,7 +431,7 @@ class Runner:
         self.features["draft_rollback_in_flight"] += (work.num_computed_before
                                                       != step.num_computed_before)
         report = self._execute(work, mid, a, pending)
-        self.ghost.just_loaded |= report.loaded_ok
+        history.process_loads_finished(self.ghost, report.loaded_ok)
         sampled = self._sample(work, mid, a, pending)
         self.in_flight.append(InFlight(step, mid, report, sampled, shares=shares))
         self.obs = mid
@@ -500,12 +479,13 @@ class Runner:
         the shares of the steps in flight, apart from ``spec/arith.py``'s rules,
         which the reference's bookkeeping (``impl/in_flight.py``) uses."""
         self._drop_output_in_flight(step.preempted_req_ids)
-        shares = {}
+        shares, owned = {}, {}
         for rid, n in step.num_scheduled_tokens.items():
             held = self._shares_in_flight(rid)
             if step.num_computed_before[rid] + n >= mid.requests[rid].num_tokens + held:
                 shares[rid] = 1 + len(step.scheduled_spec_decode_tokens.get(rid, ()))
-            self.ghost.placeholders[rid] = held + shares.get(rid, 0)
+            owned[rid] = held + shares.get(rid, 0)
+        history.process_placeholders(self.ghost, owned)
         return shares
 
     def _shares_in_flight(self, rid: str) -> int:
@@ -515,8 +495,8 @@ class Runner:
     def _drop_output_in_flight(self, request_ids) -> None:
         """Their output still in flight is stale (a preemption, or a recovery cut
         back under it): it is dropped, and they own no placeholders."""
+        history.process_placeholders(self.ghost, {rid: 0 for rid in request_ids})
         for rid in request_ids:
-            self.ghost.placeholders[rid] = 0
             for job in self.in_flight:
                 if rid in job.step.num_scheduled_tokens:
                     job.stale.add(rid)
@@ -540,9 +520,7 @@ class Runner:
                              outcome=outcome, garbage_readers=readers)
         self._note_output_applied(before, after, report, outcome)
         self._count_features(step, outcome, mid)
-        for rid in [rid for rid in self.ghost.placeholders if rid not in after.requests
-                    or after.requests[rid].status.is_finished]:
-            del self.ghost.placeholders[rid]
+        history.process_departed(self.ghost, after)
         # the conformance model (spec/effects.py) describes the synchronous
         # step; under async scheduling it is not evaluated, and the report says so
         self.features[UNMODELLED_STEPS] += 1
@@ -555,10 +533,9 @@ class Runner:
         holder of a failed block count is the scheduler's choice), has its
         output of this step and of every later step in flight computed on top
         of the failure: it is discarded, so it owns no placeholders."""
-        ghost = self.ghost.placeholders
-        for rid in job.sampled:
-            if rid not in job.stale and rid in ghost:
-                ghost[rid] = self._shares_in_flight(rid)
+        history.process_placeholders(self.ghost, {
+            rid: self._shares_in_flight(rid) for rid in job.sampled
+            if rid not in job.stale and rid in self.ghost.placeholders})
         readers = set(job.report.garbage_readers) - job.stale
         cut = {rid for rid in before.running if rid in readers or _was_cut(rid, job, before, after)}
         self._drop_output_in_flight(cut)
@@ -650,9 +627,7 @@ class Runner:
             else:
                 bonus = EOS_TOKEN_ID if rid in eos else sampled_token(rid, position + len(accepted))
             sampled[rid] = tuple(accepted + [bonus])
-            at = self.ghost.sampled_at.setdefault(rid, {})
-            for k, token in enumerate(sampled[rid]):
-                at.setdefault(position + k, set()).add(token)
+            history.process_sampled(self.ghost, rid, position, sampled[rid])
         return sampled
 
     def _finish_sends(self, a: dict) -> set[str]:
@@ -674,9 +649,7 @@ class Runner:
 
     def _do_abort(self, a: dict) -> list[Violation]:
         before = self.obs
-        was = before.requests.get(a["id"])
-        if was is not None and was.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            self.ghost.finished_mid_load.add(a["id"])
+        history.process_abort(self.ghost, before.requests.get(a["id"]))
         self.target.abort(a["id"])
         after = self.target.observe()
         t = self._transition("abort", before, after, request_id=a["id"])
@@ -712,8 +685,7 @@ class Runner:
         """The healed phase: no faults, every load and send completes."""
         bound = 20 + BATCH_QUEUE_DEPTH + sum(len(r.prompt_token_ids) + r.max_tokens
                                              for r in self.obs.requests.values())
-        self.ghost.draining = {r.request_id for r in self.obs.requests.values()
-                               if not r.status.is_finished}
+        history.process_drain(self.ghost, self.obs)
         for _ in range(bound):
             if not self.obs.requests and not self.in_flight:
                 break
