@@ -26,6 +26,8 @@ import attrs
 import z3
 
 from kvspec.spec import arith, historical
+from kvspec.spec.async_model import (ASYNC_RULES, ASYNC_SCENARIOS, AsyncRequest, AsyncRules,
+                                     InFlight, get_scenario_prefixes, get_shares, play_scenario)
 from kvspec.spec.effects import (ALL_SHAPES, PRIMITIVES, Counters, Params, Primitive,
                                  is_initial, is_stats_step_ok, request_invariants)
 from kvspec.spec.groups import compute_read_start, compute_recovered_computed, is_windowed
@@ -485,137 +487,9 @@ def lemma_recovery_cut_served_by_every_group(rule=None, bounded=False):
 
 # -- async scheduling: output placeholders ----------------------------------------
 #
-# One request under vLLM's AsyncScheduler with a batch queue of depth 2: at most two
-# steps in flight, each scheduling everything the request may compute, so that it
-# samples. The rules come from ``arith``; what they must achieve is stated apart:
-# the placeholders are the shares (1 + drafts) of the steps in flight whose output
-# is not stale, and the real boundary stays within the known tokens.
-
-def _preempted(num_computed, num_placeholders):
-    """vLLM's ``_preempt_request`` under async scheduling: the request starts
-    over (as ``effects.act_preempt``) and its placeholders are zeroed, which makes
-    the output of every step in flight stale (#48245)."""
-    return 0, 0
-
-
-def _scheduled_boundary(num_computed, placeholders_before, placeholders_after):
-    """The real boundary a scheduled step exposes (to a connector's store): read
-    once the step's own placeholders are counted (#27644)."""
-    return arith.compute_real_computed(num_computed, placeholders_after)
-
-
-@attrs.frozen
-class AsyncRules:
-    """The rules of async scheduling the placeholder lemmas speak about; each
-    historical variant replaces one of them."""
-
-    new_tokens: Callable = arith.compute_running_new_tokens
-    schedule: Callable = arith.compute_placeholders_after_schedule
-    output: Callable = arith.compute_placeholders_after_output
-    preempt: Callable = _preempted
-    boundary: Callable = _scheduled_boundary
-
-
-ASYNC_RULES = AsyncRules()
-
-
-@attrs.frozen
-class InFlight:
-    """A scheduled step whose output has not arrived."""
-
-    num_drafts: object
-    num_sampled: object    # what its output will append: the accepted drafts and one token
-    is_stale: bool = False  # a preemption came after it was scheduled
-    is_chunk: bool = False  # a prefill chunk: it samples nothing and owns no share
-
-
-@attrs.frozen
-class AsyncRequest:
-    num_tokens: object
-    num_computed: object
-    num_placeholders: object
-    in_flight: tuple[InFlight, ...] = ()  # oldest first
-
-
-#: event sequences (every prefix is a case): S schedules a step, C a prefill chunk
-#: (part of the prompt, sampling nothing), D delivers the oldest step's output, P
-#: preempts, R resumes a preempted request once its stale output drained (vLLM
-#: 0.32 does not resume it before)
-ASYNC_SCENARIOS = ("SSDD", "SSDSDD", "SPD", "SSPDD", "SSDPD", "SSPDDRSD", "CSDD", "CCDSD",
-                   "CPD")
-
-#: what follows an event: (guard, request after, boundary it exposes, whether the step samples)
-AsyncEvent = tuple[object, AsyncRequest, object, object]
-
-
-def _schedule_step(rules: AsyncRules, r: AsyncRequest, step: InFlight) -> AsyncEvent:
-    """Schedule everything the request may compute; vLLM's ``is_prefill_chunk``
-    decides whether it samples, which every step of these scenarios must."""
-    num_new = rules.new_tokens(r.num_tokens, step.num_drafts, r.num_placeholders,
-                               r.num_computed)
-    computed = r.num_computed + num_new
-    is_chunk = computed < r.num_tokens + r.num_placeholders
-    placeholders = rules.schedule(r.num_placeholders, step.num_drafts, is_chunk)
-    after = AsyncRequest(r.num_tokens, computed, placeholders, r.in_flight + (step,))
-    return (num_new >= 1, after, rules.boundary(computed, r.num_placeholders, placeholders),
-            Not(is_chunk))
-
-
-def _schedule_chunk(rules: AsyncRules, r: AsyncRequest, num_new) -> AsyncEvent:
-    """Schedule ``num_new`` prompt tokens that stop short of the end: a prefill
-    chunk, which samples nothing (its placeholders, by ``rules.schedule``, must
-    not grow; it is not asked to sample)."""
-    computed = r.num_computed + num_new
-    placeholders = rules.schedule(r.num_placeholders, 0, True)
-    chunk = InFlight(0, 0, is_chunk=True)
-    after = AsyncRequest(r.num_tokens, computed, placeholders, r.in_flight + (chunk,))
-    # (the scenarios schedule chunks before any sampling step: a request in prefill)
-    guard = And(num_new >= 1, computed < r.num_tokens)
-    return (guard, after, rules.boundary(computed, r.num_placeholders, placeholders), True)
-
-
-def _deliver_oldest(rules: AsyncRules, r: AsyncRequest) -> AsyncEvent:
-    """The oldest step's output arrives: its tokens are appended (stale ones too,
-    as vLLM 0.32 delivers them), and fresh output rolls back its rejected drafts.
-    A chunk's output appends nothing and gives nothing back."""
-    if r.in_flight[0].is_chunk:
-        after = attrs.evolve(r, in_flight=r.in_flight[1:])
-        return True, after, arith.compute_real_computed(r.num_computed, r.num_placeholders), True
-    step, accepted = r.in_flight[0], r.in_flight[0].num_sampled - 1
-    computed = (r.num_computed if step.is_stale else
-                arith.compute_computed_after_rejection(r.num_computed, step.num_drafts, accepted))
-    placeholders = rules.output(r.num_placeholders, step.num_drafts, step.num_sampled,
-                                step.is_stale)
-    after = AsyncRequest(r.num_tokens + step.num_sampled, computed, placeholders, r.in_flight[1:])
-    return True, after, arith.compute_real_computed(computed, placeholders), True
-
-
-def _preempt_request(rules: AsyncRules, r: AsyncRequest) -> AsyncEvent:
-    computed, placeholders = rules.preempt(r.num_computed, r.num_placeholders)
-    stale = tuple(attrs.evolve(step, is_stale=True) for step in r.in_flight)
-    after = AsyncRequest(r.num_tokens, computed, placeholders, stale)
-    return True, after, arith.compute_real_computed(computed, placeholders), True
-
-
-def _resume(r: AsyncRequest, num_hits) -> AsyncEvent:
-    """A preempted request, its stale output drained, starts from its prefix-cache
-    hits (all but the last token at most)."""
-    guard = And(not r.in_flight, num_hits <= r.num_tokens - 1)
-    after = attrs.evolve(r, num_computed=num_hits)
-    return guard, after, arith.compute_real_computed(num_hits, r.num_placeholders), True
-
-
-def _shares(r: AsyncRequest):
-    """The independent description: what the steps in flight will sample and give
-    back, less the steps whose output is stale."""
-    return sum((1 + step.num_drafts for step in r.in_flight
-                if not step.is_stale and not step.is_chunk), 0)
-
-
-def _async_prefixes() -> list[str]:
-    return sorted({events[:i] for events in ASYNC_SCENARIOS for i in range(1, len(events) + 1)},
-                  key=lambda events: (len(events), events))
-
+# The model is spec/async_model.py; what its rules must achieve is stated here:
+# the placeholders are the shares (1 + drafts) of the sampling steps in flight
+# whose output is not stale, and the real boundary stays within the known tokens.
 
 def _async_parameters(s: Symbols, bounded: bool):
     """The request between steps in sync (no placeholders, its computed prefix
@@ -637,26 +511,6 @@ def _async_parameters(s: Symbols, bounded: bool):
     return And(*ranges), r, steps, (hits, chunks)
 
 
-def _play_async(rules: AsyncRules, r: AsyncRequest, steps, hits, events: str) -> tuple:
-    """Play ``events`` on ``r``: every event's guard, and what follows the last."""
-    guards, steps = [], iter(steps)
-    hits, chunks = hits
-    chunks = iter(chunks)
-    for event in events:
-        if event == "S":
-            guard, r, boundary, samples = _schedule_step(rules, r, next(steps))
-        elif event == "C":
-            guard, r, boundary, samples = _schedule_chunk(rules, r, next(chunks))
-        elif event == "D":
-            guard, r, boundary, samples = _deliver_oldest(rules, r)
-        elif event == "P":
-            guard, r, boundary, samples = _preempt_request(rules, r)
-        else:
-            guard, r, boundary, samples = _resume(r, hits)
-        guards.append(guard)
-    return And(*guards), r, boundary, samples
-
-
 def _async_goal(rules: AsyncRules, bounded: bool, conclude, scenarios=None,
                 no_drafts: bool = False) -> Goal:
     """One case per prefix of the scenarios (``scenarios``: those event strings
@@ -667,8 +521,8 @@ def _async_goal(rules: AsyncRules, bounded: bool, conclude, scenarios=None,
     if no_drafts:
         ranges = And(ranges, s.int("parameter", "num_spec_tokens") == 0)
     cases = []
-    for events in scenarios or _async_prefixes():
-        guards, r, boundary, samples = _play_async(rules, start, steps, hits, events)
+    for events in scenarios or get_scenario_prefixes():
+        guards, r, boundary, samples = play_scenario(rules, start, steps, hits, events)
         conclusion = conclude(r, boundary, samples)  # plain True where the rules give constants
         cases.append((And(ranges, guards), z3.BoolVal(conclusion) if isinstance(conclusion, bool)
                       else conclusion))
@@ -678,7 +532,7 @@ def _async_goal(rules: AsyncRules, bounded: bool, conclude, scenarios=None,
 def is_placeholders_match(r: AsyncRequest, boundary, samples):
     """The placeholders are the shares of the steps in flight whose output is not
     stale (``placeholders_match_in_flight``)."""
-    return r.num_placeholders == _shares(r)
+    return r.num_placeholders == get_shares(r)
 
 
 def is_placeholders_nonnegative(r: AsyncRequest, boundary, samples):

@@ -164,9 +164,9 @@ def _first_failing_prefix(rules, values, conclusion):
     start = prove.AsyncRequest(values["s.num_tokens"], values["s.num_computed"], 0)
     steps = [prove.InFlight(values[f"step{i}.num_drafts"], values[f"step{i}.num_sampled"])
              for i in (1, 2, 3)]
-    for events in prove._async_prefixes():
+    for events in prove.get_scenario_prefixes():
         chunks = [values.get(f"chunk{i}.num_new", 1) for i in (1, 2)]
-        guards, r, boundary, samples = prove._play_async(rules, start, steps,
+        guards, r, boundary, samples = prove.play_scenario(rules, start, steps,
                                                          (values["resume.num_hits"], chunks),
                                                          events)
         if guards and not conclusion(r, boundary, samples):

@@ -106,7 +106,7 @@ WEAKENINGS = {
                                     {"lemma": {"is_recovery_served": _served_one_past}}),
     "placeholders_match_in_flight": ({"lemma": ["is_placeholders_match"]}, {"lemma": {
         "is_placeholders_match": lambda r, boundary, samples: And(
-            r.num_placeholders >= prove._shares(r), r.num_placeholders <= prove._shares(r) + 1)}}),
+            r.num_placeholders >= prove.get_shares(r), r.num_placeholders <= prove.get_shares(r) + 1)}}),
     "placeholders_nonnegative": ({"lemma": ["is_placeholders_nonnegative"]}, {"lemma": {
         "is_placeholders_nonnegative": lambda r, boundary, samples: r.num_placeholders >= -1}}),
 }
