@@ -597,6 +597,26 @@ MUTANTS.update({m.name: m for m in [
            "every_group_serves_computed", HybridFullPromptHitWindowFreed),
 ]})
 
+# -- what the scheduler output tells the worker -------------------------------------
+
+class ResumedTableNotReset(Scheduler):
+    """#26661: a resumed request's blocks are told as if it had kept running
+    (only those past what the worker knew before the preemption), so the table
+    the worker rebuilds for it holds no block where its step computes."""
+
+    def _blocks_to_send(self, req_id, whole):
+        resumed = whole and req_id in self._told
+        return super()._blocks_to_send(req_id, whole and not resumed)
+
+
+MUTANTS.update({m.name: m for m in [
+    Mutant("resumed_table_not_reset",
+           "a resumed request's output carries only the blocks past what the worker knew "
+           "before the preemption, not its whole new table",
+           "#26661 (a preempted request's block table not reset in the worker)",
+           "worker_tables_match_scheduler", ResumedTableNotReset),
+]})
+
 #: mutants that need spec features not built yet: listed so the zoo table shows
 #: them as pending.
 PENDING_MUTANTS: dict[str, tuple[str, str]] = {}

@@ -17,6 +17,10 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     block_ids: dict[str, tuple[list[int], ...]]
     kv_connector_metadata: Any = None
+    #: what the worker is told of each scheduled request's blocks (vLLM's
+    #: ``new_block_ids``): a new or resumed request's whole table, another's
+    #: blocks allocated since it was last told (None: none)
+    new_block_ids: dict[str, tuple[tuple[int, ...], ...] | None] = attrs.Factory(dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -73,6 +73,8 @@ class Scheduler:
         self._load_origin: dict[str, tuple[int, int]] = {}  # req -> (local, external)
         self._loaded: set[str] = set()  # async load finished; do not ask the connector again
         self._arrivals = 0
+        #: per request, how many blocks per group the worker has been told of
+        self._told: dict[str, tuple[int, ...]] = {}
         #: async scheduling: placeholders, stale output and fenced frees
         self.in_flight = InFlightBook()
 
@@ -492,8 +494,22 @@ class Scheduler:
             preempted_req_ids={r.request_id for r in plan.preempted},
             finished_req_ids=self.finished_req_ids,
             block_ids={rid: self.kv.get_block_ids(rid) for rid in scheduled})
+        whole = {r.request_id for r in (*plan.new_reqs, *plan.resumed_reqs)}
+        output.new_block_ids = {rid: self._blocks_to_send(rid, rid in whole) for rid in scheduled}
         self.finished_req_ids = set()
         return output
+
+    def _blocks_to_send(self, req_id: str, whole: bool):
+        """What the output tells the worker of a request's blocks: the whole
+        table for a new or resumed request, else the blocks allocated since it
+        was last told (None: none)."""
+        tables = self.kv.get_block_ids(req_id)
+        told = None if whole else self._told.get(req_id)
+        self._told[req_id] = tuple(len(t) for t in tables)
+        if told is None:
+            return tuple(tuple(t) for t in tables)
+        new = tuple(tuple(t[n:]) for t, n in zip(tables, told))
+        return new if any(new) else None
 
     def _advance_computed(self, plan: StepPlan) -> None:
         for req_id, num in plan.num_scheduled_tokens.items():

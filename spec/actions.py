@@ -16,6 +16,7 @@ from kvspec.spec.arith import compute_computed_after_rejection
 from kvspec.spec.predicates import is_first_cached_count
 from kvspec.spec.registry import Witnessing, invariant
 from kvspec.spec.state import Observation, RequestStatus, RequestView, StepView, WorkerOutcome
+from kvspec.spec.worker import get_step_blocks
 
 
 @attrs.define
@@ -34,6 +35,9 @@ class Transition(Witnessing):
     first_hits: dict[str, tuple[int, int]] = attrs.Factory(dict)
     #: requests a load failure has cut back (they may resume over recomputed blocks)
     recovered: frozenset[str] = frozenset()
+    #: for a schedule: the block tables the worker built from the scheduler
+    #: outputs alone (spec/worker.py), after this one
+    worker_tables: dict = attrs.Factory(dict)
     witnessed: int = 0
 
     def ended(self, rid: str) -> RequestView | None:
@@ -424,3 +428,46 @@ def reset_prefix_cache_relation(t: Transition):
                        f"num_computed={new.num_computed_tokens}, blocks={new.block_ids}")
         elif _unchanged_fields(old, new):
             yield f"reset_prefix_cache changed {rid}"
+
+
+@invariant(cites="#26661, #26385", kind="relation", action="schedule")
+def worker_tables_match_scheduler(t: Transition):
+    """Where a scheduled step reads or writes, the block table the worker built
+    from the scheduler outputs alone (``spec/worker.py``: a new request's whole
+    table, a resumed one's replacing the old, the blocks allocated since for
+    the rest) holds the scheduler's own block, in every full-attention and
+    sliding-window group (a last-state group's table is not compared).
+
+    Protects the model runner from computing on KV it was not given: a resumed
+    request whose table the worker did not reset reads its old blocks or
+    overflows its table (#26661), and an output that leaves out or repeats an
+    allocation makes the worker write into another request's block. Witnessed
+    by every scheduled request of a target that sends block ids. Not compared:
+    a request a load failure cut back (the reference recomputes it in fresh
+    blocks while it runs, which vLLM's output has no way to say)."""
+    if t.step is None or not t.step.new_block_ids:
+        return
+    for rid, num_new in t.step.num_scheduled_tokens.items():
+        r = t.after.requests.get(rid)
+        if r is None or rid in t.recovered:
+            continue
+        t.witness()
+        found = _first_table_difference(t, r, t.worker_tables.get(rid, ()), num_new)
+        if found:
+            yield f"{rid}: {found}"
+
+
+def _first_table_difference(t: Transition, r: RequestView, worker, num_new: int) -> str:
+    start = t.step.num_computed_before[r.request_id]
+    for g, group in enumerate(t.after.config.groups):
+        if group.kind == "last_state":
+            continue
+        mine = r.block_ids[g] if g < len(r.block_ids) else ()
+        theirs = worker[g] if g < len(worker) else ()
+        for i in get_step_blocks(group, start, num_new):
+            want = mine[i] if i < len(mine) else None
+            got = theirs[i] if i < len(theirs) else None
+            if got != want:
+                return (f"group {g} block index {i}: the worker's table (from the scheduler "
+                        f"outputs) holds {got}, the scheduler's {want}")
+    return ""

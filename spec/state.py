@@ -257,6 +257,10 @@ class StepView:
     new_req_ids: tuple[str, ...]
     resumed_req_ids: tuple[str, ...]
     preempted_req_ids: frozenset[str]
+    #: the blocks the output tells the worker of, per scheduled request and group:
+    #: a new or resumed request's whole table, another's blocks allocated since
+    #: (None: none). Empty where a target does not say (spec/worker.py)
+    new_block_ids: dict[str, tuple[tuple[int, ...], ...] | None] = attrs.Factory(dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

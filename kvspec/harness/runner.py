@@ -22,6 +22,7 @@ from kvspec.spec.groups import NULL_BLOCK, compute_tainted_blocks
 from kvspec.spec import history
 from kvspec.spec.history import Ghost
 from kvspec.spec.invariants import Context
+from kvspec.spec.worker import apply_scheduler_output
 from kvspec.spec.oracle import KVContent
 from kvspec.spec.registry import REGISTRY, Violation, evaluate
 from kvspec.spec.state import (BATCH_QUEUE_DEPTH, Config, Observation, RequestStatus, StepView,
@@ -171,6 +172,8 @@ class Runner:
         self.worker = make_kv_worker(kv, config, self.content, self.env.plans)
         self.ghost = Ghost()
         self.book = ModelBook()
+        #: the block tables the worker built from the scheduler outputs (spec/worker.py)
+        self.worker_tables: dict = {}
         self.actions: list[dict] = []
         self.log: list[StepRecord] = []
         self.checks: Counter = Counter()
@@ -264,6 +267,11 @@ class Runner:
     def _update_ghost(self, obs: Observation, lowered_ok) -> None:
         history.process_observation(self.ghost, obs, self.env.answers, lowered_ok)
 
+    def _tell_worker(self, step: StepView, mid: Observation) -> dict:
+        """The worker reads the scheduler output: its block tables move on."""
+        self.worker_tables = apply_scheduler_output(self.worker_tables, step, mid.requests)
+        return self.worker_tables
+
     def _departed(self, before: Observation, after: Observation) -> dict:
         """Requests that left the scheduler during an action, as they ended."""
         gone = {}
@@ -316,8 +324,9 @@ class Runner:
         mid = self.target.observe()
         self.content.learn(mid)
         self._update_ghost(mid, lowered_ok=frozenset())  # stats set by this schedule()
-        violations = self._check(mid, kinds=("state",),
-                                 transition=self._transition("schedule", before, mid, step=step))
+        t = self._transition("schedule", before, mid, step=step,
+                             worker_tables=self._tell_worker(step, mid))
+        violations = self._check(mid, kinds=("state",), transition=t)
         report = self._execute(step, mid, a)
         self.content.complete(report.step_id)  # synchronous: its output is back at once
         history.process_loads_finished(self.ghost, report.loaded_ok)
@@ -421,7 +430,8 @@ class Runner:
         self._update_ghost(mid, lowered_ok=frozenset())
         self._count_async_schedule(step)
         shares = self._note_placeholders_scheduled(step, mid)
-        t = self._transition("schedule", before, mid, step=step)
+        t = self._transition("schedule", before, mid, step=step,
+                             worker_tables=self._tell_worker(step, mid))
         found = self._check(mid, kinds=("state",), transition=t)
         if found:  # the worker cannot run a broken step (positions past the tokens)
             self.obs = mid

@@ -64,7 +64,8 @@ class ImplTarget:
             scheduled_spec_decode_tokens={k: tuple(v) for k, v in
                                           out.scheduled_spec_decode_tokens.items()},
             new_req_ids=tuple(out.new_req_ids), resumed_req_ids=tuple(out.resumed_req_ids),
-            preempted_req_ids=frozenset(out.preempted_req_ids))
+            preempted_req_ids=frozenset(out.preempted_req_ids),
+            new_block_ids=dict(getattr(out, "new_block_ids", {})))
 
     def update_from_output(self, outcome: WorkerOutcome) -> None:
         from kvspec.impl.outputs import KVConnectorOutput, ModelRunnerOutput

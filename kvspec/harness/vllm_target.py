@@ -387,6 +387,15 @@ class VllmTarget:
         return vllm_config
 
     # -- block ids --------------------------------------------------------------
+    def _as_tables(self, block_ids):
+        """A ``new_block_ids`` entry (vLLM ids per group) as kvspec's (None: no
+        new block). Not through ``_to_spec_ids``: what the output sends is judged
+        by worker_tables_match_scheduler, not asserted here."""
+        if block_ids is None:
+            return None
+        return tuple(tuple(NULL_BLOCK if b < NULL_BLOCKS else b - NULL_BLOCKS for b in group)
+                     for group in block_ids)
+
     def _to_spec_ids(self, vllm_ids, group: int = 0) -> tuple[int, ...]:
         """One group's vLLM block ids as kvspec's: the null block is
         ``NULL_BLOCK`` in a group that gives blocks back, and never in a
@@ -432,14 +441,18 @@ class VllmTarget:
             out = self.scheduler.schedule()
         self._outputs.append(out)
         before: dict[str, int] = {}
-        new_ids = []
+        new_ids, told = [], {}
         for data in out.scheduled_new_reqs:
             before[data.req_id] = data.num_computed_tokens
             new_ids.append(data.req_id)
+            told[data.req_id] = self._as_tables(data.block_ids)
         cached = out.scheduled_cached_reqs
         resumed = _resumed_ids(cached)
+        sent = getattr(cached, "new_block_ids", None)
         for i, rid in enumerate(cached.req_ids):
             before[rid] = cached.num_computed_tokens[i]
+            if sent is not None:
+                told[rid] = self._as_tables(sent[i])
         resumed_ids = [rid for rid in cached.req_ids if rid in resumed]
         # who was preempted during this call (the output's preempted_req_ids, where
         # a release has it, also names those a forced reset_prefix_cache preempted
@@ -452,7 +465,8 @@ class VllmTarget:
             scheduled_spec_decode_tokens={k: tuple(v) for k, v in
                                           out.scheduled_spec_decode_tokens.items()},
             new_req_ids=tuple(new_ids), resumed_req_ids=tuple(resumed_ids),
-            preempted_req_ids=frozenset(preempted))
+            preempted_req_ids=frozenset(preempted),
+            new_block_ids=told if sent is not None else {})
 
     def update_from_output(self, outcome: WorkerOutcome) -> None:
         m = self.m
