@@ -155,6 +155,7 @@ class Scheduler:
         self.in_flight.forget(request.request_id)
         self._load_origin.pop(request.request_id, None)
         self._loaded.discard(request.request_id)
+        self._told.pop(request.request_id, None)
         del self.requests[request.request_id]
 
     def _free_or_fence(self, request: Request) -> bool:

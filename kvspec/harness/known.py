@@ -97,6 +97,11 @@ def behaves_as(violations, recorded) -> bool:
     return bool(got) and got <= want and {c for c, _ in got} == {c for c, _ in want}
 
 
+def fails_as(violations, finding) -> bool:
+    """The violations are the way one of ``finding``'s traces fails."""
+    return any(behaves_as(violations, recorded(t)) for t in finding.traces)
+
+
 # -- traces of the known findings ------------------------------------------------------
 
 def trace_path(name: str) -> Path:
@@ -381,11 +386,11 @@ class Recogniser:
                 return found
         unfixed = self.unfixed if self.base is None else [
             f for f in self.unfixed if f.remedy == "none"]
-        for finding in unfixed:
-            if any(behaves_as(pairs, recorded(t)) for t in finding.traces):
-                return Explanation(finding.id, "behaves as its trace does (no fix applied here)",
-                                   finding.upstream)
-        return None
+        finding = _first_failing_as(pairs, unfixed)
+        if finding is None:
+            return None
+        return Explanation(finding.id, "behaves as its trace does (no fix applied here)",
+                           finding.upstream)
 
     def _likely_first(self, fixes: list[str], pairs) -> list[str]:
         claims = {c for c, _ in pairs}
@@ -413,25 +418,21 @@ class Recogniser:
         """Whether the counterexample fails as one of ``fix``'s findings' traces
         does: asked before a fix that leaves another finding behind is credited
         (a fix can steer a trace away from a bug without closing it)."""
-        return any(behaves_as(pairs, recorded(t)) for f in findings_of_fix(fix)
-                   for t in f.traces)
+        return _first_failing_as(pairs, findings_of_fix(fix)) is not None
 
     def _unfixed_shape(self, pairs) -> AcceptedFinding | None:
-        return next((f for f in self.unfixed
-                     if any(behaves_as(pairs, recorded(t)) for t in f.traces)), None)
+        return _first_failing_as(pairs, self.unfixed)
 
     def _by_fix(self, fix: str, pairs, behind: str = "") -> Explanation:
+        """The finding of ``fix`` the counterexample fails as (or its first);
+        ``behind``: the known no-fix finding the trace fails as once fixed."""
         findings = findings_of_fix(fix)
-        named = [f for f in findings if any(behaves_as(pairs, recorded(t)) for t in f.traces)]
-        chosen = (named or findings)[:1]
+        verb = "with" if behind else "passes with"
         then = f"; it then fails only as {behind}, a known finding with no fix" if behind else ""
-        if not chosen:
-            return Explanation(None, f"passes with the fix {fix}{then}")
-        f = chosen[0]
-        how = f"passes with its fix {fix} (left out of this run)"
-        if behind:
-            how = f"with its fix {fix} (left out of this run){then}"
-        return Explanation(f.id, how, f.upstream)
+        if not findings:
+            return Explanation(None, f"{verb} the fix {fix}{then}")
+        f = _first_failing_as(pairs, findings) or findings[0]
+        return Explanation(f.id, f"{verb} its fix {fix} (left out of this run){then}", f.upstream)
 
     def _on_base(self, config, actions, pairs) -> Explanation | None:
         try:
@@ -456,12 +457,12 @@ class Recogniser:
     def _by_shape(self, pairs) -> AcceptedFinding | None:
         """The known finding whose trace failed exactly this way, if one did,
         among those with no fix applied here (an applied fix closes its own)."""
-        for finding in catalogue().values():
-            if finding.fix_id is not None and finding.fix_id in self.applied:
-                continue
-            if any(behaves_as(pairs, recorded(t)) for t in finding.traces):
-                return finding
-        return None
+        return _first_failing_as(pairs, [f for f in catalogue().values()
+                                         if f.fix_id is None or f.fix_id not in self.applied])
+
+
+def _first_failing_as(pairs, findings) -> AcceptedFinding | None:
+    return next((f for f in findings if fails_as(pairs, f)), None)
 
 
 def build_recogniser(target: str, base=None,

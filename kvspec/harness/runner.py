@@ -267,10 +267,9 @@ class Runner:
     def _update_ghost(self, obs: Observation, lowered_ok) -> None:
         history.process_observation(self.ghost, obs, self.env.answers, lowered_ok)
 
-    def _tell_worker(self, step: StepView, mid: Observation) -> dict:
+    def _tell_worker(self, step: StepView, mid: Observation) -> None:
         """The worker reads the scheduler output: its block tables move on."""
         self.worker_tables = apply_scheduler_output(self.worker_tables, step, mid.requests)
-        return self.worker_tables
 
     def _departed(self, before: Observation, after: Observation) -> dict:
         """Requests that left the scheduler during an action, as they ended."""
@@ -324,8 +323,9 @@ class Runner:
         mid = self.target.observe()
         self.content.learn(mid)
         self._update_ghost(mid, lowered_ok=frozenset())  # stats set by this schedule()
+        self._tell_worker(step, mid)
         t = self._transition("schedule", before, mid, step=step,
-                             worker_tables=self._tell_worker(step, mid))
+                             worker_tables=self.worker_tables)
         violations = self._check(mid, kinds=("state",), transition=t)
         report = self._execute(step, mid, a)
         self.content.complete(report.step_id)  # synchronous: its output is back at once
@@ -430,8 +430,9 @@ class Runner:
         self._update_ghost(mid, lowered_ok=frozenset())
         self._count_async_schedule(step)
         shares = self._note_placeholders_scheduled(step, mid)
+        self._tell_worker(step, mid)
         t = self._transition("schedule", before, mid, step=step,
-                             worker_tables=self._tell_worker(step, mid))
+                             worker_tables=self.worker_tables)
         found = self._check(mid, kinds=("state",), transition=t)
         if found:  # the worker cannot run a broken step (positions past the tokens)
             self.obs = mid

@@ -393,8 +393,7 @@ class VllmTarget:
         by worker_tables_match_scheduler, not asserted here."""
         if block_ids is None:
             return None
-        return tuple(tuple(NULL_BLOCK if b < NULL_BLOCKS else b - NULL_BLOCKS for b in group)
-                     for group in block_ids)
+        return tuple(tuple(map(_spec_id, group)) for group in block_ids)
 
     def _to_spec_ids(self, vllm_ids, group: int = 0) -> tuple[int, ...]:
         """One group's vLLM block ids as kvspec's: the null block is
@@ -405,7 +404,7 @@ class VllmTarget:
         for b in vllm_ids:
             if b < NULL_BLOCKS and not windowed:
                 raise AssertionError(f"a full-attention block table holds the null block {b}")
-            out.append(NULL_BLOCK if b < NULL_BLOCKS else b - NULL_BLOCKS)
+            out.append(_spec_id(b))
         return tuple(out)
 
     # -- the Target protocol ----------------------------------------------------
@@ -710,6 +709,11 @@ class _LocateAsserts:
 
 def m_status(m: _Modules, name: str):
     return m.VStatus[name]
+
+
+def _spec_id(vllm_id: int) -> int:
+    """A vLLM block id as kvspec's (vLLM's null block is ``NULL_BLOCK``)."""
+    return NULL_BLOCK if vllm_id < NULL_BLOCKS else vllm_id - NULL_BLOCKS
 
 
 def _resumed_ids(cached) -> set[str]:
