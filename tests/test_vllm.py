@@ -368,9 +368,10 @@ def test_planted_bug_is_caught_by_the_default_check(planted, tmp_path):
                     f"fit {VERSION}: {applied.skipped.get(planted, '')[:120]}")
     assert planted in applied.applied, applied.skipped
     target = vllm_target_name("all", (planted,))
-    # found within seconds; the budget bounds shrinking, which needs no minimal trace here
-    result = default_check(tmp_path, target, budget=30)
-    assert result.counterexample is not None, f"{planted} survived 30 s of the default check"
+    # found within seconds; the budget bounds shrinking, and a trace cut short in
+    # shrinking on a loaded machine can meet an unrelated finding on the release
+    result = default_check(tmp_path, target, budget=60)
+    assert result.counterexample is not None, f"{planted} survived 60 s of the default check"
     clean = replay_trace(result.trace_path, "vllm")
     assert not clean.violations, (f"{planted}: the counterexample also fails without the "
                                   f"planted bug: {violation_text(clean)}")
