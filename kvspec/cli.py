@@ -321,11 +321,6 @@ def report(result, design_rules: bool = True, prep=None, first_line: bool = True
     profile = prep.profile if prep is not None else None
     for name, why in unwitnessed(result.checks, result.witnessed, design_rules, profile).items():
         console.print(f"[yellow]never witnessed:[/] {name}" + (f" ({why})" if why else ""))
-    from kvspec.harness.runner import UNMODELLED_STEPS
-    if result.features.get(UNMODELLED_STEPS):
-        console.print(f"[yellow]not evaluated:[/] transition_admitted_by_model on "
-                      f"{result.features[UNMODELLED_STEPS]} async steps (the conformance "
-                      "model describes the synchronous step)")
     if result.known:
         console.print(known_table(result.known))
     if result.counterexample is None:

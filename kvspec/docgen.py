@@ -357,6 +357,13 @@ takes a few seconds (`bench/prove_results.json` records the measured time).
 primitive actions (guard and effect; every field an effect does not name is unchanged)
 and *step shapes*, the sequences of primitives one request can take within one runner
 action. Z3 proves every per-request invariant inductive over every step shape.
+Synchronous scheduling is a batch queue of depth 1: one `step` shape is a schedule and
+its own output. Under async scheduling a step splits into a `schedule` shape (its
+placeholders: one and the drafts of every step that samples) and, later, an
+`update_from_output` shape with the oldest step's output (`sample` returns its share;
+`sample_stale` appends a preempted request's late tokens and moves nothing else). The
+model's blocks are the shortest table of every KV cache group (every group's table
+covers the same positions), so a short table in any group fails the guard.
 
 The runtime checks the same model, so the transitions Z3 reasons about are the
 transitions the targets make: after every action of every target, the claim

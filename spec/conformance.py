@@ -19,9 +19,9 @@ from typing import Iterator
 import attrs
 
 from kvspec.spec.effects import (ABORT_SHAPES, FINISHED, GHOST_FIELDS, LOADING, OBSERVED_FIELDS,
-                                 PREEMPTED, PRIMITIVES, RESET_SHAPES, RUNNING, STATUS_NAMES,
-                                 STEP_SHAPES,
-                                 WAITING, Counters, Params, get_status_moves, is_initial)
+                                 OUTPUT_SHAPES, PREEMPTED, PRIMITIVES, RESET_SHAPES, RUNNING,
+                                 SCHEDULE_SHAPES, STATUS_NAMES, STEP_SHAPES, WAITING, Counters,
+                                 Params, get_status_moves, is_initial)
 from kvspec.spec.registry import invariant
 from kvspec.spec.state import RequestStatus, RequestView
 
@@ -32,15 +32,26 @@ _STATUS = {RequestStatus.WAITING: WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS:
 INITIAL_GHOST = {f: 0 for f in GHOST_FIELDS}
 
 
-def get_counters(r: RequestView, block_size: int, ghost=None) -> Counters:
+def get_num_blocks(r: RequestView, groups) -> int:
+    """The blocks the model counts: every group's table covers the same
+    positions (a group that gave blocks back holds the null block there), so
+    the shortest table, in blocks of the first group's size, is what covers
+    the computed prefix in every group."""
+    if not r.block_ids:
+        return 0
+    size = groups[0].block_size
+    return min(len(table) * g.block_size // size for g, table in zip(groups, r.block_ids))
+
+
+def get_counters(r: RequestView, groups, ghost=None) -> Counters:
     """A request as the model sees it; ``ghost``: the model's ghost fields."""
     return Counters(
         status=FINISHED if r.status.is_finished else _STATUS[r.status],
         prompt_len=r.num_prompt_tokens, num_tokens=r.num_tokens,
         num_computed=r.num_computed_tokens, num_cached=r.num_cached_tokens,
         num_external=r.num_external_computed_tokens, num_preemptions=r.num_preemptions,
-        num_blocks=len(r.block_ids[0]) if r.block_ids else 0, block_size=block_size,
-        **(ghost or INITIAL_GHOST))
+        num_blocks=get_num_blocks(r, groups), block_size=groups[0].block_size,
+        num_placeholders=r.num_output_placeholders, **(ghost or INITIAL_GHOST))
 
 
 @attrs.frozen
@@ -63,6 +74,8 @@ class Hints:
     scheduled_stats: tuple[int, int] | None = None
     #: the blocks it held right after schedule() (a request that ends gives them back)
     scheduled_blocks: int | None = None
+    #: the output applied was scheduled before a preemption: it is stale
+    stale: bool = False
 
 
 def get_params(name: str, hints: Hints, after: Counters, before: Counters) -> Params | None:
@@ -101,6 +114,8 @@ def get_params(name: str, hints: Hints, after: Counters, before: Counters) -> Pa
         return Params(keeps=int(kept and after.num_blocks > 0))
     if name == "sample":
         return Params(num_drafts=hints.num_drafts, num_accepted=hints.num_appended - 1)
+    if name == "sample_stale":
+        return Params(num_sampled=hints.num_appended) if hints.stale else None
     if name == "recover":
         if hints.first_invalid_block is None:
             return None
@@ -148,8 +163,11 @@ def _index(shapes) -> dict[tuple[int, int], tuple]:
     return {move: tuple(found) for move, found in index.items()}
 
 
-#: action -> (start status, end status) -> the shapes that can make that move
-SHAPES_BY_MOVE = {"step": _index(STEP_SHAPES), "abort": _index(ABORT_SHAPES),
+#: action -> (start status, end status) -> the shapes that can make that move; a
+#: synchronous step is one "step", an async one a "schedule" and, later, an
+#: "update_from_output" with the oldest step's output
+SHAPES_BY_MOVE = {"step": _index(STEP_SHAPES), "schedule": _index(SCHEDULE_SHAPES),
+                  "update_from_output": _index(OUTPUT_SHAPES), "abort": _index(ABORT_SHAPES),
                   "reset_prefix_cache": _index(RESET_SHAPES)}
 
 
@@ -169,7 +187,8 @@ def find_shape(action: str, before: Counters, after: Counters, hints: Hints):
 
 def describe(c: Counters) -> str:
     stats = f" stats={c.num_cached}/{c.num_external}" if c.num_cached >= 0 else ""
-    return (f"{STATUS_NAMES[c.status]} computed={c.num_computed}/{c.num_tokens}{stats} "
+    held = f" placeholders={c.num_placeholders}" if c.num_placeholders else ""
+    return (f"{STATUS_NAMES[c.status]} computed={c.num_computed}/{c.num_tokens}{held}{stats} "
             f"blocks={c.num_blocks} preemptions={c.num_preemptions}")
 
 
@@ -220,19 +239,19 @@ class ModelStep:
 def compute_admission(m: ModelStep) -> Admission:
     """Judge every request transition of the action against the model, from the
     book as it was before the action; pure: the book is not written."""
-    size = m.after.config.block_size
+    groups = m.after.config.groups
     ghost, shapes = dict(m.book.ghost), dict(m.book.last_shape)
     messages, witnessed = [], 0
     for rid, new in (m.after.requests | m.departed).items():
         old = m.before.requests.get(rid)
         if old is None:
             ghost[rid] = dict(INITIAL_GHOST)
-            if not is_initial(get_counters(new, size)):
-                messages.append(f"{rid} arrived as {describe(get_counters(new, size))}, "
+            if not is_initial(get_counters(new, groups)):
+                messages.append(f"{rid} arrived as {describe(get_counters(new, groups))}, "
                                 "not the initial state")
             continue
-        before = get_counters(old, size, m.book.ghost.get(rid))
-        after = get_counters(new, size)
+        before = get_counters(old, groups, m.book.ghost.get(rid))
+        after = get_counters(new, groups)
         hints = m.hints.get(rid, Hints())
         if is_same(before, after) and not must_recover(before, hints):
             continue
@@ -276,4 +295,6 @@ def _hint_text(h: Hints) -> str:
         parts.append(f"connector answered local={h.answer[0]} external={h.answer[1]}")
     if h.first_invalid_block is not None:
         parts.append(f"first failed block index {h.first_invalid_block}")
+    if h.stale:
+        parts.append("stale output")
     return ", ".join(parts)

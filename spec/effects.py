@@ -42,6 +42,7 @@ from kvspec.spec.arith import (compute_computed_after_rejection, compute_first_e
 from kvspec.spec.logic import And, If, Implies, Min, Not, Or
 from kvspec.spec.predicates import (is_admissible_lowering, is_blocks_cover_computed,
                                     is_cached_le_computed, is_computed_within_tokens,
+                                    is_placeholders_nonnegative,
                                     is_first_cached_count, is_preempted_counted,
                                     is_running_with_stats, is_stats_ordered,
                                     is_unscheduled_without_output, is_waiting_with_work)
@@ -61,6 +62,9 @@ class Counters:
     num_preemptions: object
     num_blocks: object        # blocks in the (full-attention) block table
     block_size: object
+    #: positions scheduled whose tokens a step in flight will sample (async
+    #: scheduling; a synchronous step returns them within the step)
+    num_placeholders: object = 0
     #: ghost: how many times the stats were recorded
     num_stats_sets: object = 0
     #: ghost: how many load failures cut the request back
@@ -74,7 +78,7 @@ class Counters:
 #: the ghost fields: the model keeps them, no target shows them
 GHOST_FIELDS = ("num_stats_sets", "num_recoveries", "num_hits", "num_resume_limit")
 OBSERVED_FIELDS = ("status", "prompt_len", "num_tokens", "num_computed", "num_cached",
-                   "num_external", "num_preemptions", "num_blocks")
+                   "num_external", "num_preemptions", "num_blocks", "num_placeholders")
 
 
 def has_stats(c: Counters):
@@ -97,6 +101,25 @@ def is_chunk(num_tokens, end, num_new, num_drafts):
                Implies(num_drafts > 0, end == num_tokens + num_drafts))
 
 
+def get_known(c: Counters):
+    """The positions a step may schedule up to: the tokens, and the placeholder
+    positions the steps in flight will fill."""
+    return c.num_tokens + c.num_placeholders
+
+
+def get_real_computed(c: Counters):
+    """The computed prefix whose tokens are known (placeholders aside)."""
+    return c.num_computed - c.num_placeholders
+
+
+def compute_placeholders_scheduled(c: Counters, end, num_drafts):
+    """A step that reaches every known position samples: it owns one
+    placeholder and one per draft until its output is back. A prefill chunk
+    that stops short samples nothing and owns none. (Stated here, apart from
+    the reference's ``spec/arith.py``.)"""
+    return If(end >= get_known(c), c.num_placeholders + 1 + num_drafts, c.num_placeholders)
+
+
 def request_invariants(r: Counters) -> dict:
     """The per-request invariants of the catalogue, by name, for a live request
     (the concrete checks in ``spec/invariants.py`` use the same predicates)."""
@@ -109,7 +132,14 @@ def request_invariants(r: Counters) -> dict:
         "cached_le_computed": Implies(never_disturbed, is_cached_le_computed(
             r.status == RUNNING, Or(is_waiting(r), r.status == LOADING), r.num_cached,
             r.num_computed, r.num_tokens)),
-        "computed_within_tokens": is_computed_within_tokens(r.num_computed, r.num_tokens),
+        "computed_within_tokens": is_computed_within_tokens(get_real_computed(r), r.num_tokens),
+        "placeholders_nonnegative": is_placeholders_nonnegative(r.num_placeholders),
+        # a step in flight samples at the last known position: what the
+        # placeholders hold is exactly the positions past the known tokens
+        # (the oldest step's output can then be applied)
+        "placeholders_are_the_tail": Implies(
+            r.num_placeholders >= 1,
+            And(r.status == RUNNING, r.num_computed == get_known(r) - 1)),
         "waiting_with_work": is_waiting_with_work(is_waiting(r), r.num_computed, r.num_tokens),
         "blocks_cover_computed": is_blocks_cover_computed(r.num_blocks, r.block_size,
                                                           r.num_computed),
@@ -144,7 +174,7 @@ def is_initial(r: Counters):
                r.num_computed == 0, r.num_cached == -1, r.num_external == 0,
                r.num_preemptions == 0, r.num_blocks == 0, r.block_size >= 1,
                r.num_stats_sets == 0, r.num_recoveries == 0, r.num_hits == 0,
-               r.num_resume_limit == 0)
+               r.num_resume_limit == 0, r.num_placeholders == 0)
 
 
 def is_stats_step_ok(before: Counters, after: Counters, may_lower):
@@ -215,9 +245,10 @@ def act_schedule_waiting(c: Counters, p, first_external=compute_first_external):
                                       first_external)
     guard = And(is_waiting(c), c.num_computed == 0, p.num_local >= 0, p.num_external >= 0,
                 p.num_local + p.num_external <= c.num_tokens,
-                is_chunk(c.num_tokens, end, p.num_new, p.num_drafts),
+                is_chunk(get_known(c), end, p.num_new, p.num_drafts),
                 is_blocks_cover_computed(p.num_blocks, c.block_size, end), stats_guard)
     return guard, attrs.evolve(c, status=RUNNING, num_computed=end, num_blocks=p.num_blocks,
+                               num_placeholders=compute_placeholders_scheduled(c, end, p.num_drafts),
                                **stats)
 
 
@@ -234,21 +265,24 @@ def act_schedule_loaded(c: Counters, p):
     delivered = And(Not(has_stats(c)), p.num_cached == c.num_computed)
     # (a failure may have cut the loaded prefix below the local hits it started from)
     guard = And(is_waiting(c), c.num_computed >= 1, p.num_local >= 0, p.num_local <= c.num_hits,
-                is_chunk(c.num_tokens, end, p.num_new, p.num_drafts),
+                is_chunk(get_known(c), end, p.num_new, p.num_drafts),
                 is_blocks_cover_computed(p.num_blocks, c.block_size, end),
                 Or(stats_guard, delivered))
     return guard, attrs.evolve(c, status=RUNNING, num_computed=end, num_blocks=p.num_blocks,
+                               num_placeholders=compute_placeholders_scheduled(c, end, p.num_drafts),
                                **stats)
 
 
 @primitive("num_new", "num_drafts", "num_blocks")
 def act_compute(c: Counters, p):
     """A running request is scheduled for ``num_new`` more tokens (its scheduled
-    drafts included)."""
+    drafts included); under async scheduling, past the placeholders of its
+    steps in flight."""
     end = c.num_computed + p.num_new
-    guard = And(c.status == RUNNING, is_chunk(c.num_tokens, end, p.num_new, p.num_drafts),
+    guard = And(c.status == RUNNING, is_chunk(get_known(c), end, p.num_new, p.num_drafts),
                 is_blocks_cover_computed(p.num_blocks, c.block_size, end))
-    return guard, attrs.evolve(c, num_computed=end, num_blocks=p.num_blocks)
+    return guard, attrs.evolve(c, num_computed=end, num_blocks=p.num_blocks,
+                               num_placeholders=compute_placeholders_scheduled(c, end, p.num_drafts))
 
 
 @primitive("num_valid")
@@ -309,27 +343,45 @@ def act_release_loaded(c: Counters, p):
 
 @primitive()
 def act_preempt(c: Counters, p):
-    """A running request is preempted: it frees its blocks and starts over."""
+    """A running request is preempted: it frees its blocks and starts over; the
+    output of its steps in flight is stale and owns no placeholders (#48245)."""
     return c.status == RUNNING, attrs.evolve(c, status=PREEMPTED, num_computed=0, num_blocks=0,
+                                             num_placeholders=0,
                                              num_preemptions=c.num_preemptions + 1)
 
 
 @primitive("num_drafts", "num_accepted")
 def act_sample(c: Counters, p):
-    """The step computed every known token and ``num_drafts`` drafts: the accepted
-    drafts and one new token are appended, the rejected drafts stop counting."""
+    """The oldest sampling step in flight computed every known token and
+    ``num_drafts`` drafts: the accepted drafts and one new token are appended,
+    the rejected drafts stop counting, and its share of placeholders (one and
+    its drafts) is returned. Synchronous scheduling is the case of one step in
+    flight: its share is all there is."""
     guard = And(c.status == RUNNING, p.num_drafts >= 0, p.num_accepted >= 0,
-                p.num_accepted <= p.num_drafts, c.num_computed == c.num_tokens + p.num_drafts)
+                p.num_accepted <= p.num_drafts, c.num_placeholders >= 1 + p.num_drafts,
+                c.num_computed == get_known(c) - 1)
     return guard, attrs.evolve(
         c, num_tokens=c.num_tokens + p.num_accepted + 1,
         num_computed=compute_computed_after_rejection(c.num_computed, p.num_drafts,
-                                                      p.num_accepted))
+                                                      p.num_accepted),
+        num_placeholders=c.num_placeholders - 1 - p.num_drafts)
+
+
+@primitive("num_sampled")
+def act_sample_stale(c: Counters, p):
+    """The output of a step scheduled before the request was preempted arrives
+    while it waits, nothing computed (vLLM resumes it only once that output has
+    drained): its ``num_sampled`` tokens are appended and nothing else
+    moves: no rollback, no placeholder returned (the preemption zeroed them;
+    vLLM appends stale output on purpose, scheduler.py 2122)."""
+    guard = And(p.num_sampled >= 0, is_waiting(c), c.num_preemptions >= 1, c.num_computed == 0)
+    return guard, attrs.evolve(c, num_tokens=c.num_tokens + p.num_sampled)
 
 
 @primitive()
 def act_keep_prefilling(c: Counters, p):
     """A partial prefill chunk samples nothing: prompt tokens are left to compute."""
-    return And(c.status == RUNNING, c.num_computed < c.num_tokens), c
+    return And(c.status == RUNNING, get_real_computed(c) < c.num_tokens), c
 
 
 @primitive("first_invalid_block", "num_valid", "num_cached", "num_external", "keeps")
@@ -349,8 +401,10 @@ def act_recover(c: Counters, p):
                 first_bad < c.num_computed, first_bad < c.num_tokens, p.num_valid >= 0,
                 p.num_valid <= first_bad, stats_ok)
     keeps = getattr(p, "keeps", 1)
+    # (the output of its steps in flight was computed on the failure: it is
+    # stale, and owns no placeholders)
     return guard, attrs.evolve(c, num_computed=p.num_valid, num_cached=p.num_cached,
-                               num_external=p.num_external,
+                               num_external=p.num_external, num_placeholders=0,
                                num_blocks=If(And(p.num_valid == 0, keeps == 0), 0, c.num_blocks),
                                num_recoveries=c.num_recoveries + 1,
                                num_resume_limit=Min(c.num_computed, c.num_tokens - 1))
@@ -394,6 +448,7 @@ _FLOW = {"schedule_waiting": ({WAITING, PREEMPTED}, RUNNING),
          "finish_async_load": ({LOADING}, "waiting"),
          "release_loaded": ({WAITING, PREEMPTED}, None), "preempt": ({RUNNING}, PREEMPTED),
          "keep_prefilling": ({RUNNING}, RUNNING), "sample": ({RUNNING}, RUNNING),
+         "sample_stale": ({WAITING, PREEMPTED}, None),
          "recover": ({RUNNING, LOADING}, None),
          "finish": ({WAITING, LOADING, RUNNING, PREEMPTED}, FINISHED)}
 
@@ -436,5 +491,16 @@ def _build_step_shapes() -> tuple[tuple[str, ...], ...]:
 #: every shape one request's counters may take within one step (the empty
 #: shape, nothing happened to it, is admitted without a proof obligation)
 STEP_SHAPES = _build_step_shapes()
-#: every shape the model knows, steps and aborts
-ALL_SHAPES = STEP_SHAPES + tuple(s for s in ABORT_SHAPES if s and s not in STEP_SHAPES)
+
+#: async scheduling splits the step: one schedule() ...
+SCHEDULE_SHAPES = tuple(pre + sched for pre, sched in itertools.product(PRE, SCHEDULE)
+                        if pre + sched and _is_status_feasible(pre + sched))
+#: ... and, later, one update_from_output() with the oldest step's output (which
+#: may be stale: its request was preempted or cut back since it was scheduled)
+STALE = (("sample_stale",), ("sample_stale", "finish"))
+OUTPUT_SHAPES = tuple(dict.fromkeys(OUTPUT_RAN + OUTPUT_IDLE[1:] + STALE))
+
+#: every shape the model knows: synchronous steps, the two halves of an async
+#: step, and aborts
+ALL_SHAPES = tuple(dict.fromkeys(STEP_SHAPES + SCHEDULE_SHAPES + OUTPUT_SHAPES +
+                                 tuple(s for s in ABORT_SHAPES if s)))

@@ -11,6 +11,7 @@ from kvspec.spec.arith import (compute_first_external, compute_num_computed_pre_
                                compute_placeholders_after_output, compute_real_computed)
 from kvspec.spec.effects import (PREEMPTED, RUNNING, WAITING, Counters, Params,
                                  act_finish_async_load, act_recover, act_sample,
+                                 act_sample_stale,
                                  act_schedule_loaded, act_schedule_waiting, has_stats, is_chunk)
 from kvspec.spec.groups import compute_recovered_computed, is_served
 from kvspec.spec.logic import And, If, Min, Or, fdiv
@@ -226,6 +227,13 @@ def act_finish_async_load_waking_as_preempted(c: Counters, p):
     request comes back PREEMPTED."""
     guard, after = act_finish_async_load(c, p)
     return guard, attrs.evolve(after, status=If(c.num_preemptions >= 0, PREEMPTED, WAITING))
+
+
+def act_sample_stale_returning_share(c: Counters, p):
+    """#47900: a preempted request's stale output, applied like fresh output,
+    takes its one token's share off the placeholders the preemption zeroed."""
+    guard, after = act_sample_stale(c, p)
+    return guard, attrs.evolve(after, num_placeholders=c.num_placeholders - 1)
 
 
 # -- the block pool ----------------------------------------------------------------

@@ -19,7 +19,8 @@ from kvspec.spec.groups import NULL_BLOCK
 from kvspec.spec.history import Ghost
 from kvspec.spec.predicates import (is_blocks_cover_computed, is_cached_le_computed,
                                     is_computed_within_tokens, is_free_iff_unreferenced,
-                                    is_load_target_held, is_preempted_counted,
+                                    is_load_target_held, is_placeholders_nonnegative,
+                                    is_preempted_counted,
                                     is_ref_count_of_holders, is_stats_ordered,
                                     is_unscheduled_without_output, is_waiting_with_work)
 from kvspec.spec.arith import compute_real_computed
@@ -227,7 +228,7 @@ def placeholders_nonnegative(ctx: Context):
     request with placeholders."""
     for r in ctx.live():
         ctx.witness(r.num_output_placeholders != 0)
-        if r.num_output_placeholders < 0:
+        if not is_placeholders_nonnegative(r.num_output_placeholders):
             yield f"{r.request_id}: num_output_placeholders={r.num_output_placeholders}"
 
 

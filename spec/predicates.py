@@ -24,6 +24,11 @@ def is_computed_within_tokens(num_computed, num_tokens):
     return And(0 <= num_computed, num_computed <= num_tokens)
 
 
+def is_placeholders_nonnegative(num_placeholders):
+    """No step in flight owes a request a negative number of tokens."""
+    return num_placeholders >= 0
+
+
 def is_waiting_with_work(is_waiting, num_computed, num_tokens):
     """A waiting request whose KV arrived still has a token to compute."""
     return Implies(is_waiting, num_computed < num_tokens)

@@ -29,6 +29,7 @@ from kvspec.spec import arith, historical
 from kvspec.spec.async_model import (ASYNC_RULES, ASYNC_SCENARIOS, AsyncRequest, AsyncRules,
                                      InFlight, get_scenario_prefixes, get_shares, play_scenario)
 from kvspec.spec.effects import (ALL_SHAPES, PRIMITIVES, Counters, Params, Primitive,
+                                 get_real_computed,
                                  is_initial, is_stats_step_ok, request_invariants)
 from kvspec.spec.groups import compute_read_start, compute_recovered_computed, is_windowed
 from kvspec.spec.logic import And, If, Implies, Not, Or
@@ -111,6 +112,8 @@ CARD_CLAIMS = ("cached_le_computed", "stats_set_exactly_once", "no_caching_of_in
 
 def register(name: str, kind: str, build: Callable[[], Goal], doc: str, establishes=(),
              refutes_rule_of: str | None = None) -> None:
+    # a second obligation under one name would silently replace the first
+    assert name not in OBLIGATIONS, f"two obligations named {name}"
     OBLIGATIONS[name] = Obligation(name, kind, build, " ".join(doc.split()),
                                    tuple(establishes), refutes_rule_of)
 
@@ -304,7 +307,8 @@ def lemma_spec_decode_rollback(rule=None, bounded=False):
     guard, after = (rule or PRIMITIVES["sample"].fn)(
         c, Params(num_drafts=drafts, num_accepted=accepted))
     pre = And(_well_formed(c), guard)
-    post = And(after.num_computed == after.num_tokens - 1, after.num_computed >= c.num_tokens)
+    post = And(get_real_computed(after) == after.num_tokens - 1,
+               after.num_computed >= c.num_tokens)
     return Goal(((pre, post),), s)
 
 
@@ -547,8 +551,10 @@ def is_placeholders_of_in_flight(r: AsyncRequest, boundary, samples):
 
 
 def is_boundary_within_tokens(r: AsyncRequest, boundary, samples):
-    """The real boundary exposed is a prefix of the known tokens."""
-    return And(boundary >= 0, boundary <= r.num_tokens)
+    """The real boundary exposed counts positions whose KV is computed: a prefix
+    of the known tokens short of the last one, whose KV only the step that
+    samples the next token computes."""
+    return And(boundary >= 0, boundary <= r.num_tokens - 1)
 
 
 PLACEHOLDER_REFUTATIONS = {
@@ -604,7 +610,7 @@ def lemma_placeholders_track_in_flight_steps(rule=ASYNC_RULES, bounded=False):
 #: Sentinels of the placeholder claims (see SENTINELS): one step in flight with no
 #: drafts, so the bug misses by exactly one placeholder, and the claim alone concluded.
 ASYNC_SENTINELS = {
-    "sentinel_placeholders_nonnegative": (
+    "sentinel_async_placeholders_nonnegative": (
         attrs.evolve(ASYNC_RULES, output=historical.placeholders_after_stale_output_decrementing),
         "SPD", "is_placeholders_nonnegative",
         "#47900 with one step and no drafts: its stale output takes one placeholder off "
@@ -614,6 +620,11 @@ ASYNC_SENTINELS = {
         "SP", "is_placeholders_match",
         "#48245 with one step and no drafts: the preemption keeps the one placeholder its "
         "stale step no longer owns."),
+    "sentinel_real_boundary_within_known_tokens": (
+        attrs.evolve(ASYNC_RULES, boundary=historical.real_computed_snapshot_before_increment),
+        "S", "is_boundary_within_tokens",
+        "#27644 with one step and no drafts: the boundary read before the step's own "
+        "placeholder counts the last known token, whose KV the step has not computed yet."),
 }
 
 
@@ -629,7 +640,9 @@ def _register_async_sentinels() -> None:
                  lambda rules=rules, events=events, conclusion=conclusion: _async_goal(
                      rules, True, _by_name(conclusion), scenarios=(events,), no_drafts=True),
                  f"{why} Expected: refuted, by {conclusion} alone.",
-                 refutes_rule_of="lemma_placeholders_track_in_flight_steps")
+                 refutes_rule_of="lemma_real_boundary_within_known_tokens"
+                 if conclusion == "is_boundary_within_tokens"
+                 else "lemma_placeholders_track_in_flight_steps")
 
 
 @lemma(rule_of=BOUNDARY_REFUTATIONS, establishes=("computed_within_tokens",))
@@ -637,9 +650,9 @@ def lemma_real_boundary_within_known_tokens(rule=ASYNC_RULES, bounded=False):
     """In the setting of ``lemma_placeholders_track_in_flight_steps``, from a
     request whose computed prefix is within its tokens: the real boundary
     ``compute_real_computed(num_computed, placeholders)``, the only one the prefix
-    cache and a connector's store may use, is never negative and never exceeds
-    the known tokens, after every event, the boundary a scheduled step exposes
-    included (#27644)."""
+    cache and a connector's store may use, is never negative and stops short of
+    the last known token (whose KV the step sampling the next one computes), after
+    every event, the boundary a scheduled step exposes included (#27644)."""
     return _async_goal(rule, bounded, is_boundary_within_tokens)
 
 
@@ -671,6 +684,7 @@ INVARIANT_CLAIMS = {
     "unscheduled_request_has_no_output": "unscheduled_request_has_no_output",
     "preempted_means_preempted": "preempted_means_preempted",
     "loaded_prefix_is_the_hits": "cached_le_computed",
+    "placeholders_nonnegative": "placeholders_nonnegative",
 }
 
 
@@ -793,6 +807,11 @@ SENTINELS = {
         "preempted_means_preempted", ("finish_async_load",), "finish_async_load",
         historical.act_finish_async_load_waking_as_preempted, None,
         "A finished load that wakes a never-preempted request as PREEMPTED."),
+    "sentinel_placeholders_nonnegative": (
+        "placeholders_nonnegative", ("sample_stale",), "sample_stale",
+        historical.act_sample_stale_returning_share, lambda c: c.num_placeholders == 0,
+        "#47900: a preempted request's stale output takes its share off the "
+        "placeholders the preemption zeroed."),
 }
 
 

@@ -203,3 +203,23 @@ def test_the_largest_victim_design_keeps_every_request_going():
     failure = runner.run(actions)
     assert failure is None, [str(v) for v in failure.violations]
     assert runner.features["preemptions"] > 0
+
+
+@pytest.mark.parametrize("mutant", ["draft_count_ignores_placeholders",
+                                    "placeholder_snapshot_before_increment"])
+def test_conformance_alone_catches_async_only_bugs(tmp_path, mutant):
+    """Async steps are inside the model (a schedule, then the oldest step's
+    output): bugs that exist only under async scheduling break it with every
+    other claim switched off (issue 25, part 2)."""
+    result = fuzz(f"mutant:{mutant}", budget=25, seed=0, out_dir=tmp_path, kinds=("model",))
+    assert result.counterexample is not None
+    assert {v.invariant for v in result.counterexample.violations} == {
+        "transition_admitted_by_model"}
+
+
+def test_check_json_lists_no_step_outside_the_model(impl_report):
+    """Every step a target makes is evaluated: async ones and every group."""
+    assert impl_report["features"]["async_scheduling"] > 0
+    assert impl_report["not_evaluated"] == {}
+    model = next(c for c in impl_report["claims"] if c["name"] == "transition_admitted_by_model")
+    assert model["checked"] > 0 and model["witnessed"] > 0 and model["violations"] == 0

@@ -67,12 +67,13 @@ WEAKENINGS = {
         {"request": ["computed_within_tokens", "waiting_with_work"],
          "lemma": ["is_boundary_within_tokens"]},
         {"request": {
-            "computed_within_tokens": lambda r: And(0 <= r.num_computed,
-                                                    r.num_computed <= r.num_tokens + 1),
+            "computed_within_tokens": lambda r: And(
+                0 <= effects.get_real_computed(r),
+                effects.get_real_computed(r) <= r.num_tokens + 1),
             "waiting_with_work": lambda r: Implies(effects.is_waiting(r),
                                                    r.num_computed <= r.num_tokens)},
          "lemma": {"is_boundary_within_tokens": lambda r, boundary, samples: And(
-             boundary >= 0, boundary <= r.num_tokens + 1)}}),
+             boundary >= 0, boundary <= r.num_tokens)}}),
     "blocks_cover_computed": ({"request": ["blocks_cover_computed"]}, {"request": {
         "blocks_cover_computed":
             lambda r: r.num_blocks * r.block_size + 1 >= r.num_computed}}),
@@ -107,8 +108,11 @@ WEAKENINGS = {
     "placeholders_match_in_flight": ({"lemma": ["is_placeholders_match"]}, {"lemma": {
         "is_placeholders_match": lambda r, boundary, samples: And(
             r.num_placeholders >= prove.get_shares(r), r.num_placeholders <= prove.get_shares(r) + 1)}}),
-    "placeholders_nonnegative": ({"lemma": ["is_placeholders_nonnegative"]}, {"lemma": {
-        "is_placeholders_nonnegative": lambda r, boundary, samples: r.num_placeholders >= -1}}),
+    "placeholders_nonnegative": (
+        {"lemma": ["is_placeholders_nonnegative"], "request": ["placeholders_nonnegative"]},
+        {"lemma": {"is_placeholders_nonnegative":
+                   lambda r, boundary, samples: r.num_placeholders >= -1},
+         "request": {"placeholders_nonnegative": lambda r: r.num_placeholders >= -1}}),
 }
 
 

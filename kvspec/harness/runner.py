@@ -17,7 +17,8 @@ from kvspec.harness.targets import TargetCannotMap, make_target
 from kvspec.impl.connector import ConnectorContractError
 from kvspec.spec.actions import Transition
 from kvspec.spec.arith import compute_num_rejected
-from kvspec.spec.conformance import Hints, ModelBook, ModelStep, compute_admission
+from kvspec.spec.conformance import (Hints, ModelBook, ModelStep, compute_admission,
+                                    get_num_blocks)
 from kvspec.spec.groups import NULL_BLOCK, compute_tainted_blocks
 from kvspec.spec import history
 from kvspec.spec.history import Ghost
@@ -76,8 +77,8 @@ def describe_action(action: dict) -> str:
 
 ALL_KINDS = ("state", "data", "relation", "model", "liveness")
 
-#: async steps the conformance model (``transition_admitted_by_model``) does not describe
-UNMODELLED_STEPS = "async_steps_outside_conformance_model"
+#: actions that ended without a conformance step (``check --json``'s not_evaluated)
+OUTSIDE_MODEL = "actions_outside_conformance_model"
 
 #: environment features a run exercises, counted in steps (``kvspec check --json``)
 FEATURES = ("load_failures", "async_loads", "preemptions", "spec_decode",
@@ -259,6 +260,7 @@ class Runner:
         self.content.learn(after)
         self._update_ghost(after, lowered_ok)
         self.obs = after
+        self.features[OUTSIDE_MODEL] += model_step is None  # none do: check --json says so
         found = self._check(after, transition=transition, model_step=model_step)
         if model_step is not None and model_step.admission is not None:
             self.book = model_step.admission.get_book()  # the model's ghost moves on
@@ -424,6 +426,7 @@ class Runner:
 
     def _schedule_in_flight(self, a: dict):
         before = self.obs
+        answers_before, asked = dict(self.env.answers), len(self.env.answer_log)
         step = self.target.schedule()
         mid = self.target.observe()
         self.content.learn(mid)
@@ -433,7 +436,12 @@ class Runner:
         self._tell_worker(step, mid)
         t = self._transition("schedule", before, mid, step=step,
                              worker_tables=self.worker_tables)
-        found = self._check(mid, kinds=("state",), transition=t)
+        hints = self._hints(before, mid, mid.requests, step, WorkerOutcome({}),
+                            answers_before, self.env.answer_log[asked:])
+        model_step = self._model_step(t, hints)
+        found = self._check(mid, kinds=("state",), transition=t, model_step=model_step)
+        if model_step.admission is not None:
+            self.book = model_step.admission.get_book()
         if found:  # the worker cannot run a broken step (positions past the tokens)
             self.obs = mid
             return step, mid, found
@@ -532,10 +540,10 @@ class Runner:
         self._note_output_applied(before, after, report, outcome)
         self._count_features(step, outcome, mid)
         history.process_departed(self.ghost, after)
-        # the conformance model (spec/effects.py) describes the synchronous
-        # step; under async scheduling it is not evaluated, and the report says so
-        self.features[UNMODELLED_STEPS] += 1
-        return self._settle(after, t, lowered_ok=holders)
+        hints = self._hints(before, before, after.requests | departed, step, outcome, {}, [],
+                            _tainted_blocks(before, report), stale=job.stale)
+        return self._settle(after, t, lowered_ok=holders,
+                            model_step=self._model_step(t, hints))
 
     def _note_placeholders_delivered(self, job: InFlight, before: Observation,
                                      after: Observation) -> None:
@@ -552,7 +560,8 @@ class Runner:
         self._drop_output_in_flight(cut)
 
     def _hints(self, before, mid, ended: dict, step: StepView, outcome: WorkerOutcome,
-               answers_before: dict, asked: list, tainted=frozenset()) -> dict[str, Hints]:
+               answers_before: dict, asked: list, tainted=frozenset(),
+               stale=frozenset()) -> dict[str, Hints]:
         """What the observation fixes about each request's step (spec/conformance.py);
         ``ended``: every request after the step, departed ones as they ended."""
         answers = {rid: (local, external) for rid, local, external in asked}
@@ -562,7 +571,6 @@ class Runner:
             if old is None:
                 continue
             tables = was.block_ids if was is not None else ()
-            table = tables[0] if tables else ()
             # the first failed block in any group: with several groups the
             # recovery rule is stated at the earliest one (spec/groups.py). A
             # request that had ended (held for a send) recovers nothing: the
@@ -575,10 +583,13 @@ class Runner:
                 num_drafts=len(step.scheduled_spec_decode_tokens.get(rid, ())),
                 num_appended=len(new.output_token_ids) - len(old.output_token_ids),
                 answer=answers.get(rid), load_answer=answers_before.get(rid),
-                first_invalid_block=bad, start=step.num_computed_before.get(rid),
+                first_invalid_block=bad,
+                # (a preemption since the step started it over: that start is gone)
+                start=None if rid in stale else step.num_computed_before.get(rid),
                 scheduled_stats=None if was is None else (was.num_cached_tokens,
                                                           was.num_external_computed_tokens),
-                scheduled_blocks=len(table))
+                scheduled_blocks=0 if was is None else get_num_blocks(was, mid.config.groups),
+                stale=rid in stale)
         return hints
 
     def _count_features(self, step: StepView, outcome: WorkerOutcome, mid: Observation) -> None:
