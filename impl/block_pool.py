@@ -1,5 +1,7 @@
 """The block pool: physical KV blocks, their reference counts, the free queue
-in eviction order, and the prefix cache (block hash -> block)."""
+in eviction order, and the prefix cache (block hash -> the blocks holding that
+content, the first served; as vLLM's ``BlockHashToBlockMap``, a copy computed
+again is cached too, so evicting one copy loses no content another holds)."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -57,13 +59,17 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeQueue(self.blocks)
         self.enable_caching = enable_caching
-        self.cached: dict[Hashable, KVCacheBlock] = {}
+        self.cached: dict[Hashable, dict[int, KVCacheBlock]] = {}
 
     def get_num_free_blocks(self) -> int:
         return len(self.free_queue)
 
     def get_cached_block(self, block_hash: Hashable) -> KVCacheBlock | None:
-        return self.cached.get(block_hash)
+        """The copy a hit is served from: the first cached."""
+        return next(iter(self.cached.get(block_hash, {}).values()), None)
+
+    def get_cached_blocks(self, block_hash: Hashable) -> list[KVCacheBlock]:
+        return list(self.cached.get(block_hash, {}).values())
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         assert num_blocks <= len(self.free_queue), "block pool: not enough free blocks"
@@ -94,10 +100,10 @@ class BlockPool:
                 self.free_queue.append(block)
 
     def cache_block(self, block: KVCacheBlock, block_hash: Hashable) -> None:
-        if block.block_hash is not None or block_hash in self.cached:
-            return  # already cached, or another block holds this content
+        if block.block_hash is not None:
+            return  # already cached
         block.block_hash = block_hash
-        self.cached[block_hash] = block
+        self.cached.setdefault(block_hash, {})[block.block_id] = block
 
     def uncache(self, block: KVCacheBlock) -> None:
         """Drop a block from the prefix cache (its content cannot be trusted)."""
@@ -105,12 +111,17 @@ class BlockPool:
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
-            if self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
+            copies = self.cached.get(block.block_hash, {})
+            copies.pop(block.block_id, None)
+            if not copies:
+                self.cached.pop(block.block_hash, None)
             block.block_hash = None
 
+    def get_cached_entries(self) -> list[tuple[Hashable, KVCacheBlock]]:
+        return [(h, block) for h, copies in self.cached.items() for block in copies.values()]
+
     def cached_block_ids(self) -> list[int]:
-        return [block.block_id for block in self.cached.values()]
+        return [block.block_id for _h, block in self.get_cached_entries()]
 
     def reset_prefix_cache(self) -> bool:
         if len(self.free_queue) != len(self.blocks):

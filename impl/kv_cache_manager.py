@@ -175,9 +175,8 @@ class KVCacheManager:
         for g, group in enumerate(self.groups):
             if is_windowed(group):
                 for block_hash in request.block_hashes[first:]:
-                    block = self.pool.get_cached_block(get_group_cache_key(block_hash, g))
-                    if block is not None:
-                        found.append(block.block_id)
+                    found += [block.block_id for block in
+                              self.pool.get_cached_blocks(get_group_cache_key(block_hash, g))]
         return found
 
     def uncache_blocks(self, block_ids: Iterable[int]) -> None:

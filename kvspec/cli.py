@@ -323,6 +323,9 @@ def report(result, design_rules: bool = True, prep=None, first_line: bool = True
         console.print(f"[yellow]never witnessed:[/] {name}" + (f" ({why})" if why else ""))
     if result.known:
         console.print(known_table(result.known))
+    if getattr(result, "efficiency", None):
+        from kvspec.report import efficiency_table
+        console.print(efficiency_table(result.efficiency))
     if result.counterexample is None:
         return code
     ce = result.counterexample

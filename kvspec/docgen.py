@@ -164,9 +164,13 @@ def render_generated() -> str:
     kinds = [k for k in KIND_HEADINGS if k in by_kind]
     kinds += sorted(k for k in by_kind if k not in KIND_HEADINGS)
     design = [n for n, inv in registry.items() if inv.role == "design"]
+    lost = [n for n, inv in registry.items() if inv.role == "efficiency"]
+    safety = len(registry) - len(design) - len(lost)
     lines = [BEGIN_MARKER, "",
-             f"The catalogue: {len(registry)} claims ({len(registry) - len(design)} safety, "
-             f"{len(design)} design rules: {', '.join(design)}), generated from the registry "
+             f"The catalogue: {len(registry)} claims ({safety} safety, "
+             f"{len(design)} design rules: {', '.join(design)}; {len(lost)} efficiency, "
+             f"reported as lost performance, never as a failure: {', '.join(lost)}), "
+             "generated from the registry "
              "(`kvspec.spec.registry.REGISTRY`). \"Established by\" is derived from the Z3 "
              "obligations that name a claim (`kvspec prove --json`, `claims_established`), "
              "never written by hand.", ""]

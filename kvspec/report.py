@@ -37,7 +37,7 @@ def print_counterexample(console: Console, steps, violations, trace_path=None) -
 
 
 def is_checked_claim(inv, design_rules: bool) -> bool:
-    return inv.role == "safety" or design_rules
+    return inv.role != "design" or design_rules
 
 
 def summary_table(checks: dict[str, int], witnessed: dict[str, int],
@@ -76,6 +76,17 @@ def known_table(known: dict) -> Table:
     for hit in known.values():
         table.add_row(Text(printable(hit.finding or hit.label or "pre-existing")),
                       str(hit.count), Text(printable(hit.how)), Text(printable(hit.upstream)),
+                      Text(printable(str(hit.trace_path or ""))))
+    return table
+
+
+def efficiency_table(lost: dict) -> Table:
+    """Efficiency claims broken during a run (kvspec.harness.fuzz.KnownHit per claim)."""
+    table = Table(title="lost performance (the run went on; no safety claim broken by it)")
+    for column in ("claim", "times", "first message", "first trace"):
+        table.add_column(column)
+    for key, hit in lost.items():
+        table.add_row(Text(printable(key)), str(hit.count), Text(printable(hit.how)),
                       Text(printable(str(hit.trace_path or ""))))
     return table
 
@@ -131,6 +142,9 @@ def json_summary(result, version: str, budget_s: float, profile, design_rules: b
                             "how": h.how, "upstream": h.upstream, "claims": h.claims,
                             "trace": None if h.trace_path is None else str(h.trace_path)}
                            for h in result.known.values()],
+        "efficiency": [{"claims": h.claims, "count": h.count, "message": h.how,
+                        "trace": None if h.trace_path is None else str(h.trace_path)}
+                       for h in (getattr(result, "efficiency", {}) or {}).values()],
         "patches": patches,
         "verdict": "violated" if ce is not None else ("hold" if code == 0 else "incomplete"),
         "violations": [] if ce is None else [{"claim": v.invariant, "message": v.message}

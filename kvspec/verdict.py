@@ -89,6 +89,10 @@ def first_line(result, found: list[Restriction], code_changed=(),
         notes.append("known findings met: " + ", ".join(
             f"{hit.label or hit.finding or 'pre-existing'} ({hit.count}x)"
             for hit in known.values()))
+    lost = getattr(result, "efficiency", {}) or {}
+    if lost:
+        notes.append("LOST PERFORMANCE (no safety claim broken by it): " + ", ".join(
+            f"{key} ({hit.count}x, trace {hit.trace_path})" for key, hit in lost.items()))
     tail = "".join(f" | {note}" for note in notes)
     if result.counterexample is not None:
         claims = sorted({v.invariant for v in result.counterexample.violations})

@@ -110,6 +110,9 @@ CONSTRAINS: dict[str, str] = {
     "no_caching_of_invalid_blocks": f"`KVCacheManager.allocate_slots` caching at admission "
                                     f"({KM}); `Scheduler._update_waiting_for_remote_kv` and "
                                     f"`_handle_invalid_blocks` (eviction of failed blocks) ({S}).",
+    "computed_blocks_are_cached": f"`KVCacheManager.allocate_slots` and `cache_blocks` "
+                                  f"({KM}): each group's manager caches its full blocks under "
+                                  "its own group's key (`BlockPool.cache_full_blocks`).",
     "no_load_into_free_blocks": f"`Scheduler.finish_requests`, `_free_request` and "
                                 f"`_update_from_kv_xfer_finished` ({S}): an aborted "
                                 "WAITING_FOR_REMOTE_KVS request keeps its blocks until "

@@ -503,6 +503,27 @@ def no_caching_of_invalid_blocks(ctx: Context):
     yield from ctx.oracle.check_cache(ctx.obs)
 
 
+# -- efficiency: work a correct scheduler need not lose --------------------------
+
+@invariant(cites="issue 25 (hybrid blocks cached under the plain hash)", kind="data",
+           role="efficiency")
+def computed_blocks_are_cached(ctx: Context):
+    """With prefix caching on, each full block of known tokens a step computes,
+    while its running request holds it with valid content, is findable in the
+    prefix cache: some cached block holds that content as its group keeps it
+    (the block itself, or a copy cached before it). Read from the data oracle's
+    content, not from the hashes the scheduler keys its cache by.
+
+    Protects the prefix cache's hit rate, not the KV: a block computed but never
+    cached (for one KV cache group keyed under another group's hash, say) is
+    recomputed by every later request with that prefix, and every safety claim
+    holds. Witnessed by such a block."""
+    if not ctx.obs.config.enable_prefix_caching or not ctx.synced:
+        return
+    ctx.witness(0 if ctx.oracle.has_outstanding_failure() else len(ctx.oracle.completed))
+    yield from ctx.oracle.check_completed_cached(ctx.obs)
+
+
 @invariant(cites="#46240, #43226", kind="data")
 def no_load_into_free_blocks(ctx: Context):
     """Every block an async load in flight is writing is held by a request

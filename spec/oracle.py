@@ -39,7 +39,7 @@ import attrs
 from kvspec.spec.groups import NULL_BLOCK, split_cache_key
 from kvspec.spec.reads import get_positions_read
 from kvspec.spec.predicates import is_cached_block_valid
-from kvspec.spec.state import GroupSpec, Observation, RequestView, StepView
+from kvspec.spec.state import GroupSpec, Observation, RequestStatus, RequestView, StepView
 
 GARBAGE = None
 
@@ -152,6 +152,14 @@ class KVContent:
         #: with the step's output, so until then they are not its fault
         self.unreported: dict[int, set[int]] = {}
         self.next_step_id = 0
+        #: the full blocks of known tokens the last step computed the last
+        #: position of: (request, group, block index, block, the keys it holds)
+        self.completed: list[tuple[str, int, int, int, tuple]] = []
+        #: what the prefix cache offered when the last step began: block
+        #: contents, and the (hash, group) keys cached (a block being loaded
+        #: there holds its content only once the load lands)
+        self.offered_at_start: tuple[set, set] = (set(), set())
+        self.keys_at_start: set = set()
 
     # -- addressing ---------------------------------------------------------
     def _slot(self, blocks, pos: int) -> tuple[int, int]:
@@ -302,6 +310,9 @@ class KVContent:
                     self.double_writes.append((*slot, writer[slot], rid))
         self.shared_recomputes = sum(holders.get(b, 0) >= 2 for b in recomputed)
         self.failed_blocks -= recomputed
+        self.completed = [done for rid, (tables, keys, start, n) in writes.items()
+                          for done in self._completed_blocks(rid, obs.requests[rid], tables,
+                                                             keys, start, n)]
         changed = True
         while changed:  # garbage read -> garbage written, to a fixed point
             changed = False
@@ -315,6 +326,17 @@ class KVContent:
                     report.garbage_blocks.add(table[pos // self.block_size])
                 changed = True
         self._record_stream_writes(writes, report.step_id)
+
+    def _completed_blocks(self, rid: str, req: RequestView, tables, keys, start: int, n: int):
+        """The blocks whose last position ``[start, start + n)`` computes, within
+        the tokens the scheduler knows (not a draft, not a token in flight)."""
+        size, known = self.block_size, len(req.all_token_ids)
+        for index in range(start // size, min(start + n, known) // size):
+            if (index + 1) * size > start:
+                for g, table in enumerate(tables):
+                    if index < len(table) and table[index] != NULL_BLOCK:
+                        yield rid, g, index, table[index], tuple(keys[index * size:
+                                                                      (index + 1) * size])
 
     def _computed_slots(self, tables, start: int, n: int):
         """(group, table, position) of every slot a step computing ``[start,
@@ -383,6 +405,63 @@ class KVContent:
         if self.groups[g].kind == "last_state":
             return self.slots[block][-1] == want[-1]
         return self.slots[block] == want
+
+    def forget_completed(self) -> None:
+        """The step's completed blocks were judged: later evictions and resets
+        are the cache's policy, not a block left uncached."""
+        self.completed = []
+
+    def has_outstanding_failure(self) -> bool:
+        """A failed load's garbage not yet recomputed, or not yet reported."""
+        return bool(self.failed_blocks or self.get_unreported_blocks())
+
+    def get_offered(self, obs: Observation) -> tuple[set, set]:
+        """What the prefix cache offers, by content: every cached block's slots,
+        and its last slot (all a last-state group keeps)."""
+        blocks = {block for _key, block in obs.pool.cached}
+        return ({tuple(self.slots[b]) for b in blocks}, {self.slots[b][-1] for b in blocks})
+
+    def note_step_start(self, obs: Observation) -> None:
+        """A step begins: what the cache offers now (a block computed again over
+        a copy the cache held is not the scheduler's to cache twice)."""
+        self.offered_at_start = self.get_offered(obs)
+        self.keys_at_start = {split_cache_key(key) for key, _block in obs.pool.cached}
+
+    def _was_offered(self, r: RequestView, g: int, index: int, expected: tuple) -> bool:
+        """A copy was in the cache when the step began: by content, or by the
+        key of this block of the request (its copy's load may not have landed)."""
+        key = (r.block_hashes[index], g) if index < len(r.block_hashes) else None
+        return key in self.keys_at_start or \
+            self._is_offered(self.offered_at_start, g, expected)
+
+    def _is_offered(self, offered: tuple[set, set], g: int, expected: tuple) -> bool:
+        want = tuple(get_content(g, expected, i) for i in range(len(expected)))
+        if self.groups[g].kind == "last_state":
+            return want[-1] in offered[1]
+        return want in offered[0]
+
+    def check_completed_cached(self, obs: Observation) -> Iterator[str]:
+        """``computed_blocks_are_cached``: each full block the last step
+        completed with valid content, still held by its running request, is
+        findable in the prefix cache: some cached block (under any key) holds
+        that content as its group keeps it, unless a copy was cached when the
+        step began (the cache's eviction order decides whether it stays). Not
+        judged while a load failure is outstanding: which cached hashes a
+        recovery drops as suspect is the scheduler's trade (a hit at most)."""
+        if self.has_outstanding_failure():
+            return
+        offered = self.get_offered(obs)
+        for rid, g, index, block, expected in self.completed:
+            r = obs.requests.get(rid)
+            if r is None or r.status != RequestStatus.RUNNING or \
+                    g >= len(r.block_ids) or r.block_ids[g][index:index + 1] != (block,) or \
+                    not self._holds(block, g, expected) or \
+                    self._was_offered(r, g, index, expected):
+                continue
+            if not self._is_offered(offered, g, expected):
+                yield (f"{rid}: block {block} (index {index}, group {g}) holds computed "
+                       "content no prefix-cache entry offers: a later request with this "
+                       "prefix recomputes it")
 
     def check_request(self, obs: Observation, r: RequestView) -> Iterator[str]:
         """Every real computed token (``num_computed_tokens`` less the output

@@ -4,12 +4,16 @@ the generated docs. A claim yields a message per violation it sees, and calls
 actually in the state the claim speaks about), so a summary can tell a claim
 that held from one that was never put to the test.
 
-Two roles:
+Three roles:
 - ``safety``: what protects users (corrupt KV read or cached, a crash, wrong
   stats, a lost or leaked request or block). Every correct scheduler keeps them.
 - ``design``: a rule of vLLM's current design (one writer per recomputed block,
   the long-prefill cap). A different correct design may break it; check one with
   design rules off (``kvspec check --no-design-rules``).
+- ``efficiency``: work a correct scheduler need not lose (a computed block the
+  prefix cache cannot offer). Breaking one corrupts nothing: a run reports it
+  apart, as lost performance, keeps its trace, and goes on; the verdict on
+  safety stays as it is.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import attrs
 
 #: what a claim needs to be evaluated, in the order the docs list them
 KINDS = ("state", "data", "relation", "model", "liveness")
-ROLES = ("safety", "design")
+ROLES = ("safety", "design", "efficiency")
 
 
 @attrs.frozen

@@ -350,7 +350,7 @@ def test_allocate_gives_every_group_its_blocks_and_caches_per_group():
     # the 4 full blocks are cached in both groups, under keys telling groups apart
     h = r.block_hashes
     assert len(h) == 4
-    assert {key: b.block_id for key, b in kv.pool.cached.items()} == {
+    assert {key: b.block_id for key, b in kv.pool.get_cached_entries()} == {
         h[0]: 0, h[1]: 1, h[2]: 2, h[3]: 3,
         ("group", 1, h[0]): 5, ("group", 1, h[1]): 6, ("group", 1, h[2]): 7,
         ("group", 1, h[3]): 8}
@@ -634,7 +634,7 @@ def test_single_full_attention_group_behaves_as_before():
     assert calls == [] and kv.get_block_ids("r") == ([0, 1, 2, 3, 4],)
     assert kv.get_windowed_cached_ids(r, 0) == []
     # cached under plain hashes (group 0 keeps the plain key)
-    assert {key: b.block_id for key, b in kv.pool.cached.items()} == {
+    assert {key: b.block_id for key, b in kv.pool.get_cached_entries()} == {
         h: i for i, h in enumerate(r.block_hashes)}
     # a hit leaves at least one token to compute: 8 tokens hit 3 blocks, 9 hit 4
     assert kv.get_computed_blocks(make_request("a", PROMPT[:8]))[1] == 6

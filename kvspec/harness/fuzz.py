@@ -29,7 +29,7 @@ from kvspec.harness.heartbeat import periodic
 from kvspec.harness.machine import machine_for
 from kvspec.harness.minimize import minimize
 from kvspec.harness.profiles import FULL
-from kvspec.harness.runner import ALL_KINDS, Counterexample
+from kvspec.harness.runner import ALL_KINDS, Counterexample, is_lost_performance
 from kvspec.harness.trace import save_trace
 
 
@@ -50,6 +50,9 @@ class FuzzResult:
     features: dict[str, int] = attrs.Factory(dict)
     #: known findings met on the way (``Explanation.key`` -> KnownHit)
     known: dict[str, "KnownHit"] = attrs.Factory(dict)
+    #: efficiency claims broken on the way (claim -> KnownHit): lost performance,
+    #: reported apart; the run goes on and the safety verdict is not touched
+    efficiency: dict[str, "KnownHit"] = attrs.Factory(dict)
     #: seconds into the run when shrinking the new counterexample began
     shrink_started: float | None = None
     #: the budget ran out while the counterexample was being shrunk
@@ -71,6 +74,9 @@ class KnownHit:
     length: int = 0
     #: the finding, or what it is when no one finding is named
     label: str = ""
+    #: seconds into the run when it was first met, and the rows of its kept trace
+    seen_s: float | None = None
+    rows: int = 0
 
 
 def derive_seed(seed: int, batch: int) -> int:
@@ -120,6 +126,10 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
 
     def on_counterexample(exc: Counterexample) -> bool:
         save(exc, pending)  # first: nothing found is lost, whatever follows
+        if is_efficiency_only(exc):
+            _keep_efficiency(result, exc, pending, out_dir, trace_path.stem, say,
+                             time.monotonic() - start)
+            return True
         why = explain(exc)
         if why is not None:
             _keep_known(result, why, exc, pending, out_dir, trace_path.stem, say)
@@ -197,6 +207,38 @@ def _keep_known(result: FuzzResult, why, exc: Counterexample, pending: Path, out
         path.parent.mkdir(parents=True, exist_ok=True)
         os.replace(pending, path)
         hit.trace_path, hit.length = path, len(exc.runner.actions)
+    else:
+        pending.unlink(missing_ok=True)
+
+
+def is_efficiency_only(exc: Counterexample) -> bool:
+    """Every claim broken is of role "efficiency": work lost, nothing corrupted
+    (a run reports those at its end, ``Runner.lost``; they never stop it)."""
+    return all(is_lost_performance(v) for v in exc.violations)
+
+
+def _keep_efficiency(result: FuzzResult, exc: Counterexample, pending: Path, out_dir: Path,
+                     stem: str, say: Callable[[str], None], seen_s: float) -> None:
+    """Count lost performance per claim; keep its first trace (a shorter one later).
+    Not while a new counterexample is being shrunk: its candidates are not runs."""
+    if result.first_seen is not None:
+        pending.unlink(missing_ok=True)
+        return
+    claims = sorted({v.invariant for v in exc.violations})
+    key = "+".join(claims)
+    hit = result.efficiency.get(key)
+    if hit is None:
+        message = exc.violations[0].message
+        hit = result.efficiency[key] = KnownHit(None, message, "", claims, label=key,
+                                                seen_s=seen_s)
+        say(f"lost performance: {key}: {message}; the run goes on")
+    hit.count += 1
+    path = out_dir / "efficiency" / f"{safe_file_stem(key)}-{stem}.json"
+    if hit.trace_path is None or len(exc.runner.actions) < hit.length:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(pending, path)
+        hit.trace_path, hit.length = path, len(exc.runner.actions)
+        hit.rows = len(exc.runner.log)
     else:
         pending.unlink(missing_ok=True)
 

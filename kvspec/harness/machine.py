@@ -269,6 +269,9 @@ class KVSpecMachine(RuleBasedStateMachine):
     def teardown(self):
         if self.runner is not None and not self.failed:
             self._apply({"op": "drain"})
+            for lost in self.runner.lost:  # efficiency: reported, never a failure
+                if self.on_counterexample is not None:
+                    type(self).on_counterexample(lost)
         if self.runner is not None:
             r, stats = self.runner, type(self).stats
             stats.update({f"check:{k}": v for k, v in r.checks.items()})

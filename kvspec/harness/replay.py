@@ -73,7 +73,9 @@ def replay_trace(path: Path, target: str | None = None,
                          f"{clip(str(exc), 200)}") from None
     finally:
         stop.set()
-    violations = failure.violations if failure else []
+    # a trace of lost performance ends where an efficiency claim first broke
+    violations = failure.violations if failure else (runner.lost[0].violations
+                                                     if runner.lost else [])
     # with exactly the claims its harm section ignores, a trace is judged by that section
     verdict = (data["harm"]["verdict"] if ignore and "harm" in data
                and set(data["harm"]["ignoring"]) == set(ignore) else data.get("verdict", []))

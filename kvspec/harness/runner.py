@@ -54,6 +54,22 @@ class Counterexample(Exception):
 
 
 @attrs.frozen
+class RunSnapshot:
+    """A run as it stood at one action: what a trace is saved from."""
+
+    config: Config
+    actions: list
+    log: list
+    kv: str
+
+
+def is_lost_performance(v: Violation) -> bool:
+    """A claim of role "efficiency": work lost, nothing corrupted."""
+    inv = REGISTRY.get(v.invariant)
+    return inv is not None and inv.role == "efficiency"
+
+
+@attrs.frozen
 class StepRecord:
     index: int
     action: str
@@ -181,6 +197,9 @@ class Runner:
         self.witnessed: Counter = Counter()
         self.features: Counter = Counter()
         self.violation_counts: Counter = Counter()
+        #: efficiency claims broken (lost performance): the run goes on; the
+        #: first break of each set of claims, with the trace up to it
+        self.lost: list[Counterexample] = []
         #: async scheduling: steps in flight, oldest first
         self.in_flight: list[InFlight] = []
         self.obs: Observation = self.target.observe()
@@ -204,8 +223,18 @@ class Runner:
                                     "The target raised while handling a legal call.")]
         violations = list({(v.invariant, v.message): v for v in violations}.values())
         self._record(action, violations)
-        if violations:
-            raise Counterexample(violations, self)
+        lost = [v for v in violations if is_lost_performance(v)]
+        if lost:
+            self._note_lost(lost)
+        if len(lost) < len(violations):  # only safety and design claims stop a run
+            raise Counterexample([v for v in violations if not is_lost_performance(v)], self)
+
+    def _note_lost(self, lost: list[Violation]) -> None:
+        """Keep the first break of these efficiency claims, with the trace so far."""
+        claims = {v.invariant for v in lost}
+        if all({v.invariant for v in known.violations} != claims for known in self.lost):
+            snapshot = RunSnapshot(self.config, list(self.actions), list(self.log), self.kv)
+            self.lost.append(Counterexample(lost, snapshot))
 
     def run(self, actions) -> Counterexample | None:
         """Apply ``actions`` in order until one breaks a claim; that
@@ -226,7 +255,7 @@ class Runner:
 
     # -- checking -------------------------------------------------------------
     def is_checked(self, inv) -> bool:
-        return (inv.kind in self.kinds and (inv.role == "safety" or self.design_rules)
+        return (inv.kind in self.kinds and (inv.role != "design" or self.design_rules)
                 and inv.name not in self.ignore)
 
     def _check(self, obs: Observation, kinds=("state", "data"), transition=None,
@@ -321,6 +350,7 @@ class Runner:
             return self._do_async_step(a)
         before = self.obs
         answers_before, asked = dict(self.env.answers), len(self.env.answer_log)
+        self.content.note_step_start(before)
         step = self.target.schedule()
         mid = self.target.observe()
         self.content.learn(mid)
@@ -346,8 +376,10 @@ class Runner:
                             answers_before, self.env.answer_log[asked:],
                             _tainted_blocks(mid, report))
         whole_step = self._transition("step", before, after, departed)
-        return violations + self._settle(after, t, lowered_ok=holders,
-                                         model_step=self._model_step(whole_step, hints))
+        violations += self._settle(after, t, lowered_ok=holders,
+                                   model_step=self._model_step(whole_step, hints))
+        self.content.forget_completed()  # judged once, right after the step
+        return violations
 
     def _execute(self, step: StepView, mid: Observation, a: dict, pending=None):
         """The worker runs a step, with the faults the action names."""
@@ -427,6 +459,7 @@ class Runner:
     def _schedule_in_flight(self, a: dict):
         before = self.obs
         answers_before, asked = dict(self.env.answers), len(self.env.answer_log)
+        self.content.note_step_start(before)
         step = self.target.schedule()
         mid = self.target.observe()
         self.content.learn(mid)
@@ -455,7 +488,9 @@ class Runner:
         self.in_flight.append(InFlight(step, mid, report, sampled, shares=shares))
         self.obs = mid
         # the state again, synced (the real boundary), with the data the step wrote
-        return step, mid, self._check(mid, kinds=("state", "data"))
+        found = self._check(mid, kinds=("state", "data"))
+        self.content.forget_completed()  # judged once, right after the step
+        return step, mid, found
 
     def _worker_view(self, step: StepView, a: dict, pending: dict) -> StepView:
         """The step as the worker runs it. The scheduler planned it as if every

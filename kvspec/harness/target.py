@@ -116,7 +116,7 @@ class ImplTarget:
             running=tuple(r.request_id for r in s.running),
             pool=PoolView(ref_cnt=tuple(b.ref_cnt for b in pool.blocks),
                           free_queue=tuple(b.block_id for b in pool.free_queue),
-                          cached=tuple((h, b.block_id) for h, b in pool.cached.items()),
+                          cached=tuple((h, b.block_id) for h, b in pool.get_cached_entries()),
                           fenced=s.in_flight.get_fenced_block_ids()),
             sending=tuple(rid for rid, r in requests.items() if r.status.is_finished))
 

@@ -38,6 +38,10 @@ def detect(target: str, budget: float, seed: int, out_dir: Path, kinds=None, tag
     name = f"{target.replace(':', '_')}{tag}.json"
     result = fuzz(target, budget, seed, out_dir, trace_name=name, **kwargs, **fuzz_options)
     ce = result.counterexample
+    lost = next(iter(result.efficiency.values()), None)
+    if ce is None and lost is not None:  # an efficiency mutant: lost performance
+        return Detection(True, lost.claims, lost.seen_s, result.elapsed, lost.rows,
+                         str(lost.trace_path))
     if ce is None:
         return Detection(False, [], None, result.elapsed, None, None)
     invariants = sorted({v.invariant for v in ce.violations})
