@@ -40,3 +40,17 @@ def test_the_blocks_a_step_touches_are_its_window_and_what_it_writes():
     window = GroupSpec(2, "sliding_window", sliding_window=3)
     assert get_step_blocks(full, 4, 3) == [0, 1, 2, 3]
     assert get_step_blocks(window, 8, 1) == [3, 4]  # reads 6 and 7, writes 8
+
+
+def test_the_data_oracle_alone_sees_a_table_the_worker_was_told_wrong(tmp_path):
+    """The worker computes on the tables the scheduler outputs built (issue 25,
+    part 4): with every claim but the data oracle's switched off, the #26661
+    shape (a resumed request's table not reset) is caught, because its KV is
+    written where the output said, not where the scheduler counts it."""
+    from kvspec.harness.fuzz import fuzz
+    result = fuzz("mutant:resumed_table_not_reset", budget=15, seed=0, out_dir=tmp_path,
+                  kinds=("data",))
+    assert result.counterexample is not None
+    # (garbage counted as computed, or cached: which one a shrink ends on varies)
+    assert {v.invariant for v in result.counterexample.violations} & {
+        "computed_means_valid", "no_caching_of_invalid_blocks"}

@@ -382,19 +382,40 @@ class Runner:
         return violations
 
     def _execute(self, step: StepView, mid: Observation, a: dict, pending=None):
-        """The worker runs a step, with the faults the action names."""
+        """The worker runs a step, with the faults the action names, on the
+        block tables the scheduler outputs told it (``_as_told``)."""
         failing = set(a.get("fail", ()))
         if a.get("fail_all"):
             failing |= set(self.content.loads)
+        told = self._as_told(step, mid)
 
         def run_oracle():
-            return self.content.execute(step, mid, set(a.get("finish_loads", ())), failing,
+            return self.content.execute(step, told, set(a.get("finish_loads", ())), failing,
                                         a.get("fail_offset", 0), a.get("fail_blocks", 1),
                                         pending=pending, fail_group=a.get("fail_group", 0))
         if self.worker is None:
             return run_oracle()
         self.features["kv_torch"] += 1
-        return self.worker.execute(step, mid, pending or {}, run_oracle)
+        return self.worker.execute(step, told, pending or {}, run_oracle)
+
+    def _as_told(self, step: StepView, mid: Observation) -> Observation:
+        """The state as the worker sees it: each scheduled request's block table
+        as the scheduler outputs built it (``spec/worker.py``), as vLLM's model
+        runner keeps it, where the worker keeps one: not for a last-state group,
+        nor for a request a load failure cut back (the reference recomputes it
+        in fresh blocks, which no output says). A scheduler that tells the
+        worker something else has the KV written where it said."""
+        if not self.worker_tables:
+            return mid
+        groups, requests = mid.config.groups, dict(mid.requests)
+        for rid in step.num_scheduled_tokens:
+            r, told = requests.get(rid), self.worker_tables.get(rid)
+            if r is None or told is None or rid in self.ghost.recovered:
+                continue
+            tables = tuple(told[g] if g < len(told) and groups[g].kind != "last_state"
+                           else table for g, table in enumerate(r.block_ids))
+            requests[rid] = attrs.evolve(r, block_ids=tables)
+        return attrs.evolve(mid, requests=requests)
 
     def _kv_violations(self) -> list[Violation]:
         """The torch worker's findings since the last call: blocks whose
