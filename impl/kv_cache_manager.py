@@ -164,9 +164,12 @@ class KVCacheManager:
         for g, table in enumerate(self.req_to_blocks[request.request_id]):
             for i in range(cached[g], min(num_full, len(table))):
                 if not table[i].is_null:
-                    self.pool.cache_block(table[i],
-                                          get_group_cache_key(request.block_hashes[i], g))
+                    self.cache_block(table[i], request.block_hashes[i], g)
             cached[g] = max(cached[g], min(num_full, len(table)))
+
+    def cache_block(self, block: KVCacheBlock, block_hash, group: int) -> None:
+        """Cache one block of ``group`` under the key telling groups apart."""
+        self.pool.cache_block(block, get_group_cache_key(block_hash, group))
 
     def get_windowed_cached_ids(self, request: Request, first: int) -> list[int]:
         """Blocks cached under the request's hashes from block ``first`` on in

@@ -622,16 +622,9 @@ class PlainHashKVCacheManager(KVCacheManager):
     first group, so a windowed group's copy never enters the cache (the hash is
     taken) and its lookups, keyed by group, never hit."""
 
-    def cache_blocks(self, request, num_tokens: int) -> None:
-        if not self.enable_caching or request.request_id not in self.req_to_blocks:
-            return
-        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        cached = self.num_cached_block[request.request_id]
-        for g, table in enumerate(self.req_to_blocks[request.request_id]):
-            for i in range(cached[g], min(num_full, len(table))):
-                if not table[i].is_null and request.block_hashes[i] not in self.pool.cached:
-                    self.pool.cache_block(table[i], request.block_hashes[i])
-            cached[g] = max(cached[g], min(num_full, len(table)))
+    def cache_block(self, block, block_hash, group: int) -> None:
+        if block_hash not in self.pool.cached:
+            self.pool.cache_block(block, block_hash)
 
 
 class HybridCacheUnderPlainHash(Scheduler):

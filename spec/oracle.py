@@ -401,10 +401,15 @@ class KVContent:
     def _holds(self, block: int, g: int, expected: tuple) -> bool:
         """The block holds the content ``expected`` names, as group ``g`` keeps
         it: every slot, or for a last-state group the state at its end."""
-        want = [get_content(g, expected, i) for i in range(len(expected))]
+        want = self._want(g, expected)
         if self.groups[g].kind == "last_state":
             return self.slots[block][-1] == want[-1]
         return self.slots[block] == want
+
+    @staticmethod
+    def _want(g: int, expected: tuple) -> list:
+        """The slots of a block holding ``expected`` in group ``g``."""
+        return [get_content(g, expected, i) for i in range(len(expected))]
 
     def forget_completed(self) -> None:
         """The step's completed blocks were judged: later evictions and resets
@@ -435,10 +440,10 @@ class KVContent:
             self._is_offered(self.offered_at_start, g, expected)
 
     def _is_offered(self, offered: tuple[set, set], g: int, expected: tuple) -> bool:
-        want = tuple(get_content(g, expected, i) for i in range(len(expected)))
+        want = self._want(g, expected)
         if self.groups[g].kind == "last_state":
             return want[-1] in offered[1]
-        return want in offered[0]
+        return tuple(want) in offered[0]
 
     def check_completed_cached(self, obs: Observation) -> Iterator[str]:
         """``computed_blocks_are_cached``: each full block the last step

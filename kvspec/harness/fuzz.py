@@ -202,11 +202,18 @@ def _keep_known(result: FuzzResult, why, exc: Counterexample, pending: Path, out
                                                label=why.key)
         say(f"known: {why.key}: {why.how}; the run goes on")
     hit.count += 1
-    path = out_dir / "known" / f"{safe_file_stem(why.key)}-{stem}.json"
+    _keep_shortest_trace(hit, exc, pending,
+                         out_dir / "known" / f"{safe_file_stem(why.key)}-{stem}.json")
+
+
+def _keep_shortest_trace(hit: KnownHit, exc: Counterexample, pending: Path, path: Path) -> None:
+    """Move the pending trace to ``path`` if it is the hit's first or shorter
+    than the one kept; drop it otherwise."""
     if hit.trace_path is None or len(exc.runner.actions) < hit.length:
         path.parent.mkdir(parents=True, exist_ok=True)
         os.replace(pending, path)
         hit.trace_path, hit.length = path, len(exc.runner.actions)
+        hit.rows = len(exc.runner.log)
     else:
         pending.unlink(missing_ok=True)
 
@@ -233,14 +240,8 @@ def _keep_efficiency(result: FuzzResult, exc: Counterexample, pending: Path, out
                                                 seen_s=seen_s)
         say(f"lost performance: {key}: {message}; the run goes on")
     hit.count += 1
-    path = out_dir / "efficiency" / f"{safe_file_stem(key)}-{stem}.json"
-    if hit.trace_path is None or len(exc.runner.actions) < hit.length:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(pending, path)
-        hit.trace_path, hit.length = path, len(exc.runner.actions)
-        hit.rows = len(exc.runner.log)
-    else:
-        pending.unlink(missing_ok=True)
+    _keep_shortest_trace(hit, exc, pending,
+                         out_dir / "efficiency" / f"{safe_file_stem(key)}-{stem}.json")
 
 
 def _start_heartbeat(heartbeat, every: float, machine, result: FuzzResult,

@@ -224,10 +224,11 @@ class Runner:
         violations = list({(v.invariant, v.message): v for v in violations}.values())
         self._record(action, violations)
         lost = [v for v in violations if is_lost_performance(v)]
+        stopping = [v for v in violations if v not in lost]
         if lost:
             self._note_lost(lost)
-        if len(lost) < len(violations):  # only safety and design claims stop a run
-            raise Counterexample([v for v in violations if not is_lost_performance(v)], self)
+        if stopping:  # only safety and design claims stop a run
+            raise Counterexample(stopping, self)
 
     def _note_lost(self, lost: list[Violation]) -> None:
         """Keep the first break of these efficiency claims, with the trace so far."""
@@ -291,9 +292,13 @@ class Runner:
         self.obs = after
         self.features[OUTSIDE_MODEL] += model_step is None  # none do: check --json says so
         found = self._check(after, transition=transition, model_step=model_step)
-        if model_step is not None and model_step.admission is not None:
-            self.book = model_step.admission.get_book()  # the model's ghost moves on
+        self._advance_book(model_step)
         return found
+
+    def _advance_book(self, model_step: ModelStep | None) -> None:
+        """The model's ghost moves on past a judged action."""
+        if model_step is not None and model_step.admission is not None:
+            self.book = model_step.admission.get_book()
 
     def _update_ghost(self, obs: Observation, lowered_ok) -> None:
         history.process_observation(self.ghost, obs, self.env.answers, lowered_ok)
@@ -348,13 +353,7 @@ class Runner:
     def _do_step(self, a: dict) -> list[Violation]:
         if self.config.async_scheduling:
             return self._do_async_step(a)
-        before = self.obs
-        answers_before, asked = dict(self.env.answers), len(self.env.answer_log)
-        self.content.note_step_start(before)
-        step = self.target.schedule()
-        mid = self.target.observe()
-        self.content.learn(mid)
-        self._update_ghost(mid, lowered_ok=frozenset())  # stats set by this schedule()
+        before, step, mid, answers_before, asked = self._schedule()
         self._tell_worker(step, mid)
         t = self._transition("schedule", before, mid, step=step,
                              worker_tables=self.worker_tables)
@@ -380,6 +379,18 @@ class Runner:
                                    model_step=self._model_step(whole_step, hints))
         self.content.forget_completed()  # judged once, right after the step
         return violations
+
+    def _schedule(self):
+        """One ``schedule()``: the state before and after it, the step, and the
+        connector's answers before it with where this call's answers start."""
+        before = self.obs
+        answers_before, asked = dict(self.env.answers), len(self.env.answer_log)
+        self.content.note_step_start(before)
+        step = self.target.schedule()
+        mid = self.target.observe()
+        self.content.learn(mid)
+        self._update_ghost(mid, lowered_ok=frozenset())  # stats set by this schedule()
+        return before, step, mid, answers_before, asked
 
     def _execute(self, step: StepView, mid: Observation, a: dict, pending=None):
         """The worker runs a step, with the faults the action names, on the
@@ -478,13 +489,7 @@ class Runner:
         return pending
 
     def _schedule_in_flight(self, a: dict):
-        before = self.obs
-        answers_before, asked = dict(self.env.answers), len(self.env.answer_log)
-        self.content.note_step_start(before)
-        step = self.target.schedule()
-        mid = self.target.observe()
-        self.content.learn(mid)
-        self._update_ghost(mid, lowered_ok=frozenset())
+        before, step, mid, answers_before, asked = self._schedule()
         self._count_async_schedule(step)
         shares = self._note_placeholders_scheduled(step, mid)
         self._tell_worker(step, mid)
@@ -494,8 +499,7 @@ class Runner:
                             answers_before, self.env.answer_log[asked:])
         model_step = self._model_step(t, hints)
         found = self._check(mid, kinds=("state",), transition=t, model_step=model_step)
-        if model_step.admission is not None:
-            self.book = model_step.admission.get_book()
+        self._advance_book(model_step)
         if found:  # the worker cannot run a broken step (positions past the tokens)
             self.obs = mid
             return step, mid, found
