@@ -11,6 +11,7 @@ import json
 import pytest
 
 from kvspec.harness.env import sampled_token
+from kvspec.harness.batch_queue import BatchQueue
 from kvspec.harness.runner import Counterexample, Runner
 from kvspec.harness.target import make_config
 from kvspec.harness.trace import TraceError, config_from_dict, config_to_dict
@@ -62,7 +63,7 @@ def test_padded_drafts_are_never_accepted():
 
 def test_a_worker_that_ignores_the_rejected_drafts_is_caught(monkeypatch):
     # the check must be able to fail: run the next step where the scheduler planned it
-    monkeypatch.setattr(Runner, "_rejected_in_flight", lambda self, rid: 0)
+    monkeypatch.setattr(BatchQueue, "get_rejected", lambda self, rid: 0)
     with pytest.raises(Counterexample) as caught:
         decode("impl", accept=0)
     assert caught.value.violations

@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 import pickle
 
-from kvspec.harness import runner as runner_module
+from kvspec.harness import checker as checker_module
 from kvspec.harness.fuzz import fuzz
 from kvspec.spec.oracle import KeyBook
 from kvspec.spec.registry import REGISTRY
@@ -33,7 +33,7 @@ def _state(subject) -> bytes:
 
 def test_evaluating_a_claim_twice_gives_the_same_verdict_and_changes_nothing(
         monkeypatch, tmp_path):
-    real = runner_module.evaluate
+    real = checker_module.evaluate
     seen: dict[str, int] = {}
     impure: list[str] = []
 
@@ -46,7 +46,7 @@ def test_evaluating_a_claim_twice_gives_the_same_verdict_and_changes_nothing(
             impure.append(f"{inv.name} judged the same thing twice differently")
         seen[inv.name] = seen.get(inv.name, 0) + 1
         return first
-    monkeypatch.setattr(runner_module, "evaluate", twice)
+    monkeypatch.setattr(checker_module, "evaluate", twice)
     result = fuzz("impl", budget=8, seed=5, out_dir=tmp_path)
     assert result.runs > 0 and result.counterexample is None
     assert not impure, sorted(set(impure))[:5]

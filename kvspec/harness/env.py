@@ -67,6 +67,19 @@ class EnvironmentContractViolation(Exception):
     """The environment (not the scheduler) stepped outside its contract."""
 
 
+def get_request_spec(a: dict) -> RequestSpec:
+    """The request an ``add`` action makes, and the environment's plan for it."""
+    spec = RequestSpec(a["id"], tuple(a["prompt"]), a["max_tokens"], a.get("priority", 0),
+                       a.get("ext", 0), a.get("async", False), a.get("none", 0),
+                       a.get("send", False), a.get("offload", False),
+                       # an overclaim is outside the contract by definition
+                       a.get("beyond_contract", False) or a.get("overclaim_ok", False))
+    if spec.ext > len(spec.prompt) and not a.get("overclaim_ok"):
+        raise EnvironmentContractViolation(
+            f"the store cannot hold {spec.ext} tokens of a {len(spec.prompt)}-token prompt")
+    return spec
+
+
 class EnvConnector:
     """A programmable KV connector: its answers come from the environment."""
 

@@ -263,7 +263,7 @@ class KVSpecMachine(RuleBasedStateMachine):
         weight update or ``/reset_prefix_cache?reset_running_requests=true`` does)."""
         # vLLM does not support a forced reset while KV is in transfer (its error
         # says so): the environment does not ask for one then
-        running = running and not self.runner.is_kv_in_transfer()
+        running = running and not self.runner.model_runner.is_kv_in_transfer(self.runner.obs)
         self._apply({"op": "reset_prefix_cache", **({"running": True} if running else {})})
 
     def teardown(self):

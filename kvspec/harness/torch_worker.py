@@ -48,13 +48,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from kvspec.gpu.checksum import (ExpectedBlock, check_blocks, compute_expected_checksums)
+from kvspec.gpu.checksum import ExpectedBlock, check_blocks, compute_expected_checksums
 from kvspec.gpu.loader import KVLoader, LoadFault, compute_garbage
 from kvspec.gpu.model import TinyConfig, TinyTransformer
 from kvspec.gpu.store import KVStore
-from kvspec.spec.oracle import extend_prefix_keys
+from kvspec.harness.kv_modes import KV_CLAIM, KVWorkerError
 from kvspec.spec.groups import NULL_BLOCK, get_read_positions, split_cache_key
-from kvspec.harness.runner import KV_CLAIM, KVWorkerError
+from kvspec.spec.oracle import extend_prefix_keys
 from kvspec.spec.registry import Violation
 from kvspec.spec.state import Config, Observation, RequestStatus, RequestView, StepView
 

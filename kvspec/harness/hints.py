@@ -1,0 +1,69 @@
+"""What an observed step fixes about each request for the conformance model
+(``spec/conformance.py``'s ``Hints``), and which blocks a step's failed loads
+tainted. Pure functions of observations the runner hands in."""
+from __future__ import annotations
+
+from kvspec.spec.conformance import Hints, get_num_blocks
+from kvspec.spec.groups import compute_tainted_blocks
+from kvspec.spec.state import Observation, StepView, WorkerOutcome
+
+
+def get_tainted_blocks(obs: Observation, report) -> set[int]:
+    """Blocks the step's failed loads left invalid; with several kinds of group
+    the blocks a reader of invalid KV wrote its garbage into, and everything the
+    spec counts as failed with them (``compute_tainted_blocks``: a request can
+    read another group's block computed on top of a failed one without holding
+    the failed block). Not a holder's blocks before its first failed one: the
+    hits it only read stay valid for every other holder."""
+    bad = set(report.invalid_block_ids)
+    if bad and obs.config.is_hybrid:
+        holders = [(r.block_ids, r.num_computed_tokens - r.num_output_placeholders)
+                   for r in obs.requests.values()]
+        bad = compute_tainted_blocks(holders, obs.config.block_size,
+                                     bad | report.garbage_blocks)
+    return bad
+
+
+def get_invalid_holders(obs: Observation, report) -> set[str]:
+    """Requests holding a tainted block (``get_tainted_blocks``)."""
+    bad = get_tainted_blocks(obs, report)
+    return {r.request_id for r in obs.requests.values()
+            if bad & {b for table in r.block_ids for b in table}}
+
+
+def get_first_invalid_block(old, tables, bad) -> int | None:
+    """The first failed block in any group: with several groups the recovery
+    rule is stated at the earliest one (spec/groups.py). A request that had
+    ended (held for a send) recovers nothing: the taint may reach its blocks,
+    its count stays as it was."""
+    if old.status.is_finished:
+        return None
+    return min((i for t in tables for i, b in enumerate(t) if b in bad), default=None)
+
+
+def compute_hints(before: Observation, mid: Observation, ended: dict, step: StepView,
+                  outcome: WorkerOutcome, answers_before: dict, asked: list,
+                  tainted=frozenset(), stale=frozenset()) -> dict[str, Hints]:
+    """Per request, what the step fixes; ``ended``: every request after the
+    step, departed ones as they ended."""
+    answers = {rid: (local, external) for rid, local, external in asked}
+    hints = {}
+    for rid, new in ended.items():
+        old, was = before.requests.get(rid), mid.requests.get(rid)
+        if old is None:
+            continue
+        tables = was.block_ids if was is not None else ()
+        hints[rid] = Hints(
+            num_new=step.num_scheduled_tokens.get(rid, 0),
+            num_drafts=len(step.scheduled_spec_decode_tokens.get(rid, ())),
+            num_appended=len(new.output_token_ids) - len(old.output_token_ids),
+            answer=answers.get(rid), load_answer=answers_before.get(rid),
+            first_invalid_block=get_first_invalid_block(
+                old, tables, tainted or outcome.invalid_block_ids),
+            # (a preemption since the step started it over: that start is gone)
+            start=None if rid in stale else step.num_computed_before.get(rid),
+            scheduled_stats=None if was is None else (was.num_cached_tokens,
+                                                      was.num_external_computed_tokens),
+            scheduled_blocks=0 if was is None else get_num_blocks(was, mid.config.groups),
+            stale=rid in stale)
+    return hints
