@@ -167,6 +167,20 @@ WHY = {
         "prompt skips the window from the load's end, but the last token is recomputed one "
         "position earlier and its window starts one position earlier too: one block in "
         "`block_size` prompt lengths is null where it reads (`every_group_serves_computed`)."),
+    "resumed_table_not_reset": (
+        "The #26661 shape: a request resumed after a preemption goes out as a cached request "
+        "whose new block ids the worker appends to the table it kept, instead of replacing it. "
+        "The worker, reading what the scheduler sends as vLLM's model runner does, writes the "
+        "resumed request's KV into blocks it no longer holds: `worker_tables_match_scheduler` "
+        "compares the table the outputs built with the scheduler's, and the data claims see the "
+        "KV land where the outputs said (issue 25, part 4)."),
+    "hybrid_cache_under_plain_hash": (
+        "Lost performance, not corruption: a multi-group request's blocks are cached under the "
+        "plain block hash instead of the hash with its group, so no later lookup finds them "
+        "and every prefix hit of a hybrid layout is recomputed. Every safety claim holds; the "
+        "efficiency claim `computed_blocks_are_cached` names the computed block that is not "
+        "cached under its key, and the run reports it apart as LOST PERFORMANCE (issue 25, "
+        "part 6)."),
 }
 
 
@@ -196,10 +210,10 @@ def main() -> None:
              "committed under `model_tests/regressions/` and replayed by the test suite. One "
              "run of `kvspec zoo --budget 60s --json` over every mutant on the 2-core "
              "development machine, shared with other work (times are upper bounds of a quiet "
-             "machine's), after several KV cache groups became part of the default environment "
-             "(issue 11: half the runs draw a hybrid layout, which changes every mutant's "
-             "draws; the trace minimizer also tries more requests at once and one KV cache "
-             "group less).", "",
+             "machine's), after every step of every target became judged by the one conformance "
+             "model and the worker started reading the scheduler's outputs (issue 25). An "
+             "efficiency mutant is caught when it loses performance with every safety claim "
+             "holding (`computed_blocks_are_cached`).", "",
              f"Caught: {len(caught)} of {sum(r['status'] != 'pending' for r in rows)}; "
              f"median time to detection {statistics.median(times):.2f} s, "
              f"max {max(times):.2f} s." if times else "", "",
