@@ -29,7 +29,7 @@ CONSTRAINS: dict[str, str] = {
                          "victim choice (`running[-1]` or the worst priority), "
                          "`scheduled_new_reqs` vs `resumed_req_ids`, `preempted_req_ids`, "
                          "`num_computed_tokens` at the start of a running request's step.",
-    "worker_tables_match_scheduler": f"`Scheduler._make_cached_request_data` and "
+    "worker_tables_match_scheduler": "`Scheduler._make_cached_request_data` and "
                                      "`NewRequestData.from_request` (v1/core/sched/output.py): "
                                      "`new_block_ids` (the blocks `allocate_slots` returned), "
                                      "`resumed_req_ids` / `resumed_from_preemption` (the worker "

@@ -85,13 +85,11 @@ import os
 import traceback
 from pathlib import Path
 
-import attrs
-
 from kvspec.harness.env import EOS_TOKEN_ID, RequestSpec
 from kvspec.harness.targets import TargetCannotMap
-from kvspec.spec.groups import NULL_BLOCK, get_group_cache_key, is_windowed
-from kvspec.spec.state import (MAX_DRAFTS, STATS_UNSET, Config, GroupSpec, Observation,
-                               PoolView, RequestStatus, RequestView, StepView, WorkerOutcome)
+from kvspec.harness.vllm_observe import NULL_BLOCKS, VllmObserver
+from kvspec.spec.groups import NULL_BLOCK
+from kvspec.spec.state import MAX_DRAFTS, Config, GroupSpec, StepView, WorkerOutcome
 
 TINY_MODEL = Path(__file__).with_name("tiny_model")
 TINY_MODEL_CONFIG = {
@@ -103,18 +101,6 @@ TINY_MODEL_CONFIG = {
     "tie_word_embeddings": False, "torch_dtype": "float32",
 }
 #: vLLM's block 0 is the null block; kvspec block b is vLLM block b + NULL_BLOCKS
-NULL_BLOCKS = 1
-
-_STATUS_ALIASES = {
-    "FINISHED_IGNORED": RequestStatus.FINISHED_LENGTH_CAPPED,
-    "FINISHED_REPETITION": RequestStatus.FINISHED_STOPPED,
-    "WAITING_FOR_FSM": RequestStatus.WAITING,
-    "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": RequestStatus.WAITING,
-    "WAITING_FOR_STREAMING_REQ": RequestStatus.WAITING,
-}
-
-_VIEW_FIELDS = set(attrs.fields_dict(RequestView))
-
 _vllm = None  # the imported modules, once
 #: the model runner whose scheduling paths the last scheduler built takes ("V1"
 #: or "V2": vLLM's scheduler branches on ``use_v2_model_runner``)
@@ -245,7 +231,7 @@ def _only_known(cls, **kwargs):
     return cls(**{k: v for k, v in kwargs.items() if k in known})
 
 
-class VllmTarget:
+class VllmTarget(VllmObserver):
     """The installed vLLM's v1 scheduler behind the kvspec ``Target`` protocol."""
 
     name = "vllm"
@@ -288,9 +274,7 @@ class VllmTarget:
         if hasattr(kv_cache_config, "cache_hit_alignment_tokens"):
             kv_cache_config.cache_hit_alignment_tokens = block_size
 
-        self._stats: dict[str, object] = {}      # request id -> its PrefillStats object
-        self._requests: dict[str, object] = {}   # every request added, to see how it ended
-        self._admitted: set[str] = set()         # stats recorded (see the module doc)
+        VllmObserver.__init__(self, m, config)
         self._cancelled_loads: set[str] = set()  # finished mid-load: report finished_recving
         self._arrivals = 0
         #: scheduler outputs whose model output is pending, oldest first (the
@@ -387,26 +371,6 @@ class VllmTarget:
         return vllm_config
 
     # -- block ids --------------------------------------------------------------
-    def _as_tables(self, block_ids):
-        """A ``new_block_ids`` entry (vLLM ids per group) as kvspec's (None: no
-        new block). Not through ``_to_spec_ids``: what the output sends is judged
-        by worker_tables_match_scheduler, not asserted here."""
-        if block_ids is None:
-            return None
-        return tuple(tuple(map(_spec_id, group)) for group in block_ids)
-
-    def _to_spec_ids(self, vllm_ids, group: int = 0) -> tuple[int, ...]:
-        """One group's vLLM block ids as kvspec's: the null block is
-        ``NULL_BLOCK`` in a group that gives blocks back, and never in a
-        full-attention table."""
-        windowed = is_windowed(self.config.groups[group])
-        out = []
-        for b in vllm_ids:
-            if b < NULL_BLOCKS and not windowed:
-                raise AssertionError(f"a full-attention block table holds the null block {b}")
-            out.append(_spec_id(b))
-        return tuple(out)
-
     # -- the Target protocol ----------------------------------------------------
     def add_request(self, spec: RequestSpec) -> None:
         m = self.m
@@ -428,8 +392,7 @@ class VllmTarget:
         # (an edit under review), so that its methods are the ones the scheduler sees
         request_class = self.patches.get("vllm.v1.request", "Request")
         request = request_class(**{k: v for k, v in kwargs.items() if k in accepted})
-        self._stats[spec.request_id] = getattr(request, "prefill_stats", None)
-        self._requests[spec.request_id] = request
+        self.note_request(request)
         with _LocateAsserts():
             self.scheduler.add_request(request)
 
@@ -439,33 +402,7 @@ class VllmTarget:
         with _LocateAsserts():
             out = self.scheduler.schedule()
         self._outputs.append(out)
-        before: dict[str, int] = {}
-        new_ids, told = [], {}
-        for data in out.scheduled_new_reqs:
-            before[data.req_id] = data.num_computed_tokens
-            new_ids.append(data.req_id)
-            told[data.req_id] = self._as_tables(data.block_ids)
-        cached = out.scheduled_cached_reqs
-        resumed = _resumed_ids(cached)
-        sent = getattr(cached, "new_block_ids", None)
-        for i, rid in enumerate(cached.req_ids):
-            before[rid] = cached.num_computed_tokens[i]
-            if sent is not None:
-                told[rid] = self._as_tables(sent[i])
-        resumed_ids = [rid for rid in cached.req_ids if rid in resumed]
-        # who was preempted during this call (the output's preempted_req_ids, where
-        # a release has it, also names those a forced reset_prefix_cache preempted
-        # since the last call)
-        preempted = {rid for rid, r in self.scheduler.requests.items()
-                     if getattr(r, "num_preemptions", 0) > preemptions.get(rid, 0)}
-        return StepView(
-            num_scheduled_tokens=dict(out.num_scheduled_tokens),
-            num_computed_before=before,
-            scheduled_spec_decode_tokens={k: tuple(v) for k, v in
-                                          out.scheduled_spec_decode_tokens.items()},
-            new_req_ids=tuple(new_ids), resumed_req_ids=tuple(resumed_ids),
-            preempted_req_ids=frozenset(preempted),
-            new_block_ids=told if sent is not None else {})
+        return self.get_step_view(out, preemptions)
 
     def update_from_output(self, outcome: WorkerOutcome) -> None:
         m = self.m
@@ -546,96 +483,6 @@ class VllmTarget:
         with _LocateAsserts():
             return bool(self.scheduler.reset_prefix_cache(reset_running_requests=True))
 
-    # -- the observation map ------------------------------------------------------
-    def _status(self, r) -> RequestStatus:
-        name = r.status.name
-        if name in RequestStatus.__members__:
-            return RequestStatus[name]
-        if name in _STATUS_ALIASES:
-            return _STATUS_ALIASES[name]
-        raise AssertionError(f"unknown vLLM request status {name}")
-
-    def _stats_of(self, r, status: RequestStatus) -> tuple[int, int]:
-        rid = r.request_id
-        if status == RequestStatus.RUNNING:
-            self._admitted.add(rid)  # final from here on (see the module doc)
-        if hasattr(r, "prefill_stats"):
-            stats = self._stats.get(rid) or r.prefill_stats
-            if stats is None or rid not in self._admitted or stats.num_prompt_tokens <= 0:
-                return STATS_UNSET, 0
-            return stats.num_cached_tokens, stats.num_external_cached_tokens
-        cached = getattr(r, "num_cached_tokens", STATS_UNSET)
-        if cached < 0:  # not recorded yet: the lookup's external count is provisional
-            return STATS_UNSET, 0
-        return cached, getattr(r, "num_external_computed_tokens", 0)
-
-    def observe_request(self, request_id: str) -> RequestView:
-        s = self.scheduler
-        return self._view(s.requests[request_id], s.kv_cache_manager.get_block_ids(request_id))
-
-    def final_view(self, request_id: str) -> RequestView | None:
-        r = self._requests.get(request_id)
-        if r is None or request_id in self.scheduler.requests:
-            return None
-        return self._view(r, tuple(() for _ in self.config.groups))
-
-    def _view(self, r, tables) -> RequestView:
-        request_id = r.request_id
-        status = self._status(r)
-        cached, external = self._stats_of(r, status)
-        extra = {}
-        if "eos_token_id" in _VIEW_FIELDS:  # newer kvspec states carry the stop token
-            params = getattr(r, "sampling_params", None)
-            extra["eos_token_id"] = getattr(r, "eos_token_id", None) if params is None else \
-                getattr(params, "eos_token_id", getattr(r, "eos_token_id", None))
-        return RequestView(
-            request_id=request_id, status=status,
-            prompt_token_ids=tuple(r.prompt_token_ids),
-            output_token_ids=tuple(r.output_token_ids), max_tokens=r.max_tokens,
-            num_computed_tokens=r.num_computed_tokens, num_cached_tokens=cached,
-            num_external_computed_tokens=external,
-            num_preemptions=getattr(r, "num_preemptions", 0),
-            block_ids=tuple(self._to_spec_ids(t, g) for g, t in enumerate(tables)),
-            block_hashes=tuple(r.block_hashes), spec_token_ids=tuple(r.spec_token_ids),
-            num_output_placeholders=getattr(r, "num_output_placeholders", 0),
-            priority=r.priority, **extra)
-
-    def _pool_view(self) -> PoolView:
-        pool = self.scheduler.kv_cache_manager.block_pool
-        blocks = pool.blocks[NULL_BLOCKS:]
-        free = [b.block_id - NULL_BLOCKS for b in pool.free_block_queue.get_all_free_blocks()]
-        cached = []
-        table = pool.cached_block_hash_to_block
-        entries = getattr(table, "_cache", table)  # a BlockHashToBlockMap, or a plain dict
-        for key, value in entries.items():
-            found = value.values() if isinstance(value, dict) else [value]
-            block_hash = self.m.get_block_hash(key) if self.m.get_block_hash else key
-            group = self.m.get_group_id(key) if self.m.get_group_id else 0
-            for block in found:
-                cached.append((get_group_cache_key(block_hash, group),
-                               block.block_id - NULL_BLOCKS))
-        # a hybrid request's deferred free lists the null block of its windowed groups
-        fenced = tuple(b.block_id - NULL_BLOCKS for _, held in
-                       getattr(self.scheduler, "deferred_frees", ()) for b in held
-                       if b.block_id >= NULL_BLOCKS)
-        return PoolView(ref_cnt=tuple(b.ref_cnt for b in blocks), free_queue=tuple(free),
-                        cached=tuple(cached), fenced=fenced)
-
-    def observe(self) -> Observation:
-        s = self.scheduler
-        requests = {rid: self.observe_request(rid) for rid in s.requests}
-        for rid in [rid for rid in self._stats if rid not in s.requests]:
-            del self._stats[rid]
-            self._admitted.discard(rid)
-        waiting = [r.request_id for r in s.waiting]
-        waiting += [r.request_id for r in getattr(s, "kv_holding_waiting", ())]
-        waiting += [r.request_id for r in getattr(s, "skipped_waiting", ())]
-        return Observation(
-            config=self.config, requests=requests, waiting=tuple(waiting),
-            running=tuple(r.request_id for r in s.running), pool=self._pool_view(),
-            sending=tuple(rid for rid, r in requests.items() if r.status.is_finished))
-
-
 @functools.cache  # one installed release per process; a target is built per run
 def maps_last_state(m: _Modules) -> bool:
     """The installed release maps a last-state group: it has an align-mode Mamba
@@ -709,16 +556,3 @@ class _LocateAsserts:
 
 def m_status(m: _Modules, name: str):
     return m.VStatus[name]
-
-
-def _spec_id(vllm_id: int) -> int:
-    """A vLLM block id as kvspec's (vLLM's null block is ``NULL_BLOCK``)."""
-    return NULL_BLOCK if vllm_id < NULL_BLOCKS else vllm_id - NULL_BLOCKS
-
-
-def _resumed_ids(cached) -> set[str]:
-    resumed = getattr(cached, "resumed_req_ids", None)
-    if resumed is not None:
-        return set(resumed)
-    flags = getattr(cached, "resumed_from_preemption", None) or ()
-    return {rid for rid, flag in zip(cached.req_ids, flags) if flag}

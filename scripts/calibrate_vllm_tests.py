@@ -1,0 +1,214 @@
+"""Calibrate kvspec's claims on vLLM's own unit tests (issue 26).
+
+    python scripts/calibrate_vllm_tests.py 0.32.0 [--python PY] [--shards 2]
+
+Fetches the release's source distribution from PyPI (no build: only its
+``tests/`` tree is used), prepares an offline Hugging Face cache holding only
+the named models' ``config.json`` (``scripts/vllm_test_models.py``), runs the
+scheduler, KV-connector, offloading and streaming test files below with
+``-p kvspec.observe`` under ``PY`` (a Python whose installed vLLM is that
+release, with kvspec importable), and writes ``docs/calibration/VERSION.json``
+and the table in ``docs/calibration/VERSION.md``. Every scheduler a test builds
+is watched; a claim a test breaks within the engine's contract is a claim too
+strong, a mis-mapping or a vLLM bug, until shown which.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import attrs
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from vllm_test_models import write_cache  # noqa: E402
+
+TEST_FILES = (
+    "tests/v1/core/test_scheduler.py", "tests/v1/core/test_async_scheduler.py",
+    "tests/v1/core/test_prefix_caching.py", "tests/v1/core/test_kv_sharing.py",
+    "tests/v1/core/test_single_type_kv_cache_manager.py",
+    "tests/v1/core/test_priority_preemption_bug.py",
+    "tests/v1/core/test_priority_scheduler_random.py",
+    "tests/v1/core/test_reset_prefix_cache_e2e.py", "tests/v1/core/test_deferred_block_free.py",
+    "tests/v1/core/test_swa_inflight_window_free.py", "tests/v1/core/test_worker_slot_overflow.py",
+    "tests/v1/core/test_mamba_align_chunk_split.py", "tests/v1/core/test_prefix_replay.py",
+    "tests/v1/core/prefix_cache",
+    "tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py",
+    "tests/v1/kv_connector/unit/test_invalid_blocks_correctness.py",
+    "tests/v1/kv_connector/unit/test_remote_prefill_lifecycle.py",
+    "tests/v1/kv_connector/unit/test_remote_decode_lifecycle.py",
+    "tests/v1/kv_connector/unit/test_kv_connector_lifecycle.py",
+    "tests/v1/kv_connector/unit/test_error_propagation.py",
+    "tests/v1/kv_connector/unit/test_cache_pollution_prevention.py",
+    "tests/v1/kv_connector/unit/test_scheduler_kv_connector_override.py",
+    "tests/v1/kv_connector/unit/test_offloading_connector.py",
+    "tests/v1/kv_connector/unit/offloading_connector/test_scheduler.py",
+    "tests/v1/kv_connector/unit/test_simple_cpu_offload_connector.py",
+    "tests/v1/kv_connector/unit/test_multi_connector.py",
+    "tests/v1/streaming_input/test_scheduler_streaming.py",
+)
+CACHE = ROOT / ".kvspec" / "sdist"
+
+
+def get_sdist_url(version: str) -> str:
+    request = urllib.request.Request("https://pypi.org/simple/vllm/", headers={
+        "Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        files = json.load(reply)["files"]
+    wanted = f"vllm-{version}.tar.gz"
+    for f in files:
+        if f["filename"] == wanted:
+            return f["url"]
+    sys.exit(f"calibrate: PyPI has no {wanted}")
+
+
+def get_tests(version: str) -> Path:
+    """The release's ``tests/`` tree, fetched once into .kvspec/sdist/."""
+    where = CACHE / f"vllm-{version}"
+    if (where / "tests").is_dir() and (where / "pyproject.toml").exists():
+        return where
+    CACHE.mkdir(parents=True, exist_ok=True)
+    archive = CACHE / f"vllm-{version}.tar.gz"
+    if not archive.exists():
+        print(f"calibrate: fetching vllm-{version}.tar.gz from PyPI", file=sys.stderr)
+        urllib.request.urlretrieve(get_sdist_url(version), archive)
+    with tarfile.open(archive) as tar:
+        # its tests, and the pytest configuration they run under
+        members = [m for m in tar.getmembers() if m.isfile() and (
+            m.name.startswith(f"vllm-{version}/tests/")
+            or m.name == f"vllm-{version}/pyproject.toml")]
+        tar.extractall(CACHE, members=members, filter="data")
+    return where
+
+
+def get_installed_version(python: str) -> str:
+    return subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"],
+                          capture_output=True, text=True, timeout=300).stdout.strip()
+
+
+def run_shard(python: str, source: Path, files: list[str], out: Path, hf_home: Path):
+    env = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # vLLM's own pytest configuration (not a parent folder's), one process per shard
+    command = [python, "-m", "pytest", "-q", "-c", "pyproject.toml", "--rootdir", ".",
+               "-p", "no:xdist", "-p", "kvspec.observe", "-p", "no:cacheprovider",
+               "--kvspec-observe-json", str(out), *files]
+    return subprocess.Popen(command, cwd=source, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def rerun_failures(python: str, source: Path, data: dict, hf_home: Path) -> dict:
+    """The tests that failed under the plugin, run again without it: the
+    plugin must change no test's outcome."""
+    failed = [t["nodeid"] for t in data["tests"] if t.get("outcome") == "failed"]
+    if not failed:
+        return {"rerun": 0, "passed_without": []}
+    env = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu")
+    out = subprocess.run([python, "-m", "pytest", "-q", "-rA", "-c", "pyproject.toml",
+                          "--rootdir", ".", "-p", "no:xdist", "-p", "no:cacheprovider", *failed],
+                         cwd=source, env=env, capture_output=True, text=True).stdout
+    passed = [line.split()[1] for line in out.splitlines() if line.startswith("PASSED ")]
+    return {"rerun": len(failed), "passed_without": passed}
+
+
+def merge(parts: list[Path]) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from kvspec.observe import BARE_CLAIMS, get_not_evaluated, get_summary, read_records
+    records = read_records(parts)
+    if not records:
+        sys.exit("calibrate: no shard wrote a report (run a shard's pytest command by hand)")
+    return {"claims": list(BARE_CLAIMS), "not_on_a_bare_scheduler": get_not_evaluated(),
+            "summary": get_summary(records),
+            "tests": [attrs.asdict(r) | {"verdict": r.verdict} for r in records]}
+
+
+def render(version: str, data: dict, seconds: float) -> str:
+    s = data["summary"]
+    outcomes = Counter(t.get("outcome", "?") for t in data["tests"])
+    lines = [f"# kvspec's claims on vLLM {version}'s own tests",
+             "", f"<!-- written by `python scripts/calibrate_vllm_tests.py {version}` -->", "",
+             f"{len(TEST_FILES)} test files or folders of vLLM {version}'s source distribution, "
+             f"run with `pytest -p kvspec.observe` in {seconds:.0f} s: {s['tests']} tests "
+             f"({', '.join(f'{n} {k}' for k, n in sorted(outcomes.items()))}).", "",
+             "| what | tests |", "| --- | --- |",
+             f"| built a scheduler kvspec maps | {s['mapped_tests']} |",
+             f"| built only schedulers it cannot map | {s['unmapped_tests']} |",
+             f"| built no scheduler | {s['no_scheduler']} |",
+             f"| broke a claim within the engine's contract | "
+             f"{s['verdicts'].get('violation', 0)} |",
+             f"| drove the scheduler outside the engine's contract | "
+             f"{s['verdicts'].get('out of contract', 0)} |",
+             "", f"{s['calls']} calls checked against {len(data['claims'])} claims "
+             f"({', '.join(data['claims'])}).", "",
+             "Not evaluable on a bare scheduler: " + "; ".join(
+                 f"`{k}` ({v})" for k, v in data["not_on_a_bare_scheduler"].items()) + ".", ""]
+    rerun = data.get("failed_without_the_plugin")
+    if rerun is not None:
+        lines += [f"The {rerun['rerun']} tests that failed (this machine: no torchvision beside "
+                  "torch 2.13, no accelerator, model configs it does not ship) were run again "
+                  f"without the plugin: {len(rerun['passed_without'])} passed then"
+                  + (": " + ", ".join(f"`{n}`" for n in rerun["passed_without"])
+                     if rerun["passed_without"] else " (the plugin changed no outcome)") + ".", ""]
+    lines += ["## Tests that broke a claim within the contract", ""]
+    broken = [t for t in data["tests"] if t["verdict"] == "violation"]
+    lines += [f"- `{t['nodeid']}`: `{t['violations'][0]['claim']}` after "
+              f"`{t['violations'][0]['call']}`: {t['violations'][0]['message']}"
+              for t in broken] or ["None."]
+    lines += ["", "## Tests outside the engine's contract", ""]
+    lines += [f"- `{t['nodeid']}`: {'; '.join(t['out_of_contract'])}"
+              for t in data["tests"] if t["verdict"] == "out of contract"] or ["None."]
+    lines += ["", "## Schedulers kvspec cannot map, by reason", "", "| reason | tests |",
+              "| --- | --- |"]
+    lines += [f"| {k} | {n} |" for k, n in sorted(s["unmappable_reasons"].items(),
+                                                    key=lambda kv: -kv[1])]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("version")
+    parser.add_argument("--python", default=sys.executable,
+                        help="a Python whose installed vLLM is that release")
+    parser.add_argument("--shards", type=int, default=2, help="pytest processes at once")
+    args = parser.parse_args()
+    installed = get_installed_version(args.python)
+    if installed != args.version:
+        sys.exit(f"calibrate: {args.python} has vLLM {installed or 'not installed'}, "
+                 f"not {args.version}; pass --python of a venv with vLLM {args.version}")
+    source = get_tests(args.version)
+    files = [f for f in TEST_FILES if (source / f).exists()]
+    hf_home = CACHE / "hf_home"
+    write_cache(hf_home)
+    work = CACHE / f"reports-{args.version}"
+    work.mkdir(parents=True, exist_ok=True)
+    parts = [work / f"shard{i}.json" for i in range(args.shards)]
+    for p in parts:
+        p.unlink(missing_ok=True)
+    start = time.monotonic()
+    procs = [run_shard(args.python, source, files[i::args.shards], parts[i], hf_home)
+             for i in range(args.shards)]
+    for p in procs:
+        p.wait()
+    seconds = time.monotonic() - start
+    data = merge(parts)
+    data["failed_without_the_plugin"] = rerun_failures(args.python, source, data, hf_home)
+    out = ROOT / "docs" / "calibration"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.version}.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / f"{args.version}.md").write_text(render(args.version, data, seconds))
+    s = data["summary"]
+    print(f"calibrate: vLLM {args.version}: {s['tests']} tests, {s['mapped_tests']} mapped, "
+          f"{s['verdicts'].get('violation', 0)} broke a claim within the contract; "
+          f"docs/calibration/{args.version}.md")
+
+
+if __name__ == "__main__":
+    main()
