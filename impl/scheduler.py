@@ -572,10 +572,10 @@ class Scheduler:
         return None
 
     def _update_from_kv_xfer_finished(self, finished_recving, finished_sending) -> None:
-        for req_id in finished_recving or ():
+        for req_id in sorted(finished_recving or ()):
             if req_id in self.requests and not self.requests[req_id].is_finished():
                 self.finished_recving.add(req_id)
-        for req_id in finished_sending or ():
+        for req_id in sorted(finished_sending or ()):  # one order, whatever the hash seed
             request = self.requests.get(req_id)
             if request is not None and request.is_finished():
                 self._free_blocks(request)

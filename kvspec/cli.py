@@ -868,6 +868,8 @@ def _error(message: str, exc: BaseException) -> int:
 
 
 def main() -> None:
+    from kvspec.hashseed import pin_hash_seed
+    pin_hash_seed()  # the console script's way in (``python -m kvspec`` pins it first)
     from hypothesis.configuration import set_hypothesis_home_dir
     set_hypothesis_home_dir(HYPOTHESIS_HOME)  # keep Hypothesis' files under .kvspec/ too
     sys.exit(run())

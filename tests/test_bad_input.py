@@ -100,3 +100,26 @@ def test_finish_requests_skips_unknown_ids_and_finishes_the_rest():
     from kvspec.spec.state import RequestStatus
     s.finish_requests(["nope", "a", "b"], RequestStatus.FINISHED_ABORTED)
     assert not s.requests and not s.waiting
+
+
+
+def test_every_run_has_one_hash_seed(monkeypatch):
+    # kvspec starts itself again with PYTHONHASHSEED=0 unless the caller set one
+    # (kvspec/hashseed.py), so a trace replays onto the same block ids everywhere
+    import os
+
+    from kvspec import hashseed
+    starts = []
+    monkeypatch.setenv("PYTHONHASHSEED", "unset below")
+    monkeypatch.delenv("PYTHONHASHSEED")
+    monkeypatch.setattr(hashseed.os, "execv", lambda exe, argv: starts.append((exe, argv)))
+    monkeypatch.setattr(sys, "argv", ["kvspec", "check", "--budget", "5s"])
+    hashseed.pin_hash_seed()
+    assert os.environ["PYTHONHASHSEED"] == "0"
+    assert starts == [(sys.executable, [sys.executable, "-m", "kvspec", "check", "--budget", "5s"])]
+    hashseed.pin_hash_seed()  # the seed is set now: no second start
+    assert len(starts) == 1
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    shown = subprocess.run([sys.executable, "-m", "kvspec", "--help"], env=env,
+                           capture_output=True, text=True)
+    assert shown.returncode == 0 and "Usage" in shown.stdout, shown.stderr[-500:]

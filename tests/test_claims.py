@@ -26,7 +26,10 @@ REQUIRED_FEATURES = {"load_failures", "async_loads", "preemptions", "spec_decode
 @pytest.fixture(scope="module")
 def impl_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("check")
-    result = CliRunner().invoke(app, ["check", "--budget", "25s", "--seed", "7", "--json",
+    # seed 9 draws every required feature within about 1,100 actions, a tenth of
+    # what 25 s runs on a quiet 2-core machine (seed 7 needed 4,000: under the
+    # suite's load its "fail"-policy runs with a load failure came too late)
+    result = CliRunner().invoke(app, ["check", "--budget", "25s", "--seed", "9", "--json",
                                       "--out", str(out)])
     assert result.exit_code == 0, result.stderr
     return json.loads(result.stdout)
@@ -51,7 +54,8 @@ def test_every_claim_is_witnessed_on_the_reference_or_says_why(impl_report):
 
 
 def test_every_feature_is_exercised_on_the_reference(impl_report):
-    assert all(impl_report["features"][f] > 0 for f in REQUIRED_FEATURES), impl_report["features"]
+    missing = sorted(f for f in REQUIRED_FEATURES if not impl_report["features"][f])
+    assert not missing, (missing, impl_report["actions"], impl_report["features"])
 
 
 def test_a_claim_whose_antecedent_never_holds_is_not_witnessed():

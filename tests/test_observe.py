@@ -64,8 +64,8 @@ def report(tmp_path_factory):
     (where / "test_suite.py").write_text(SUITE)
     out = where / "report.json"
     proc = subprocess.run(
-        # two pytest-xdist workers: each writes what it observed, the controller gathers
-        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "kvspec.observe",
+        # a pytest-xdist worker writes what it observed, the controller gathers it
+        [sys.executable, "-m", "pytest", "-q", "-n", "1", "-p", "kvspec.observe",
          "-p", "no:cacheprovider", "--kvspec-observe-json", str(out),
          str(where / "test_suite.py")],
         cwd=where, capture_output=True, text=True, timeout=600,
