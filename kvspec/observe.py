@@ -26,6 +26,7 @@ import attrs
 import pytest
 
 import kvspec.spec.catalogue  # noqa: F401  (registers every claim)
+from kvspec.harness.vllm_observe import NULL_BLOCKS, VllmObserver
 from kvspec.spec import history
 from kvspec.spec.history import Ghost
 from kvspec.spec.invariants import Context
@@ -69,6 +70,16 @@ class TestRecord:
     #: the test's own result (passed, failed, skipped), kvspec aside
     outcome: str = "not run"
 
+    def note_violation(self, claim: str, call: str, message: str) -> None:
+        """The first break of each claim, and how often it broke (a broken pool
+        can break a claim for every block after every call)."""
+        first = next((v for v in self.violations if v["claim"] == claim), None)
+        if first is None:
+            self.violations.append({"claim": claim, "call": call, "message": message,
+                                    "count": 1})
+        else:
+            first["count"] += 1
+
     @property
     def verdict(self) -> str:
         if not self.mapped:
@@ -96,7 +107,6 @@ def get_group_spec(spec) -> GroupSpec:
 
 def get_config(s) -> Config:
     """kvspec's ``Config`` of a vLLM scheduler, or ``Unmappable``."""
-    from kvspec.harness.vllm_observe import NULL_BLOCKS
     groups = tuple(get_group_spec(g.kv_cache_spec) for g in s.kv_cache_config.kv_cache_groups)
     if not groups:
         raise Unmappable("no KV cache group (an attention-free model)")
@@ -122,7 +132,6 @@ class Watch:
     """One scheduler, observed after every watched call."""
 
     def __init__(self, scheduler, record: TestRecord | None) -> None:
-        from kvspec.harness.vllm_observe import VllmObserver
         from kvspec.harness.vllm_target import modules
         self.record = record
         self.observer = VllmObserver(modules(), get_config(scheduler))
@@ -144,9 +153,11 @@ class Watch:
         if self.record is not None and reason not in self.record.out_of_contract:
             self.record.out_of_contract.append(reason)
 
-    def check(self, call: str, synced: bool = True, after_step: bool = False) -> None:
+    def check(self, call: str, synced: bool = True, after_step: bool = False,
+              obs=None) -> None:
+        """Judge the state the call left (``obs``: already observed after it)."""
         self.check_mappable()
-        obs = self.observer.observe()
+        obs = obs or self.observer.observe()
         history.process_observation(self.ghost, obs, {}, self.lowered_ok)
         self.lowered_ok = frozenset()
         ctx = Context(obs, self.ghost, None, synced=synced, after_step=after_step)
@@ -155,10 +166,9 @@ class Watch:
         self.pool_seen = (obs.pool.ref_cnt, obs.pool.free_queue)
         self.record.calls += 1
         for name in BARE_CLAIMS:
-            inv = REGISTRY[name]
-            messages, _ = evaluate(inv, ctx)
-            self.record.violations += [{"claim": name, "call": call, "message": m}
-                                       for m in messages]
+            messages, _ = evaluate(REGISTRY[name], ctx)
+            for m in messages:
+                self.record.note_violation(name, call, m)
 
     # -- before and after each call ---------------------------------------------------
     def before_add(self, request) -> None:
@@ -195,7 +205,7 @@ class Watch:
                 self.note_out_of_contract("no token for a spec-decode step (the model "
                                           "runner samples at least the bonus token)")
         kv = getattr(model_output, "kv_connector_output", None)
-        invalid = {b - 1 for b in (getattr(kv, "invalid_block_ids", None) or ())}
+        invalid = {b - NULL_BLOCKS for b in (getattr(kv, "invalid_block_ids", None) or ())}
         failed = set(getattr(kv, "failed_recving", None) or ())
         obs = self.observer.observe()
         self.lowered_ok = frozenset(failed | {
@@ -209,7 +219,7 @@ class Watch:
     def after_output(self) -> None:
         after = self.observer.observe()
         history.process_output_applied(self.ghost, self.state_before, after, self.recving)
-        self.check("update_from_output", after_step=True)
+        self.check("update_from_output", after_step=True, obs=after)
 
     def before_finish(self, request_ids) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids or ())
