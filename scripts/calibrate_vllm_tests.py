@@ -79,7 +79,12 @@ def get_tests(version: str) -> Path:
     archive = CACHE / f"vllm-{version}.tar.gz"
     if not archive.exists():
         print(f"calibrate: fetching vllm-{version}.tar.gz from PyPI", file=sys.stderr)
-        urllib.request.urlretrieve(get_sdist_url(version), archive)
+        partial = archive.with_name(archive.name + ".part")  # never a torn archive
+        try:
+            urllib.request.urlretrieve(get_sdist_url(version), partial)
+        except OSError as exc:  # urllib's URLError is one
+            sys.exit(f"calibrate: cannot fetch vllm-{version}.tar.gz from PyPI: {exc}")
+        partial.replace(archive)
     with tarfile.open(archive) as tar:
         # its tests, and the pytest configuration they run under
         members = [m for m in tar.getmembers() if m.isfile() and (
