@@ -3,11 +3,12 @@
 ``pytest -p kvspec.observe tests/v1/core`` wraps vLLM's ``Scheduler`` (and so
 ``AsyncScheduler``): every scheduler a test builds is watched. After each
 ``add_request``, ``schedule``, ``update_from_output``, ``finish_requests`` and
-``reset_prefix_cache`` the watch observes the scheduler through the ``vllm``
-target's observation map (``kvspec/harness/vllm_observe.py``), rebuilds the
-history the claims need from the calls it saw (``spec/history.py``), and
-evaluates every claim that a bare scheduler lets it evaluate
-(``BARE_CLAIMS``; the others, and why, in ``NOT_ON_A_BARE_SCHEDULER``).
+``reset_prefix_cache`` the watch (``kvspec/harness/watch.py``) observes the scheduler through the
+``vllm`` target's observation map, rebuilds the history the claims need from
+the calls it saw (``spec/history.py``), and evaluates every claim that a bare
+scheduler lets it evaluate: the state claims on the state the call left, the
+relations on the call itself (``BARE_CLAIMS``; the others, and why, from
+``get_not_evaluated``).
 
 A test that drives the scheduler outside the engine's contract (a request put
 into ``running`` by hand, a token for a partial prefill chunk) is named with
@@ -25,249 +26,18 @@ from pathlib import Path
 import attrs
 import pytest
 
-import kvspec.spec.catalogue  # noqa: F401  (registers every claim)
-from kvspec.harness.vllm_observe import NULL_BLOCKS, VllmObserver
-from kvspec.spec import history
-from kvspec.spec.history import Ghost
-from kvspec.spec.invariants import Context
-from kvspec.spec.registry import REGISTRY, evaluate
-from kvspec.spec.state import Config, GroupSpec
-
-#: claims that need what only kvspec's own environment knows, and why
-NOT_ON_A_BARE_SCHEDULER = {
-    "placeholders_match_in_flight": "needs the shares of the steps in flight the harness keeps",
-    "output_is_the_sampled_sequence": "needs the tokens the worker sampled at each position",
-    "stats_are_the_first_hits": "needs the connector's answer when the stats were set",
-}
-#: why claims of the other kinds are not evaluated on a watched scheduler
-NOT_OF_THIS_KIND = {
-    "data": "needs the worker's KV content (the data oracle), which a bare scheduler has not",
-    "relation": "not evaluated by the plugin yet (needs each step's worker outcome mapped)",
-    "model": "needs the connector's answers the environment gives",
-    "liveness": "needs the healed phase the harness drives",
-}
-#: state claims evaluated on a watched scheduler
-BARE_CLAIMS = tuple(name for name, inv in REGISTRY.items()
-                    if inv.kind == "state" and name not in NOT_ON_A_BARE_SCHEDULER)
+from kvspec.harness.watch import (
+    BARE_CLAIMS,
+    TestRecord,
+    Unmappable,
+    Watch,
+    get_not_evaluated,
+)
 
 WATCHED_CALLS = ("add_request", "schedule", "update_from_output", "finish_requests",
                  "reset_prefix_cache")
 
-
-class Unmappable(Exception):
-    """A scheduler kvspec's state cannot describe (its reason is the message)."""
-
-
-@attrs.define
-class TestRecord:
-    nodeid: str
-    schedulers: int = 0
-    mapped: int = 0
-    unmappable: list[str] = attrs.Factory(list)
-    calls: int = 0
-    violations: list[dict] = attrs.Factory(list)
-    out_of_contract: list[str] = attrs.Factory(list)
-    #: the test's own result (passed, failed, skipped), kvspec aside
-    outcome: str = "not run"
-
-    def note_violation(self, claim: str, call: str, message: str) -> None:
-        """The first break of each claim, and how often it broke (a broken pool
-        can break a claim for every block after every call)."""
-        first = next((v for v in self.violations if v["claim"] == claim), None)
-        if first is None:
-            self.violations.append({"claim": claim, "call": call, "message": message,
-                                    "count": 1})
-        else:
-            first["count"] += 1
-
-    @property
-    def verdict(self) -> str:
-        if not self.mapped:
-            return "unmapped" if self.schedulers else "no scheduler"
-        if self.out_of_contract:
-            return "out of contract"
-        return "violation" if self.violations else "clean"
-
-
 CURRENT: list[TestRecord] = []  # the test running now (one at a time per process)
-
-
-# -- mapping a scheduler ----------------------------------------------------------
-def get_group_spec(spec) -> GroupSpec:
-    kind = type(spec).__name__
-    if kind == "FullAttentionSpec":
-        return GroupSpec(spec.block_size)
-    if kind == "SlidingWindowSpec":
-        return GroupSpec(spec.block_size, "sliding_window", spec.sliding_window)
-    if kind == "MambaSpec" and getattr(spec, "mamba_cache_mode", None) == "align":
-        return GroupSpec(spec.block_size, "last_state")
-    mode = getattr(spec, "mamba_cache_mode", None)
-    raise Unmappable(f"a {kind}{f' ({mode} mode)' if mode else ''} KV cache group")
-
-
-def get_config(s) -> Config:
-    """kvspec's ``Config`` of a vLLM scheduler, or ``Unmappable``."""
-    groups = tuple(get_group_spec(g.kv_cache_spec) for g in s.kv_cache_config.kv_cache_groups)
-    if not groups:
-        raise Unmappable("no KV cache group (an attention-free model)")
-    is_async = type(s).__name__ == "AsyncScheduler" or any(
-        c.__name__ == "AsyncScheduler" for c in type(s).__mro__)
-    transfer = getattr(s.vllm_config, "kv_transfer_config", None)
-    try:
-        return Config(
-            groups=groups, num_blocks=s.kv_cache_config.num_blocks - NULL_BLOCKS,
-            max_num_batched_tokens=s.max_num_scheduled_tokens, max_num_seqs=s.max_num_running_reqs,
-            max_model_len=s.max_model_len,
-            long_prefill_token_threshold=s.scheduler_config.long_prefill_token_threshold,
-            policy=s.policy.value, enable_prefix_caching=s.cache_config.enable_prefix_caching,
-            kv_load_failure_policy=getattr(transfer, "kv_load_failure_policy", None) or "fail",
-            async_scheduling=is_async,
-            num_speculative_tokens=getattr(s, "num_spec_tokens", 0) if is_async else 0)
-    except (ValueError, TypeError) as exc:
-        raise Unmappable(f"outside kvspec's limits: {exc}") from None
-
-
-# -- watching one scheduler ---------------------------------------------------------
-class Watch:
-    """One scheduler, observed after every watched call."""
-
-    def __init__(self, scheduler, record: TestRecord | None) -> None:
-        from kvspec.harness.vllm_target import modules
-        self.record = record
-        self.observer = VllmObserver(modules(), get_config(scheduler))
-        self.observer.scheduler = scheduler
-        self.ghost = Ghost()
-        #: requests some schedule() call returned
-        self.scheduled: set[str] = set()
-        #: per scheduled output (by id), each request's start and known tokens then
-        self.steps: dict[int, dict[str, tuple[int, int]]] = {}
-        #: requests a reported load failure may lower the stats of (at the next check)
-        self.lowered_ok: frozenset = frozenset()
-        #: the state before the output being applied, and the loads it finished
-        self.state_before = None
-        self.recving: set[str] = set()
-        #: the pool as the last watched call left it
-        self.pool_seen: tuple | None = None
-
-    def note_out_of_contract(self, reason: str) -> None:
-        if self.record is not None and reason not in self.record.out_of_contract:
-            self.record.out_of_contract.append(reason)
-
-    def check(self, call: str, synced: bool = True, after_step: bool = False,
-              obs=None) -> None:
-        """Judge the state the call left (``obs``: already observed after it)."""
-        self.check_mappable()
-        obs = obs or self.observer.observe()
-        history.process_observation(self.ghost, obs, {}, self.lowered_ok)
-        self.lowered_ok = frozenset()
-        ctx = Context(obs, self.ghost, None, synced=synced, after_step=after_step)
-        if self.record is None:
-            return
-        self.pool_seen = (obs.pool.ref_cnt, obs.pool.free_queue)
-        self.record.calls += 1
-        for name in BARE_CLAIMS:
-            messages, _ = evaluate(REGISTRY[name], ctx)
-            for m in messages:
-                self.record.note_violation(name, call, m)
-
-    # -- before and after each call ---------------------------------------------------
-    def before_add(self, request) -> None:
-        if getattr(request, "resumable", False):
-            raise Unmappable("a streaming (resumable) session, whose prompt grows between "
-                             "runs: kvspec does not model it")
-        if request.num_computed_tokens:
-            self.note_out_of_contract("a request added with num_computed_tokens already set")
-        self.observer.note_request(request)
-
-    def after_schedule(self, out) -> None:
-        for rid in out.num_scheduled_tokens:
-            self.scheduled.add(rid)
-        s = self.observer.scheduler
-        starts = self.observer.get_step_view(out, {}).num_computed_before
-        self.steps[id(out)] = {rid: (starts[rid], s.requests[rid].num_tokens)
-                               for rid in out.num_scheduled_tokens
-                               if rid in starts and rid in s.requests}
-        self.check("schedule", synced=False)
-
-    def before_output(self, out, model_output) -> None:
-        started = self.steps.pop(id(out), {})
-        tokens = dict(zip(getattr(model_output, "req_ids", ()) or (),
-                          getattr(model_output, "sampled_token_ids", ()) or ()))
-        for rid, n in out.num_scheduled_tokens.items():
-            start, known = started.get(rid, (None, None))
-            drafts = len(out.scheduled_spec_decode_tokens.get(rid, ()))
-            if start is None:
-                continue
-            sampled = len(tokens.get(rid, ()))
-            if start + n - drafts < known and sampled:
-                self.note_out_of_contract("a sampled token for a partial prefill chunk")
-            if start + n - drafts >= known and drafts and not sampled:
-                self.note_out_of_contract("no token for a spec-decode step (the model "
-                                          "runner samples at least the bonus token)")
-        kv = getattr(model_output, "kv_connector_output", None)
-        invalid = {b - NULL_BLOCKS for b in (getattr(kv, "invalid_block_ids", None) or ())}
-        failed = set(getattr(kv, "failed_recving", None) or ())
-        obs = self.observer.observe()
-        self.lowered_ok = frozenset(failed | {
-            r.request_id for r in obs.requests.values()
-            if invalid & {b for t in r.block_ids for b in t}})
-        self.state_before = obs
-        recving = set(getattr(kv, "finished_recving", None) or ())
-        history.process_loads_finished(self.ghost, recving)
-        self.recving = recving
-
-    def after_output(self) -> None:
-        after = self.observer.observe()
-        history.process_output_applied(self.ghost, self.state_before, after, self.recving)
-        self.check("update_from_output", after_step=True, obs=after)
-
-    def before_finish(self, request_ids) -> None:
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids or ())
-        obs = self.observer.observe()
-        for rid in ids:
-            history.process_abort(self.ghost, obs.requests.get(rid))
-
-    def before(self, name: str, args, kwargs) -> None:
-        self.check_mappable()
-        self.note_hand_placed()
-        self.note_pool_changed_by_hand()
-        if name == "add_request":
-            self.before_add(args[0] if args else kwargs["request"])
-        elif name == "update_from_output":
-            self.before_output(*(list(args) + list(kwargs.values()))[:2])
-        elif name == "finish_requests":
-            self.before_finish(args[0] if args else kwargs.get("request_ids"))
-
-    def after(self, name: str, result) -> None:
-        if name == "schedule":
-            self.after_schedule(result)
-        elif name == "update_from_output":
-            self.after_output()
-        else:
-            self.check(name)
-
-    def get_pool(self) -> tuple:
-        pool = self.observer._pool_view()
-        return pool.ref_cnt, pool.free_queue
-
-    def note_pool_changed_by_hand(self) -> None:
-        """The block pool changed between two watched calls: the test took or
-        freed blocks itself (no scheduler call did it)."""
-        if self.pool_seen is not None and self.get_pool() != self.pool_seen:
-            self.note_out_of_contract("the block pool changed between scheduler calls "
-                                      "(blocks taken or freed by the test)")
-
-    def check_mappable(self) -> None:
-        """Requests in states kvspec does not model end the watch."""
-        for r in self.observer.scheduler.requests.values():
-            if r.status.name == "WAITING_FOR_STREAMING_REQ":
-                raise Unmappable("a streaming session waiting for input "
-                                 "(WAITING_FOR_STREAMING_REQ), which kvspec does not model")
-
-    def note_hand_placed(self) -> None:
-        s = self.observer.scheduler
-        if any(r.request_id not in self.scheduled for r in s.running):
-            self.note_out_of_contract("a request put into running without schedule()")
 
 
 # -- the wrappers -----------------------------------------------------------------
@@ -302,7 +72,8 @@ def wrap_call(name: str, method):
             return method(self, *args, **kwargs)
         guarded(self, watch, lambda: watch.before(name, args, kwargs))
         result = method(self, *args, **kwargs)
-        guarded(self, watch, lambda: watch.after(name, result))
+        if get_watch(self) is watch:  # (a watch that ended before the call stays ended)
+            guarded(self, watch, lambda: watch.after(name, result))
         return result
     return call
 
@@ -427,12 +198,6 @@ def get_summary(records: list[TestRecord]) -> dict:
             "unmappable_reasons": dict(Counter(x for r in records for x in set(r.unmappable))),
             "out_of_contract_reasons": dict(Counter(x for r in records
                                                     for x in r.out_of_contract))}
-
-
-def get_not_evaluated() -> dict[str, str]:
-    """Every registered claim the plugin does not evaluate, with why."""
-    return {name: NOT_ON_A_BARE_SCHEDULER.get(name) or NOT_OF_THIS_KIND.get(inv.kind, "")
-            for name, inv in REGISTRY.items() if name not in BARE_CLAIMS}
 
 
 def read_records(paths) -> list[TestRecord]:

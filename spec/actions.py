@@ -38,6 +38,9 @@ class Transition(Witnessing):
     #: for a schedule: the block tables the worker built from the scheduler
     #: outputs alone (spec/worker.py), after this one
     worker_tables: dict = attrs.Factory(dict)
+    #: for an output: requests preempted since its step was scheduled (their
+    #: output is stale; vLLM applies no rollback from it)
+    stale: frozenset[str] = frozenset()
     witnessed: int = 0
 
     def ended(self, rid: str) -> RequestView | None:
@@ -75,10 +78,15 @@ def add_relation(t: Transition):
 
 def get_prefill_cap(before: Observation) -> int:
     """vLLM's long-prefill cap for one step: the threshold when more than one
-    request is eligible (running or waiting), none (0) otherwise."""
+    request is eligible (running or waiting), none (0) otherwise; adaptive,
+    never below a fair share of the token budget."""
     cfg = before.config
     eligible = len(before.running) + len(before.waiting)
-    return cfg.long_prefill_token_threshold if eligible > 1 else 0
+    if eligible <= 1 or cfg.long_prefill_token_threshold <= 0:
+        return 0
+    if cfg.long_prefill_token_threshold_adaptive:
+        return max(cfg.long_prefill_token_threshold, cfg.max_num_batched_tokens // eligible)
+    return cfg.long_prefill_token_threshold
 
 
 @invariant(cites="seed 004 (schedule: long_prefill_token_threshold)", kind="relation",
@@ -131,10 +139,14 @@ def _check_first_cached(t: Transition, r, start: int):
     """Stats recorded at a first scheduling count the prefix it starts from; on
     a full-prompt hit the whole prompt may count (``is_first_cached_count``).
     After a load failure cut the prefix, the hits the load was issued for may be
-    recorded instead (recovery may keep the stats: a scheduler's choice)."""
-    local, external = t.first_hits.get(r.request_id, (0, 0))
+    recorded instead (recovery may keep the stats: a scheduler's choice). Where
+    the connector's answer was not heard, one starting at the last prompt token
+    may count the whole prompt."""
     # the hits the scheduling started from: the connector's answer, unless the
-    # scheduler did not use it (a released load recomputes from 0)
+    # scheduler did not use it (a released load recomputes from 0); unheard
+    # (a watched scheduler's mocked connector), a full-prompt hit if it may be
+    unheard = r.num_tokens if start == r.num_tokens - 1 else start
+    local, external = t.first_hits.get(r.request_id, (unheard, 0))
     hits = local + external if min(local + external, r.num_tokens - 1) == start else start
     issued_for = r.request_id in t.recovered and is_first_cached_count(
         r.num_cached_tokens, local + external, r.num_tokens)
@@ -216,13 +228,20 @@ def _get_known_tokens(t: Transition, rid: str) -> int:
     return r.num_tokens + held
 
 
+def get_last_position(cfg, r: RequestView) -> int:
+    """How far a step may compute: ``max_model_len - 1``, leaving room for the
+    token it samples; all of ``max_model_len`` for a request that samples none."""
+    return cfg.max_model_len - (1 if r.samples_tokens else 0)
+
+
 @invariant(cites="seed 004 (schedule); #27644", kind="relation")
 def schedule_relation(t: Transition):
     """schedule. Effect: every scheduled request is RUNNING with at least one
     token scheduled, starting at its computed prefix and ending within its
     tokens (and, under async scheduling, the placeholder positions its steps
-    in flight fill) plus scheduled drafts, below ``max_model_len - 1``; its
-    scheduled drafts are exactly the
+    in flight fill) plus scheduled drafts, below ``max_model_len - 1``
+    (``max_model_len`` for a request that samples nothing); its scheduled
+    drafts are exactly the
     positions past its known tokens; the total is within the token budget; a
     request that starts running is reported new or resumed (resumed only after a
     preemption); a preempted request has nothing computed and one more
@@ -250,8 +269,8 @@ def schedule_relation(t: Transition):
             yield f"{rid}: computed {start} + scheduled {n} != num_computed {r.num_computed_tokens}"
         elif start < 0 or start + n > known + spec:
             yield f"{rid}: scheduled positions [{start}, {start + n}) past its {known}+{spec} tokens"
-        elif start + n > cfg.max_model_len - 1:
-            yield f"{rid}: scheduled positions up to {start + n} past max_model_len - 1 = {cfg.max_model_len - 1}"
+        elif start + n > get_last_position(cfg, r):
+            yield f"{rid}: scheduled positions up to {start + n} past {get_last_position(cfg, r)}"
         elif spec != max(0, start + n - known):
             yield f"{rid}: {spec} drafts scheduled for {max(0, start + n - known)} positions past its tokens"
         elif not _is_continuation(t, rid, start):
@@ -282,13 +301,19 @@ def update_from_output_relation(t: Transition):
     """update_from_output. Effect: a scheduled request appends a prefix of its
     sampled tokens (ending at the first stop) and loses exactly its rejected
     drafts from ``num_computed_tokens`` (``compute_computed_after_rejection``);
-    it stops FINISHED_STOPPED right after EOS and only then, and
+    it stops FINISHED_STOPPED right after a stop token (EOS or one of
+    ``stop_token_ids``, from ``min_tokens`` outputs on; a request that samples
+    nothing, once its prompt is computed) and only then, and
     FINISHED_LENGTH_CAPPED at ``max_tokens`` outputs or ``max_model_len`` tokens
     and only then; a request that read invalid KV in this step appends nothing
     and is not finished on that output (unless the "fail" policy ends it). Under
     ``kv_load_failure_policy`` "fail" every such request ends FINISHED_ERROR;
-    under "recompute" none does. A finished request whose send is reported in
-    ``finished_sending`` gives its blocks back. Unchanged: ``num_computed_tokens``
+    under "recompute" none that held a block reported invalid does (other
+    errors, a grammar that fails to compile, may end a request so). The late
+    output of a request preempted since its step was scheduled (``stale``)
+    rolls nothing back: its rejections predate the preemption's own rollback.
+    A finished request whose send is reported in ``finished_sending`` gives its
+    blocks back. Unchanged: ``num_computed_tokens``
     never grows here. Requests that leave the scheduler during the call are
     judged as they ended."""
     if t.action != "update_from_output":
@@ -319,9 +344,10 @@ def update_from_output_relation(t: Transition):
             yield from _check_stop(new, added)
         if ended_now:
             yield from _check_finish_status(new, t.after.config.max_model_len)
-        yield from _check_failure_policy(t, rid, new)
+        yield from _check_failure_policy(t, rid, old, new)
         drafts = t.step.scheduled_spec_decode_tokens.get(rid, ()) if t.step else ()
-        if added and drafts and rid not in t.garbage_readers and not new.status.is_finished:
+        if added and drafts and rid not in t.garbage_readers and not new.status.is_finished \
+                and rid not in t.stale:
             want = compute_computed_after_rejection(old.num_computed_tokens, len(drafts),
                                                     len(added) - 1)
             if new.num_computed_tokens != want:
@@ -338,39 +364,65 @@ def _was_running(t: Transition, rid: str) -> bool:
     return was is not None and was.status == RequestStatus.RUNNING
 
 
-def _check_failure_policy(t: Transition, rid: str, new):
+def is_failed_holder(t: Transition, rid: str, old: RequestView) -> bool:
+    """``rid`` read a failed load this step, or held a block reported invalid."""
+    held = {b for table in old.block_ids for b in table}
+    return rid in t.garbage_readers or bool(held & t.outcome.invalid_block_ids)
+
+
+def _check_failure_policy(t: Transition, rid: str, old: RequestView, new):
     policy = t.after.config.kv_load_failure_policy
-    errored = new.status == RequestStatus.FINISHED_ERROR
-    if policy == "recompute" and errored:
+    errored = new.status == RequestStatus.FINISHED_ERROR and not old.status.is_finished
+    if policy == "recompute" and errored and is_failed_holder(t, rid, old):
         yield f"{rid} ended FINISHED_ERROR under the 'recompute' policy"
     elif (policy == "fail" and rid in t.garbage_readers and not new.status.is_finished
           and _was_running(t, rid)):  # one preempted since its step ran recomputes anyway
         yield f"{rid} read a failed load under the 'fail' policy but is {new.status.name}"
 
 
+def get_stop_ids(r) -> frozenset:
+    """The tokens that end ``r``: EOS and its ``stop_token_ids``."""
+    return frozenset(r.stop_token_ids) | ({r.eos_token_id} - {None})
+
+
+def is_stop_at(r, index: int) -> bool:
+    """Output ``index`` (0-based) is a stop token that must end ``r``: below
+    ``min_tokens`` outputs a release may hold the stop back (vLLM 0.32 checks
+    stop tokens first, the sampler masks them before ``min_tokens``)."""
+    return r.output_token_ids[index] in get_stop_ids(r) and index + 1 >= r.min_tokens
+
+
 def _check_stop(r, added):
-    """The stop rules on the tokens just appended: EOS ends the output and the
-    request; so does reaching ``max_tokens``."""
-    eos = r.eos_token_id
-    if eos is not None and eos in added[:-1]:
-        yield f"{r.request_id}: tokens appended after EOS: {list(added)}"
-    elif eos is not None and added[-1] == eos and r.status != RequestStatus.FINISHED_STOPPED:
-        yield f"{r.request_id} sampled EOS but is {r.status.name}"
+    """The stop rules on the tokens just appended: a stop token (EOS or one of
+    ``stop_token_ids``) ends the output and the request; so does reaching
+    ``max_tokens``."""
+    first = len(r.output_token_ids) - len(added)
+    if any(is_stop_at(r, first + i) for i in range(len(added) - 1)):
+        yield f"{r.request_id}: tokens appended after a stop token: {list(added)}"
+    elif is_stop_at(r, len(r.output_token_ids) - 1) and r.status != RequestStatus.FINISHED_STOPPED:
+        yield f"{r.request_id} sampled stop token {added[-1]} but is {r.status.name}"
     elif len(r.output_token_ids) > r.max_tokens:
         yield f"{r.request_id}: {len(r.output_token_ids)} outputs > max_tokens={r.max_tokens}"
     elif len(r.output_token_ids) == r.max_tokens and not r.status.is_finished:
         yield f"{r.request_id} reached max_tokens={r.max_tokens} but is {r.status.name}"
 
 
+def is_stop_earned(r) -> bool:
+    """FINISHED_STOPPED is earned by a stop token just sampled, or, for a
+    request that samples nothing, by its prompt computed."""
+    if not r.samples_tokens:
+        return not r.output_token_ids and r.num_computed_tokens >= r.num_prompt_tokens
+    return bool(r.output_token_ids) and r.output_token_ids[-1] in get_stop_ids(r)
+
+
 def _check_finish_status(r, max_model_len: int):
-    """A stop status is earned: FINISHED_STOPPED only right after EOS,
+    """A stop status is earned: FINISHED_STOPPED only right after a stop token
+    (or with the prompt computed, for a request that samples nothing),
     FINISHED_LENGTH_CAPPED only at ``max_tokens`` outputs or ``max_model_len``
     tokens, FINISHED_ABORTED only by an abort."""
-    eos = r.eos_token_id
     outputs = r.output_token_ids
-    if r.status == RequestStatus.FINISHED_STOPPED and not (eos is not None and outputs
-                                                           and outputs[-1] == eos):
-        yield f"{r.request_id} ended FINISHED_STOPPED without EOS (outputs {list(outputs)})"
+    if r.status == RequestStatus.FINISHED_STOPPED and not is_stop_earned(r):
+        yield f"{r.request_id} ended FINISHED_STOPPED without a stop token (outputs {list(outputs)})"
     elif r.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(outputs) < r.max_tokens \
             and r.num_tokens < max_model_len:
         yield (f"{r.request_id} ended FINISHED_LENGTH_CAPPED with {len(outputs)} of "

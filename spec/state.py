@@ -134,6 +134,10 @@ class Config:
     max_num_seqs: int = attrs.field(validator=_bounded_int)
     max_model_len: int = attrs.field(validator=_bounded_int)
     long_prefill_token_threshold: int = attrs.field(default=0, validator=_bounded_int)
+    #: vLLM's ``long_prefill_token_threshold_adaptive``: the cap is floored at a
+    #: fair share of the token budget (``max_num_batched_tokens`` / eligible)
+    long_prefill_token_threshold_adaptive: bool = attrs.field(default=False,
+                                                              validator=_boolean)
     policy: str = attrs.field(default="fcfs", validator=_one_of(POLICIES))
     kv_load_failure_policy: str = attrs.field(default="recompute",
                                               validator=_one_of(FAILURE_POLICIES))
@@ -196,6 +200,14 @@ class RequestView:
     num_output_placeholders: int = 0
     priority: int = 0
     eos_token_id: int | None = None
+    #: token ids besides EOS that end the request (vLLM's ``stop_token_ids``)
+    stop_token_ids: tuple[int, ...] = ()
+    #: outputs before which a stop token need not end it (``min_tokens``)
+    min_tokens: int = 0
+    #: False for a request that samples nothing: a pooling request, or any
+    #: request on an encoder-only instance; it ends FINISHED_STOPPED with no
+    #: output once its prompt is computed, and may fill all ``max_model_len``
+    samples_tokens: bool = True
 
     @property
     def num_prompt_tokens(self) -> int:

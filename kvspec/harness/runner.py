@@ -198,7 +198,8 @@ class Runner:
         readers = {rid: pos for rid, pos in job.report.garbage_readers.items()
                    if rid not in job.stale}
         t = self.judge.get_transition("update_from_output", before, after, step=job.step,
-                                      outcome=outcome, garbage_readers=readers)
+                                      outcome=outcome, garbage_readers=readers,
+                                      stale=frozenset(job.stale))
         self.model_runner.note_output_applied(before, after, job.report, outcome)
         count_step(self.features, self.config, job.step, outcome, job.mid)
         history.process_departed(self.ghost, after)

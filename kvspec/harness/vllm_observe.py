@@ -24,8 +24,6 @@ _STATUS_ALIASES = {
 
 _VIEW_FIELDS = set(attrs.fields_dict(RequestView))
 
-_VIEW_FIELDS = set(attrs.fields_dict(RequestView))
-
 
 class VllmObserver:
     """Observes ``self.scheduler`` (set by whoever built or found it)."""
@@ -129,11 +127,7 @@ class VllmObserver:
         request_id = r.request_id
         status = self._status(r)
         cached, external = self._stats_of(r, status)
-        extra = {}
-        if "eos_token_id" in _VIEW_FIELDS:  # newer kvspec states carry the stop token
-            params = getattr(r, "sampling_params", None)
-            extra["eos_token_id"] = getattr(r, "eos_token_id", None) if params is None else \
-                getattr(params, "eos_token_id", getattr(r, "eos_token_id", None))
+        extra = self._stop_rules(r) if "eos_token_id" in _VIEW_FIELDS else {}
         return RequestView(
             request_id=request_id, status=status,
             prompt_token_ids=tuple(r.prompt_token_ids),
@@ -145,6 +139,20 @@ class VllmObserver:
             block_hashes=tuple(r.block_hashes), spec_token_ids=tuple(r.spec_token_ids),
             num_output_placeholders=getattr(r, "num_output_placeholders", 0),
             priority=r.priority, **extra)
+
+    def _stop_rules(self, r) -> dict:
+        """What ends ``r`` besides its length (newer kvspec states carry it)."""
+        params = getattr(r, "sampling_params", None)
+        extra = {"eos_token_id": getattr(params, "eos_token_id", getattr(r, "eos_token_id", None))}
+        if "samples_tokens" in _VIEW_FIELDS:
+            stop_ids = getattr(params, "stop_token_ids", None)
+            min_tokens = getattr(params, "min_tokens", 0)
+            extra.update(
+                stop_token_ids=tuple(stop_ids) if isinstance(stop_ids, (list, tuple)) else (),
+                min_tokens=min_tokens if isinstance(min_tokens, int) else 0,
+                samples_tokens=not (getattr(r, "pooling_params", None)
+                                    or getattr(self.scheduler, "is_mm_encoder_only", False)))
+        return extra
 
     def _pool_view(self) -> PoolView:
         pool = self.scheduler.kv_cache_manager.block_pool

@@ -318,6 +318,7 @@ class VllmTarget(VllmObserver):
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, is_encoder_decoder=False,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            long_prefill_token_threshold_adaptive=config.long_prefill_token_threshold_adaptive,
             policy=config.policy, enable_chunked_prefill=True, async_scheduling=False,
             disable_hybrid_kv_cache_manager=not self.is_hybrid)
         cache_config = _only_known(c.CacheConfig, block_size=config.block_size,
