@@ -1,6 +1,6 @@
 """Calibrate kvspec's claims on vLLM's own unit tests (issue 26).
 
-    python scripts/calibrate_vllm_tests.py 0.32.0 [--python PY] [--shards 2]
+    python scripts/calibrate_vllm_tests.py 0.32.0 [--python PY] [--shards 2] [--fixes]
 
 Fetches the release's source distribution from PyPI (no build: only its
 ``tests/`` tree is used), prepares an offline Hugging Face cache holding only
@@ -11,12 +11,19 @@ release, with kvspec importable), and writes ``docs/calibration/VERSION.json``
 and the table in ``docs/calibration/VERSION.md``. Every scheduler a test builds
 is watched; a claim a test breaks within the engine's contract is a claim too
 strong, a mis-mapping or a vLLM bug, until shown which.
+
+With ``--fixes`` the same files run with every kvspec fix installed in vLLM's
+classes (``-p kvspec.harness.pytest_vllm_fixes``) instead; a test that fails
+there is run again on the release, and one that passes on the release must be
+in ``FIX_CONTRADICTS`` (the fix changes what the test asserts, on purpose) or
+the run says so. Writes ``docs/calibration/VERSION-fixes.md`` and ``.json``.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -56,6 +63,30 @@ TEST_FILES = (
     "tests/v1/streaming_input/test_scheduler_streaming.py",
 )
 CACHE = ROOT / ".kvspec" / "sdist"
+
+
+_SHARED = ("tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py::"
+           "test_sync_load_failure_with_shared_blocks[100-99-50-invalid_block_idxs{}]")
+_SHARED_WHY = (
+    "the test expects request 2, whose 50-block prefix hit is request 1's blocks, to keep its "
+    "800 computed tokens after a sync load of {} of those shared blocks failed; the fix cuts "
+    "every request holding a failed block back to its first one ({} tokens here), because "
+    "request 2's prefix then holds KV nobody wrote (finding "
+    "recovery-cuts-every-request-at-its-first-failed-block; the test asserts the bug)")
+#: vLLM tests a kvspec fix changes on purpose: test id -> (fix, why)
+FIX_CONTRADICTS: dict[str, tuple[str, str]] = {
+    _SHARED.format(i): ("recovery-cuts-every-request-at-its-first-failed-block",
+                        _SHARED_WHY.format(blocks, tokens))
+    for i, blocks, tokens in ((0, "blocks 0 and 49", 0), (1, "blocks 25 and 49", 400),
+                              (2, "block 49", 784))} | {
+    "tests/v1/core/prefix_cache/test_partial_prefix_cache_hits.py::"
+    "test_connector_finish_registers_partial_tail_before_cleanup": (
+        "hybrid-full-prompt-hit-keeps-window",
+        "the test calls `_connector_finished` with a `SimpleNamespace` standing in for the "
+        "request, without `num_tokens`; the fix reads `request.num_tokens` (every vLLM "
+        "`Request` has it) to keep the window of a full-prompt hit's recomputed token, so the "
+        "stand-in raises AttributeError. What the test asserts is unchanged by the fix"),
+}
 
 
 def get_sdist_url(version: str) -> str:
@@ -99,21 +130,31 @@ def get_installed_version(python: str) -> str:
                           capture_output=True, text=True, timeout=300).stdout.strip()
 
 
-def run_shard(python: str, source: Path, files: list[str], out: Path, hf_home: Path):
+def run_shard(python: str, source: Path, files: list[str], out: Path, hf_home: Path,
+              fixes: bool = False):
     env = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               KVSPEC_VLLM_FIXES="all")
+    plugin = (["-p", "kvspec.harness.pytest_vllm_fixes", "-rfE"] if fixes else
+              ["-p", "kvspec.observe", "--kvspec-observe-json", str(out)])
     # vLLM's own pytest configuration (not a parent folder's), one process per shard
     command = [python, "-m", "pytest", "-q", "-c", "pyproject.toml", "--rootdir", ".",
-               "-p", "no:xdist", "-p", "kvspec.observe", "-p", "no:cacheprovider",
-               "--kvspec-observe-json", str(out), *files]
-    return subprocess.Popen(command, cwd=source, env=env, stdout=subprocess.DEVNULL,
+               "-p", "no:xdist", "-p", "no:cacheprovider", *plugin, *files]
+    # with the fixes, the summary pytest prints is the report (failures by test id)
+    stdout = out.open("w") if fixes else subprocess.DEVNULL
+    return subprocess.Popen(command, cwd=source, env=env, stdout=stdout,
                             stderr=subprocess.DEVNULL)
 
 
 def rerun_failures(python: str, source: Path, data: dict, hf_home: Path) -> dict:
     """The tests that failed under the plugin, run again without it: the
     plugin must change no test's outcome."""
-    failed = [t["nodeid"] for t in data["tests"] if t.get("outcome") == "failed"]
+    return rerun(python, source, [t["nodeid"] for t in data["tests"]
+                                  if t.get("outcome") == "failed"], hf_home)
+
+
+def rerun(python: str, source: Path, failed: list[str], hf_home: Path) -> dict:
+    """``failed`` run again on the release, no kvspec plugin."""
     if not failed:
         return {"rerun": 0, "passed_without": []}
     env = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu")
@@ -122,6 +163,106 @@ def rerun_failures(python: str, source: Path, data: dict, hf_home: Path) -> dict
                          cwd=source, env=env, capture_output=True, text=True).stdout
     passed = [line.split()[1] for line in out.splitlines() if line.startswith("PASSED ")]
     return {"rerun": len(failed), "passed_without": passed}
+
+
+def read_summaries(parts: list[Path]) -> tuple[Counter, list[str]]:
+    """Outcome counts and the failed (or erroring) test ids from the summaries
+    pytest printed (``-rfE``)."""
+    counts, failed = Counter(), []
+    for part in parts:
+        lines = part.read_text().splitlines() if part.exists() else []
+        failed += [line.split()[1] for line in lines
+                   if line.startswith(("FAILED ", "ERROR ")) and len(line.split()) > 1]
+        tail = lines[-1] if lines else ""
+        for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)",
+                                  tail):
+            counts["error" if what.startswith("error") else what] += int(n)
+    return counts, sorted(set(failed))
+
+
+def judge_fixes(counts: Counter, failed: list[str], rerun_result: dict) -> dict:
+    """What the fixes did to vLLM's tests: failures the release shares (this
+    machine's), failures a fix causes on purpose, and any other (a defect)."""
+    caused = [n for n in failed if n in rerun_result["passed_without"]]
+    return {"tests": sum(counts.values()), "outcomes": dict(counts),
+            "failed": failed, "failed_on_the_release_too": sorted(set(failed) - set(caused)),
+            "contradicted_on_purpose": {n: FIX_CONTRADICTS[n] for n in caused
+                                        if n in FIX_CONTRADICTS},
+            "broken_by_a_fix": [n for n in caused if n not in FIX_CONTRADICTS]}
+
+
+def render_fixes(version: str, data: dict, seconds: float) -> str:
+    lines = [f"# vLLM {version}'s own tests with every kvspec fix", "",
+             f"<!-- written by `python scripts/calibrate_vllm_tests.py {version} --fixes` -->",
+             "", f"{len(TEST_FILES)} test files or folders, run with "
+             "`pytest -p kvspec.harness.pytest_vllm_fixes` (every fix installed in vLLM's own "
+             f"classes, `AsyncScheduler` and every subclass included) in {seconds:.0f} s: "
+             f"{data['tests']} tests ({', '.join(f'{n} {k}' for k, n in sorted(data['outcomes'].items()))}).",
+             "", f"Fixes applied: {', '.join(f'`{f}`' for f in data['applied'])}.", "",
+             f"- failed on the release too (this machine's): "
+             f"{len(data['failed_on_the_release_too'])}",
+             f"- failed because a fix changes what the test asserts, on purpose: "
+             f"{len(data['contradicted_on_purpose'])}",
+             f"- **broken by a fix (a defect of the fix): {len(data['broken_by_a_fix'])}**", "",
+             "## Tests a fix contradicts on purpose", ""]
+    lines += [f"- `{n}`: `{fix}`: {why}" for n, (fix, why) in
+              data["contradicted_on_purpose"].items()] or ["None."]
+    lines += ["", "## Tests broken by a fix", ""]
+    lines += [f"- `{n}`" for n in data["broken_by_a_fix"]] or ["None."]
+    return "\n".join(lines) + "\n"
+
+
+def calibrate_fixes(args, source: Path, files: list[str], hf_home: Path) -> None:
+    work = CACHE / f"reports-{args.version}"
+    work.mkdir(parents=True, exist_ok=True)
+    parts = [work / f"fixes{i}.txt" for i in range(args.shards)]
+    for p in parts:
+        p.unlink(missing_ok=True)
+    start = time.monotonic()
+    procs = [run_shard(args.python, source, files[i::args.shards], parts[i], hf_home, fixes=True)
+             for i in range(args.shards)]
+    for p in procs:
+        p.wait()
+    seconds = time.monotonic() - start
+    counts, failed = read_summaries(parts)
+    if not counts:
+        sys.exit("calibrate: no shard printed pytest's summary (run a shard's pytest by hand)")
+    data = judge_fixes(counts, failed, rerun(args.python, source, failed, hf_home))
+    data["applied"], data["seconds"] = get_applied(args.python), seconds
+    write_fixes(args.version, data)
+
+
+def rejudge_fixes(version: str) -> None:
+    """Judge a run's failures again against ``FIX_CONTRADICTS`` (no test run)."""
+    path = ROOT / "docs" / "calibration" / f"{version}-fixes.json"
+    old = json.loads(path.read_text())
+    rerun_result = {"passed_without": old["contradicted_on_purpose"].keys()
+                    | set(old["broken_by_a_fix"])}
+    data = judge_fixes(Counter(old["outcomes"]), old["failed"], rerun_result)
+    data["applied"], data["seconds"] = old["applied"], old.get("seconds", 0.0)
+    write_fixes(version, data)
+
+
+def write_fixes(version: str, data: dict) -> None:
+    seconds = data["seconds"]
+    out = ROOT / "docs" / "calibration"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{version}-fixes.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / f"{version}-fixes.md").write_text(render_fixes(version, data, seconds))
+    write_index()
+    print(f"calibrate: vLLM {version} with every fix: {data['tests']} tests, "
+          f"{len(data['contradicted_on_purpose'])} contradicted on purpose, "
+          f"{len(data['broken_by_a_fix'])} broken by a fix; "
+          f"docs/calibration/{version}-fixes.md")
+
+
+def get_applied(python: str) -> list[str]:
+    code = ("from kvspec.harness.vllm_patches import patched; "
+            "print(','.join(patched('all').applied))")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_TARGET_DEVICE="cpu")
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=600).stdout.strip().splitlines()
+    return out[-1].split(",") if out else []
 
 
 def merge(parts: list[Path]) -> dict:
@@ -177,13 +318,54 @@ def render(version: str, data: dict, seconds: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_index() -> None:
+    """``docs/calibration.md``: every release calibrated, one line each."""
+    where = ROOT / "docs" / "calibration"
+    rows, fix_rows = [], []
+    for path in sorted(where.glob("*.json")):
+        data = json.loads(path.read_text())
+        version = path.stem.removesuffix("-fixes")
+        if path.stem.endswith("-fixes"):
+            fix_rows.append(
+                f"| [{version}](calibration/{version}-fixes.md) | {data['tests']} | "
+                f"{len(data['failed_on_the_release_too'])} | "
+                f"{len(data['contradicted_on_purpose'])} | {len(data['broken_by_a_fix'])} |")
+            continue
+        s, v = data["summary"], data["summary"]["verdicts"]
+        rows.append(f"| [{version}](calibration/{version}.md) | {s['tests']} | "
+                    f"{s['mapped_tests']} | {s['calls']} | {len(data['claims'])} | "
+                    f"{v.get('violation', 0)} | {v.get('out of contract', 0)} | "
+                    f"{s['unmapped_tests']} |")
+    text = "\n".join([
+        "# kvspec's claims calibrated on vLLM's own tests", "",
+        "<!-- written by `python scripts/calibrate_vllm_tests.py VERSION [--fixes]` -->", "",
+        "Each release's scheduler, KV-connector, offloading and streaming tests, run with "
+        "`pytest -p kvspec.observe` (every scheduler a test builds is watched, every claim a "
+        "bare scheduler allows is judged after every call): a break within the engine's "
+        "contract is a claim too strong, a mis-mapping or a vLLM bug until shown which.", "",
+        "| release | tests | mapped | calls | claims | broke a claim in contract | "
+        "out of contract | unmapped only |", "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        *rows, "",
+        "The same tests with every kvspec fix installed in vLLM's own classes "
+        "(`pytest -p kvspec.harness.pytest_vllm_fixes`):", "",
+        "| release | tests | failed on the release too | a fix contradicts on purpose | "
+        "broken by a fix |", "| --- | --- | --- | --- | --- |", *fix_rows, ""])
+    (ROOT / "docs" / "calibration.md").write_text(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("version")
     parser.add_argument("--python", default=sys.executable,
                         help="a Python whose installed vLLM is that release")
     parser.add_argument("--shards", type=int, default=2, help="pytest processes at once")
+    parser.add_argument("--fixes", action="store_true",
+                        help="run the tests with every kvspec fix instead of the claims")
+    parser.add_argument("--rejudge", action="store_true",
+                        help="with --fixes: judge the last run's failures again, run nothing")
     args = parser.parse_args()
+    if args.fixes and args.rejudge:
+        return rejudge_fixes(args.version)
     installed = get_installed_version(args.python)
     if installed != args.version:
         sys.exit(f"calibrate: {args.python} has vLLM {installed or 'not installed'}, "
@@ -192,6 +374,8 @@ def main() -> None:
     files = [f for f in TEST_FILES if (source / f).exists()]
     hf_home = CACHE / "hf_home"
     write_cache(hf_home)
+    if args.fixes:
+        return calibrate_fixes(args, source, files, hf_home)
     work = CACHE / f"reports-{args.version}"
     work.mkdir(parents=True, exist_ok=True)
     parts = [work / f"shard{i}.json" for i in range(args.shards)]
@@ -209,6 +393,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.version}.json").write_text(json.dumps(data, indent=1) + "\n")
     (out / f"{args.version}.md").write_text(render(args.version, data, seconds))
+    write_index()
     s = data["summary"]
     print(f"calibrate: vLLM {args.version}: {s['tests']} tests, {s['mapped_tests']} mapped, "
           f"{s['verdicts'].get('violation', 0)} broke a claim within the contract; "

@@ -2,9 +2,9 @@
 kvspec import) fail on the installed vLLM as released and pass with kvspec's fixes.
 
 Each reproducer file is run by pytest in a subprocess, all of them in one run per mode:
-as released, and with every fix (``-p kvspec.harness.pytest_vllm_fixes``, which swaps the
-patched ``Scheduler`` into ``vllm.v1.core.sched.scheduler`` before the files import it;
-that Scheduler builds the patched ``KVCacheManager`` and coordinator).
+as released, and with every fix (``-p kvspec.harness.pytest_vllm_fixes``, which installs
+each member a fix changes into vLLM's own ``Scheduler``, ``KVCacheManager`` and
+coordinators before the files import them).
 The one-token livelock is a connector-contract question kvspec does not fix, and the
 hybrid sync-load failure is a scheduler/connector contract gap kvspec does not fix either:
 those reproducers are strict xfails in both modes.

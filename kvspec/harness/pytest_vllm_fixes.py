@@ -1,15 +1,15 @@
-"""A pytest plugin that runs vLLM tests against kvspec's fixed ``Scheduler``.
+"""A pytest plugin that runs vLLM tests with kvspec's fixes installed.
 
 Load it with ``pytest -p kvspec.harness.pytest_vllm_fixes``. In ``pytest_configure``
-(before any test module is imported) it replaces ``Scheduler`` in the imported module
-``vllm.v1.core.sched.scheduler`` with the class patched by kvspec's fixes
-(:func:`kvspec.harness.vllm_patches.patched`), so a test's module-level
-``from vllm.v1.core.sched.scheduler import Scheduler`` gets the fixed class. That class
-builds the patched ``KVCacheManager`` and KV cache coordinator where a fix changes them
-(``vllm_patches.DEPENDENT_MODULES``); a test importing those classes itself gets the
-installed ones. The fixes are read from ``KVSPEC_VLLM_FIXES``: "all" (the default),
-"none", or fix ids joined by commas. Used by tests/test_reproducers.py on
-docs/findings/reproducers/.
+(before any test module is imported) it builds the fixed modules
+(:func:`kvspec.harness.vllm_patches.patched`) and installs every member a fix
+changed into vLLM's own classes (``kvspec/harness/in_place.py``): the installed
+``Scheduler``, ``KVCacheManager`` and coordinators carry the fixes, so
+``AsyncScheduler``, vLLM's other subclasses, a test's own subclass and an
+``isinstance`` on any of them all see them. The fixes are read from
+``KVSPEC_VLLM_FIXES``: "all" (the default), "none", or fix ids joined by
+commas. Used by tests/test_reproducers.py on docs/findings/reproducers/, and
+by ``scripts/calibrate_vllm_tests.py --fixes`` on vLLM's own tests.
 """
 from __future__ import annotations
 
@@ -19,18 +19,20 @@ ENV_VAR = "KVSPEC_VLLM_FIXES"
 
 
 def pytest_configure(config) -> None:
-    import vllm.v1.core.sched.scheduler as scheduler_module
-
+    from kvspec.harness.in_place import InPlace
     from kvspec.harness.vllm_patches import patched
 
     fixes = os.environ.get(ENV_VAR, "all").strip() or "all"
     built = patched(fixes)
-    scheduler_module.Scheduler = built.get("vllm.v1.core.sched.scheduler", "Scheduler")
-    config._kvspec_vllm_fixes = (fixes, built.applied, built.skipped)
+    plan = InPlace.of(built.modules)
+    plan.install()  # for the whole session: nothing else in it wants vLLM unfixed
+    config._kvspec_vllm_fixes = (fixes, built.applied, built.skipped, plan.get_names())
 
 
 def pytest_report_header(config) -> list[str]:
-    fixes, applied, skipped = getattr(config, "_kvspec_vllm_fixes", ("?", (), {}))
-    lines = [f"kvspec vLLM fixes ({ENV_VAR}={fixes}): applied {', '.join(applied) or 'none'}"]
+    fixes, applied, skipped, members = getattr(config, "_kvspec_vllm_fixes",
+                                                ("?", (), {}, []))
+    lines = [f"kvspec vLLM fixes ({ENV_VAR}={fixes}): applied {', '.join(applied) or 'none'}",
+             f"kvspec vLLM fixes: {len(members)} members of vLLM's classes replaced in place"]
     lines += [f"kvspec fix not applied: {pid}: {why}" for pid, why in skipped.items()]
     return lines
