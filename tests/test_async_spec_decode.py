@@ -118,3 +118,12 @@ def test_vllm_async_scheduler_with_placeholder_drafts(accept):
     assert final_output(runner) == model_sequence(7)
     assert runner.features["spec_decode"] > 0
     assert (runner.features["draft_rollback_in_flight"] > 0) == (accept == 0)
+
+
+def test_trace_config_keeps_the_adaptive_prefill_cap_and_writes_nothing_by_default():
+    import attrs
+    config = attrs.evolve(make_config(long_prefill_token_threshold=2),
+                          long_prefill_token_threshold_adaptive=True)
+    data = json.loads(json.dumps(config_to_dict(config)))
+    assert config_from_dict(data) == config
+    assert "long_prefill_token_threshold_adaptive" not in config_to_dict(make_config())

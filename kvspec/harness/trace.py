@@ -128,6 +128,7 @@ _CONFIG_SCHEMA = {
         "kv_load_failure_policy": {"enum": list(FAILURE_POLICIES)},
         "enable_prefix_caching": _BOOL,
         "async_scheduling": _BOOL,
+        "long_prefill_token_threshold_adaptive": _BOOL,
         "kv_role": {"enum": list(KV_ROLES)},
     },
 }
@@ -372,6 +373,8 @@ def config_to_dict(config: Config) -> dict:
         del data["kv_role"]
     if not data["num_speculative_tokens"]:  # likewise: no drafts under async before
         del data["num_speculative_tokens"]
+    if not data["long_prefill_token_threshold_adaptive"]:  # likewise: a fixed cap before
+        del data["long_prefill_token_threshold_adaptive"]
     return data
 
 
