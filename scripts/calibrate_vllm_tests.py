@@ -146,6 +146,24 @@ def run_shard(python: str, source: Path, files: list[str], out: Path, hf_home: P
                             stderr=subprocess.DEVNULL)
 
 
+def run_shards(args, source: Path, files: list[str], hf_home: Path,
+               fixes: bool = False) -> tuple[list[Path], float]:
+    """The files split over ``args.shards`` pytest processes at once: each
+    shard's report file (removed first), and the seconds they took."""
+    work = CACHE / f"reports-{args.version}"
+    work.mkdir(parents=True, exist_ok=True)
+    parts = [work / (f"fixes{i}.txt" if fixes else f"shard{i}.json")
+             for i in range(args.shards)]
+    for p in parts:
+        p.unlink(missing_ok=True)
+    start = time.monotonic()
+    procs = [run_shard(args.python, source, files[i::args.shards], parts[i], hf_home, fixes)
+             for i in range(args.shards)]
+    for p in procs:
+        p.wait()
+    return parts, time.monotonic() - start
+
+
 def rerun_failures(python: str, source: Path, data: dict, hf_home: Path) -> dict:
     """The tests that failed under the plugin, run again without it: the
     plugin must change no test's outcome."""
@@ -213,17 +231,7 @@ def render_fixes(version: str, data: dict, seconds: float) -> str:
 
 
 def calibrate_fixes(args, source: Path, files: list[str], hf_home: Path) -> None:
-    work = CACHE / f"reports-{args.version}"
-    work.mkdir(parents=True, exist_ok=True)
-    parts = [work / f"fixes{i}.txt" for i in range(args.shards)]
-    for p in parts:
-        p.unlink(missing_ok=True)
-    start = time.monotonic()
-    procs = [run_shard(args.python, source, files[i::args.shards], parts[i], hf_home, fixes=True)
-             for i in range(args.shards)]
-    for p in procs:
-        p.wait()
-    seconds = time.monotonic() - start
+    parts, seconds = run_shards(args, source, files, hf_home, fixes=True)
     counts, failed = read_summaries(parts)
     if not counts:
         sys.exit("calibrate: no shard printed pytest's summary (run a shard's pytest by hand)")
@@ -376,17 +384,7 @@ def main() -> None:
     write_cache(hf_home)
     if args.fixes:
         return calibrate_fixes(args, source, files, hf_home)
-    work = CACHE / f"reports-{args.version}"
-    work.mkdir(parents=True, exist_ok=True)
-    parts = [work / f"shard{i}.json" for i in range(args.shards)]
-    for p in parts:
-        p.unlink(missing_ok=True)
-    start = time.monotonic()
-    procs = [run_shard(args.python, source, files[i::args.shards], parts[i], hf_home)
-             for i in range(args.shards)]
-    for p in procs:
-        p.wait()
-    seconds = time.monotonic() - start
+    parts, seconds = run_shards(args, source, files, hf_home)
     data = merge(parts)
     data["failed_without_the_plugin"] = rerun_failures(args.python, source, data, hf_home)
     out = ROOT / "docs" / "calibration"

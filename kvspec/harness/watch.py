@@ -154,6 +154,8 @@ class Watch:
         self.before_obs: Observation | None = None
         self.args: tuple = ()
         self.kwargs: dict = {}
+        #: the ``ModelRunnerOutput`` being applied, as kvspec's outcome
+        self.outcome: WorkerOutcome | None = None
         #: the pool as the last watched call left it
         self.pool_seen: tuple | None = None
         #: every output applied so far came for a step this watch saw scheduled
@@ -260,7 +262,7 @@ class Watch:
     def before_output(self, out, model_output) -> None:
         launched = self.launched.get(id(out))
         started = launched.started if launched is not None and launched.out is out else {}
-        outcome = get_outcome(model_output)
+        outcome = self.outcome = get_outcome(model_output)
         self.note_output_contract(out, started, outcome)
         self.note_sampled(started, out, outcome)
         obs = self.before_obs
@@ -344,11 +346,11 @@ class Watch:
         self.check("schedule", mid, [t], synced=False)
 
     def after_output(self, after: Observation) -> None:
-        out, model_output = self.args[:2]
+        out = self.args[0]
         launched = self.launched.pop(id(out), None)
         if launched is not None and launched.out is not out:
             launched = None
-        outcome = get_outcome(model_output)
+        outcome = self.outcome  # mapped before the call
         history.process_output_applied(self.ghost, self.before_obs, after,
                                        outcome.finished_recving)
         t = self.get_transition("update_from_output", after,
