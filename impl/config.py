@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 from kvspec.spec.state import (FAILURE_POLICIES, KV_ROLES, LIMITS, MAX_KV_TOKENS, POLICIES,
-                               GroupSpec)
+                               GroupSpec, get_default_kv_delivery)
 
 
 def _is_int(value) -> bool:
@@ -67,9 +67,18 @@ class SchedulerConfig:
     enable_prefix_caching: bool = attrs.field(default=True, validator=_boolean)
     #: schedule step N+1 before step N's output is applied (see impl/in_flight.py)
     async_scheduling: bool = attrs.field(default=False, validator=_boolean)
-    #: "kv_both" (loads and stores) or "kv_producer" (stores only): only a
-    #: consumer's loads race a step in flight, so only then are frees fenced
+    #: "kv_both" (loads and stores), "kv_consumer" (loads only) or "kv_producer"
+    #: (stores only): only a consumer's loads race a step in flight, so only
+    #: then are frees fenced
     kv_role: str = attrs.field(default="kv_both", validator=_one_of(KV_ROLES))
+    #: False: the scheduler runs without a KV connector
+    kv_connector: bool = attrs.field(default=True, validator=_boolean)
+    #: the connector's ``requires_kv_delivery``: a preemption drops the output
+    #: in flight (True) or lets it be delivered, the request resuming once it
+    #: drained (False); see impl/in_flight.py
+    requires_kv_delivery: bool = attrs.field(
+        default=attrs.Factory(lambda c: get_default_kv_delivery(c.kv_connector, c.kv_role),
+                              takes_self=True), validator=_boolean)
     #: async scheduling only: placeholder drafts reserved per decode step (the
     #: worker's drafter fills them; see impl/in_flight.py)
     num_speculative_tokens: int = attrs.field(default=0, validator=_within_limits)
@@ -86,6 +95,8 @@ class SchedulerConfig:
                              f"block_sizes {self.block_sizes}")
         if self.groups[0].kind != "full_attention":
             raise ValueError("the first KV cache group must be full attention")
+        if self.requires_kv_delivery and not self.kv_connector:
+            raise ValueError("requires_kv_delivery needs a KV connector (kv_connector)")
         if self.num_speculative_tokens and not self.async_scheduling:
             raise ValueError("num_speculative_tokens applies to async scheduling only "
                              "(synchronous drafts come through update_draft_token_ids)")
@@ -93,6 +104,11 @@ class SchedulerConfig:
         if slots > MAX_KV_TOKENS:
             raise ValueError(f"num_blocks * block_size = {slots} KV token slots, more than "
                              f"the {MAX_KV_TOKENS} kvspec allows")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        """The connector loads KV into the scheduler's blocks."""
+        return self.kv_connector and self.kv_role in ("kv_both", "kv_consumer")
 
     @property
     def block_size(self) -> int:

@@ -7,8 +7,13 @@ Two things follow, each kept here:
   placeholder per token the step will produce until the output arrives, so
   ``num_computed_tokens - num_output_placeholders`` stays the boundary of known
   tokens (#27644). A preemption, or a load failure that cuts the request back,
-  makes its output still in flight stale: it is dropped when it arrives (the
-  request samples those positions again) and owns no placeholders.
+  makes its output still in flight stale: it owns no placeholders and rolls
+  nothing back. It is dropped when it arrives (the request samples those
+  positions again) after a load failure or a forced reset, and after a
+  preemption when the connector requires KV delivery; otherwise (a best-effort
+  cache, a consumer, no connector) it is delivered, and the preempted request
+  resumes only once it drained, or it would sample a position that output
+  still brings (vLLM's ``drop_stale_output``).
 - **Placeholder drafts.** With spec decode the drafter runs on the worker
   after each step, so the scheduler plans the next step with ``-1`` drafts,
   as if every draft in flight were accepted. When the output comes back the
@@ -39,6 +44,8 @@ class InFlightBook:
     last_step: dict[str, int] = attrs.Factory(dict)
     #: request id -> its steps in flight whose output is stale
     stale: dict[str, int] = attrs.Factory(dict)
+    #: requests whose stale output is delivered rather than dropped
+    deliver: set[str] = attrs.Factory(set)
     #: (step, blocks) freed under a step in flight, oldest first
     fenced: list[tuple[int, list]] = attrs.Factory(list)
     #: request id -> (step, num_computed_tokens it started from) per step in flight
@@ -68,7 +75,9 @@ class InFlightBook:
         return self.last_step.get(request_id, 0) > self.processed_seq
 
     def num_in_flight(self, request_id: str) -> int:
-        return max(0, self.last_step.get(request_id, 0) - self.processed_seq)
+        """Steps in flight that run the request (with more than two in flight,
+        not every step between its last one and the oldest need run it)."""
+        return sum(step > self.processed_seq for step, _ in self.starts.get(request_id, ()))
 
     def get_oldest_start(self, request_id: str) -> int | None:
         """Where the oldest step in flight of the request started (None: none
@@ -90,18 +99,32 @@ class InFlightBook:
         return ready
 
     # -- output ----------------------------------------------------------------
-    def take_stale(self, request_id: str) -> bool:
-        """Whether this output of the request is stale (and count it drained)."""
+    def take_stale(self, request_id: str) -> str | None:
+        """None when this output of the request is fresh; else "drop" or
+        "deliver" (and one stale step counted drained)."""
         left = self.stale.get(request_id, 0)
         if left <= 0:
-            return False
+            return None
         self.stale[request_id] = left - 1
-        return True
+        return "deliver" if request_id in self.deliver else "drop"
 
-    def make_stale(self, request) -> None:
-        """Its output in flight will be dropped; it owns no placeholders, and
-        no placeholder drafts (nothing it sampled will be drafted from)."""
-        self.stale[request.request_id] = self.num_in_flight(request.request_id)
+    def has_deliverable_stale(self, request_id: str) -> bool:
+        """Stale output still in flight will be delivered: resuming now could
+        sample a position it brings."""
+        return self.stale.get(request_id, 0) > 0 and request_id in self.deliver
+
+    def make_stale(self, request, drop: bool = True) -> None:
+        """Its output in flight is stale: dropped (``drop``) or delivered when it
+        arrives. It owns no placeholders, and no placeholder drafts (nothing it
+        sampled will be drafted from). A share still dropping stays dropped:
+        its positions may have been sampled again already."""
+        rid = request.request_id
+        undrained_drop = self.stale.get(rid, 0) > 0 and rid not in self.deliver
+        self.stale[rid] = self.num_in_flight(rid)
+        if drop or undrained_drop:
+            self.deliver.discard(rid)
+        else:
+            self.deliver.add(rid)
         request.num_output_placeholders = 0
         request.spec_token_ids = []
 
@@ -113,6 +136,7 @@ class InFlightBook:
     def forget(self, request_id: str) -> None:
         """The request is gone (its blocks freed or fenced already)."""
         self.stale.pop(request_id, None)
+        self.deliver.discard(request_id)
         self.last_step.pop(request_id, None)
         self.starts.pop(request_id, None)
 

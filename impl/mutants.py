@@ -69,11 +69,11 @@ class CacheFailedBlock(Scheduler):
 class PreemptKeepsBlocks(Scheduler):
     """A preempted request keeps its blocks (preemption frees nothing)."""
 
-    def _preempt(self, request, plan):
+    def _preempt(self, request, plan, drop_stale=True):
         free = self.kv.free
         self.kv.free = lambda req: None
         try:
-            return super()._preempt(request, plan)  # whether its blocks were fenced
+            return super()._preempt(request, plan, drop_stale)  # whether fenced
         finally:
             self.kv.free = free
 
@@ -327,9 +327,9 @@ class PreemptKeepsPlaceholders(Scheduler):
     from 0 but leaves the placeholders of its step in flight, whose output is
     dropped and never gives them back."""
 
-    def _preempt(self, request, plan):
+    def _preempt(self, request, plan, drop_stale=True):
         held = request.num_output_placeholders
-        fenced = super()._preempt(request, plan)
+        fenced = super()._preempt(request, plan, drop_stale)
         request.num_output_placeholders = held
         return fenced
 
@@ -389,8 +389,8 @@ class PreemptPastFencedVictim(Scheduler):
     victim whose blocks are fenced behind a step in flight it goes on
     preempting, down to the request itself."""
 
-    def _preempt(self, request, plan):
-        super()._preempt(request, plan)
+    def _preempt(self, request, plan, drop_stale=True):
+        super()._preempt(request, plan, drop_stale)
         return False
 
 
@@ -595,6 +595,48 @@ MUTANTS.update({m.name: m for m in [
            "last token reads blocks given back",
            "finding vllm-0.32.0-hybrid-full-prompt-hit-window-freed",
            "every_group_serves_computed", HybridFullPromptHitWindowFreed),
+]})
+
+class FullPromptHitKVCacheManager(KVCacheManager):
+    """A prompt cached whole is hit whole, less its last token: the request
+    recomputes only that token, wherever it lies in its block."""
+
+    def get_computed_blocks(self, request):
+        if not self.enable_caching:
+            return self.empty_blocks(), 0
+        limit = request.num_tokens // self.block_size
+        for num_blocks in range(self._num_full_hit_blocks(request, limit), 0, -1):
+            hit = self._get_hit(request, num_blocks)
+            if hit is not None:
+                return hit, min(num_blocks * self.block_size, request.num_tokens - 1)
+        return self.empty_blocks(), 0
+
+
+class MambaResumeMidBlock(Scheduler):
+    """The audit of finding hybrid-full-prompt-hit-window-freed: a request whose
+    whole prompt of ``n`` tokens is cached resumes at ``n - 1`` to recompute its
+    last token, as attention alone allows. An align-mode Mamba block holds one
+    state, the state after the last position written into it, so when
+    positions ``n - 2`` and ``n - 1`` share a block the step from ``n - 1``
+    reads the state after ``n`` tokens as the state after ``n - 1``. (vLLM caps
+    a local hit at the last whole block below the last token; the in-tree
+    connectors back a hit off by one token when there is a Mamba group.)"""
+
+    kv_manager_class = FullPromptHitKVCacheManager
+
+
+MUTANTS.update({m.name: m for m in [
+    Mutant("mamba_resume_mid_block",
+           "a prompt cached whole resumes at its last token mid-block; with a last-state "
+           "group that block holds the state after the whole prompt, read as the state one "
+           "token earlier",
+           "the audit of finding vllm-0.32.0-hybrid-full-prompt-hit-window-freed (an "
+           "align-mode Mamba block holds one state, so a recompute from n - 1 reads "
+           "h(n) as h(n - 1))",
+           "computed_means_valid", MambaResumeMidBlock,
+           # with a sliding window too, the window block the hit left out
+           also_caught_by=("update_from_output_relation", "transition_admitted_by_model",
+                           "no_caching_of_invalid_blocks", "every_group_serves_computed")),
 ]})
 
 # -- what the scheduler output tells the worker -------------------------------------

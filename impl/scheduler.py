@@ -171,7 +171,7 @@ class Scheduler:
     def _is_fenced(self, request: Request) -> bool:
         """Blocks the request gives back now wait for its step in flight: a
         consumer connector's load into them would race that step."""
-        return (self.is_async and self.config.kv_role == "kv_both"
+        return (self.is_async and self.config.is_kv_consumer
                 and self.in_flight.is_in_flight(request.request_id))
 
     def _get_skip_base(self, request: Request, num_computed: int) -> int:
@@ -255,12 +255,18 @@ class Scheduler:
             victim = self._pick_victim()
             if victim is request and self._release_loaded_waiting():
                 continue  # loaded-but-waiting KV gave way before the request preempts itself
+            if victim is request and self.in_flight.fenced:
+                # blocks freed under steps in flight come back within the queue's
+                # depth: wait for them. Preempting itself instead, with three or
+                # more steps in flight, lets two requests that each need most of
+                # the pool preempt one another forever (a livelock)
+                return False
             if victim is request and self.is_async and self._is_loading_elsewhere():
                 # wait for that load instead: its output arrives a step late under
                 # async scheduling, and a self-preempted request that reloads
                 # would take the blocks the loaded one needs next (a livelock)
                 return False
-            fenced = self._preempt(victim, plan)
+            fenced = self._preempt(victim, plan, drop_stale=self.config.requires_kv_delivery)
             if victim is request:
                 return False
             if fenced:
@@ -280,8 +286,9 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, request: Request, plan: StepPlan) -> bool:
-        """Returns whether its blocks were fenced (a step in flight writes them)."""
+    def _preempt(self, request: Request, plan: StepPlan, drop_stale: bool = True) -> bool:
+        """Returns whether its blocks were fenced (a step in flight writes them).
+        ``drop_stale``: its output in flight is dropped, not delivered."""
         assert request.status == RequestStatus.RUNNING, "only running requests are preempted"
         self.running.remove(request)
         plan.drop(request)
@@ -294,7 +301,7 @@ class Scheduler:
         fenced = self._free_or_fence(request)
         self._load_origin.pop(request.request_id, None)
         if self.is_async:
-            self.in_flight.make_stale(request)
+            self.in_flight.make_stale(request, drop_stale)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -352,8 +359,11 @@ class Scheduler:
         blocked = False
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.pop()
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                skipped.append(request)  # finished loads left this status at the top of schedule()
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS or \
+                    self.in_flight.has_deliverable_stale(request.request_id):
+                # finished loads left this status at the top of schedule(); a
+                # preempted request waits for the stale output it will be given
+                skipped.append(request)
                 continue
             # Past a blocked head only requests that already hold their KV may
             # go: they need little and free what they hold when they finish.
@@ -531,9 +541,15 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue
-            if req_id in skipped or self.in_flight.take_stale(req_id):
-                continue  # computed before a preemption or on failed KV: dropped
+            if req_id in skipped:
+                continue  # computed on failed KV: dropped
+            stale = self.in_flight.take_stale(req_id)
+            if stale == "drop":
+                continue  # computed before a preemption: sampled again
             tokens = list(runner.sampled_token_ids.get(req_id, []))
+            if stale == "deliver":  # appended; the preemption rolled back already
+                new_tokens[req_id] = self._append_tokens(request, tokens)
+                continue
             self._apply_spec_rejections(request, output, tokens)
             if self.is_async and tokens:
                 drafts = len(output.scheduled_spec_decode_tokens.get(req_id, ()))
@@ -595,6 +611,11 @@ class Scheduler:
         # those gone since (their blocks fenced until now)
         ended = [self.kv.get_block_ids(rid) for rid, r in self.requests.items()
                  if r.is_finished()]
+        # ... and those gone with a later step still in flight (3 or more steps
+        # in flight): what they computed in this step on the failed KV is still
+        # cached, though their blocks come back only later
+        still_fenced = [b for _, b in self.in_flight.fenced if isinstance(b, FencedTables)]
+        released = [*released, *still_fenced]
         gone = [blocks.tables for blocks in released if isinstance(blocks, FencedTables)]
         if self.kv.is_hybrid:
             invalid = self._get_tainted(invalid, self.running + loading, ended + gone)

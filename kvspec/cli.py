@@ -171,12 +171,14 @@ def target_profile(target: str, quiet: bool = False):
 
 
 def _mapped_layouts(profile):
-    """The profile drawing only the layouts the vllm target maps on the
-    installed release, and no drafts beside a last-state group."""
-    from kvspec.harness.vllm_target import maps_last_state, modules
+    """The profile drawing only the layouts and connectors the vllm target maps
+    on the installed release."""
+    from kvspec.harness.vllm_target import maps_kv_delivery, maps_last_state, modules
     mapped = VLLM_LAYOUTS if maps_last_state(modules()) else ("full", "sliding")
+    connectors = profile.connectors if maps_kv_delivery() else tuple(
+        x for x in profile.connectors if x != "best_effort")
     return attrs.evolve(profile, layouts=tuple(x for x in profile.layouts if x in mapped),
-                        spec_decode_with_last_state=False)
+                        connectors=connectors)
 
 
 def vllm_gaps(target: str) -> dict[str, str]:
@@ -187,8 +189,9 @@ def vllm_gaps(target: str) -> dict[str, str]:
         return {}
     return {"layouts": f"{source_label()} has no align-mode Mamba admission that tells a "
                        "connector hit from a local one (0.28.0 on): no last-state group",
-            "spec_decode_with_last_state": "vLLM keeps one Mamba state per draft, which the "
-                                           "spec does not model; docs/notes/hybrid-groups.md"}
+            "connectors": f"{source_label()} has no connector opting out of KV delivery "
+                          "(requires_kv_delivery): every connector's preemption drops the "
+                          "output in flight"}
 
 
 def source_label() -> str:

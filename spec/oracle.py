@@ -10,8 +10,17 @@ With several KV cache groups a slot's content is tagged with its group (a
 sliding-window layer's KV is not a full-attention layer's), and each group is
 read as its kind reads (``spec/groups.py``): full attention every earlier
 position, a sliding window the last ``w - 1``, a last-state group the state
-after the previous token, kept at that token's position. A load writes the
-positions a group holds blocks for.
+after the previous token. A load writes the positions a group holds blocks for.
+
+A last-state group's block holds one state, as vLLM's Mamba "align" mode keeps
+it: the state after the last position written into that block (kept in the
+block's last slot; its other slots stay ``GARBAGE``). Writing any position of
+the block replaces that state, so the state after ``q + 1`` tokens can be read
+only while position ``q`` is the last one written into its block: a step from
+``q + 1`` after a later position of that block was written (a load past it,
+rejected drafts) reads that position's state. A step reads a state before it
+writes its own: a request's read of a slot it writes itself in the same step
+sees the slot as the step found it (decoding mid-block is valid).
 
 Timing follows vLLM's worker:
 - in one step every scheduled token's KV is written before any attention of
@@ -162,28 +171,46 @@ class KVContent:
         self.keys_at_start: set = set()
 
     # -- addressing ---------------------------------------------------------
-    def _slot(self, blocks, pos: int) -> tuple[int, int]:
-        return blocks[pos // self.block_size], pos % self.block_size
+    def _keeps_one_state(self, g: int) -> bool:
+        """Group ``g``'s blocks hold one state each (vLLM's Mamba align mode),
+        not one KV entry per position."""
+        return g < len(self.groups) and self.groups[g].kind == "last_state"
 
-    def _write(self, blocks, pos: int, value) -> None:
-        b, s = self._slot(blocks, pos)
+    def _slot(self, g: int, blocks, pos: int) -> tuple[int, int]:
+        """Where group ``g`` keeps position ``pos``: its own slot, or for a
+        last-state group the block's one state (its last slot), so that every
+        position written into the block replaces the same state."""
+        slot = self.block_size - 1 if self._keeps_one_state(g) else pos % self.block_size
+        return blocks[pos // self.block_size], slot
+
+    def _write(self, g: int, blocks, pos: int, value) -> None:
+        b, s = self._slot(g, blocks, pos)
         self.slots[b][s] = value
 
-    def _read(self, blocks, pos: int):
-        b, s = self._slot(blocks, pos)
+    def _read(self, g: int, blocks, pos: int):
+        b, s = self._slot(g, blocks, pos)
         return self.slots[b][s]
 
-    def _is_valid(self, blocks, g: int, keys, pos: int) -> bool:
+    def _is_valid(self, blocks, g: int, keys, pos: int, before=None) -> bool:
+        """Position ``pos`` of group ``g`` holds its valid content. ``before``:
+        slot -> value, what the reader sees of the slots it writes itself this
+        step (a step reads a state before it overwrites it)."""
         index = pos // self.block_size
-        return (index < len(blocks) and blocks[index] != NULL_BLOCK
-                and self._read(blocks, pos) == get_content(g, keys, pos))
+        if index >= len(blocks) or blocks[index] == NULL_BLOCK:
+            return False
+        b, s = self._slot(g, blocks, pos)
+        value = before[(b, s)] if before and (b, s) in before else self.slots[b][s]
+        return value == get_content(g, keys, pos)
 
-    def first_invalid(self, tables, keys, upto: int) -> int | None:
-        """The first position a step starting at ``upto`` reads, in any group,
-        that does not hold valid content (None if all do)."""
-        bad = [pos for g, group in enumerate(self.groups)
+    def first_invalid(self, tables, keys, upto: int, before=None,
+                      groups: set[int] | None = None) -> int | None:
+        """The first position a step starting at ``upto`` reads, in any group
+        (or in ``groups``), that does not hold valid content (None if all do).
+        ``before``: as for ``_is_valid``."""
+        bad = [pos for g, group in enumerate(self.groups) if groups is None or g in groups
                for pos in get_positions_read(group, upto)
-               if not self._is_valid(tables[g] if g < len(tables) else (), g, keys, pos)][:1]
+               if not self._is_valid(tables[g] if g < len(tables) else (), g, keys, pos,
+                                     before)][:1]
         return bad[0] if bad else None
 
     # -- the connector's jobs (registered by the environment) ----------------
@@ -209,7 +236,7 @@ class KVContent:
     def start_send(self, request_id: str, block_ids, num_tokens: int) -> None:
         """A send ships the full-attention group's KV (``block_ids``: its table)."""
         self.sends[request_id] = {
-            self._slot(block_ids, p): self._read(block_ids, p) for p in range(num_tokens)}
+            self._slot(0, block_ids, p): self._read(0, block_ids, p) for p in range(num_tokens)}
 
     def finish_send(self, request_id: str) -> None:
         self.sends.pop(request_id, None)
@@ -271,61 +298,80 @@ class KVContent:
             if failing and g == g_bad and written:
                 start = fail_offset % len(written)
                 bad = set(written[start:start + max(fail_blocks, 1)])
-            for pos in positions:
+            for pos in positions:  # in order: a last-state block keeps the last one's state
                 ok = pos // self.block_size not in bad
-                self._write(table, pos, get_content(g, job.keys, pos) if ok else GARBAGE)
+                self._write(g, table, pos, get_content(g, job.keys, pos) if ok else GARBAGE)
             for index in sorted(bad):
                 report.invalid_block_ids.add(table[index])
                 self.failed_blocks.add(table[index])
 
     def _load_positions(self, group: GroupSpec, table, job: LoadJob) -> list[int]:
         """Positions a load writes in one group: those the group holds blocks
-        for (a last-state group: the states kept in them)."""
+        for (into a last-state block the load leaves the state after the last
+        position it loaded there)."""
         return [p for p in range(job.start, job.start + job.num_tokens)
                 if p // self.block_size < len(table)
                 and table[p // self.block_size] != NULL_BLOCK]
 
     def _compute(self, step: StepView, obs: Observation, report: ExecReport,
                  pending: dict[str, tuple[int, ...]]) -> None:
+        writes = self._plan_writes(step, obs, pending)
+        # taken before any write: a last-state read sees the state the step found
+        before = {rid: self._found_by_step(tables, start, n)
+                  for rid, (tables, _keys, start, n) in writes.items()}
+        self._apply_writes(writes, _count_holders(obs))
+        self.completed = [done for rid, (tables, keys, start, n) in writes.items()
+                          for done in self._completed_blocks(rid, obs.requests[rid], tables,
+                                                             keys, start, n)]
+        self._spread_garbage(writes, before, report)
+        self._record_stream_writes(writes, report.step_id)
+
+    def _plan_writes(self, step: StepView, obs: Observation,
+                     pending: dict[str, tuple[int, ...]]) -> dict[str, tuple]:
+        """Per scheduled request: (tables, prefix keys of what it computes, start, count)."""
         writes = {}
-        writer: dict[tuple[int, int], str] = {}
-        self.double_writes = []
-        self.shared_recomputes = 0
-        holders = _count_holders(obs)
-        recomputed = set()
         for rid, n in step.num_scheduled_tokens.items():
             req = obs.requests[rid]
             known = req.all_token_ids + pending.get(rid, ())
             spec = step.scheduled_spec_decode_tokens.get(rid, ())
             keys = list(self.book.keys(rid, req.all_token_ids))
             extend_prefix_keys(keys, known + tuple(spec), len(keys))
-            start = step.num_computed_before[rid]
-            writes[rid] = (req.block_ids, keys, start, n)
-            for g, table, pos in self._computed_slots(req.block_ids, start, n):
-                self._write(table, pos, get_content(g, keys, pos))
-                slot = self._slot(table, pos)
+            writes[rid] = (req.block_ids, keys, step.num_computed_before[rid], n)
+        return writes
+
+    def _apply_writes(self, writes: dict[str, tuple], holders: dict[int, int]) -> None:
+        """Every scheduled position's content, in order (a last-state block
+        ends with its last position's state); slots two requests write are
+        recorded, and failed blocks written again are no longer failed."""
+        writer: dict[tuple[int, int], str] = {}
+        self.double_writes = []
+        recomputed = set()
+        for rid, (tables, keys, start, n) in writes.items():
+            for g, table, pos in self._computed_slots(tables, start, n):
+                self._write(g, table, pos, get_content(g, keys, pos))
+                slot = self._slot(g, table, pos)
                 if slot[0] in self.failed_blocks:
                     recomputed.add(slot[0])
                 if writer.setdefault(slot, rid) != rid:
                     self.double_writes.append((*slot, writer[slot], rid))
         self.shared_recomputes = sum(holders.get(b, 0) >= 2 for b in recomputed)
         self.failed_blocks -= recomputed
-        self.completed = [done for rid, (tables, keys, start, n) in writes.items()
-                          for done in self._completed_blocks(rid, obs.requests[rid], tables,
-                                                             keys, start, n)]
+
+    def _spread_garbage(self, writes: dict[str, tuple], before: dict[str, dict],
+                        report: ExecReport) -> None:
+        """A request that read invalid content writes garbage, to a fixed point."""
         changed = True
-        while changed:  # garbage read -> garbage written, to a fixed point
+        while changed:
             changed = False
             for rid, (tables, keys, start, n) in writes.items():
-                bad = self.first_invalid(tables, keys, start)
+                bad = self.first_invalid(tables, keys, start, before[rid])
                 if bad is None or rid in report.garbage_readers:
                     continue
                 report.garbage_readers[rid] = bad
-                for _g, table, pos in self._computed_slots(tables, start, n):
-                    self._write(table, pos, GARBAGE)
+                for g, table, pos in self._computed_slots(tables, start, n):
+                    self._write(g, table, pos, GARBAGE)
                     report.garbage_blocks.add(table[pos // self.block_size])
                 changed = True
-        self._record_stream_writes(writes, report.step_id)
 
     def _completed_blocks(self, rid: str, req: RequestView, tables, keys, start: int, n: int):
         """The blocks whose last position ``[start, start + n)`` computes, within
@@ -337,6 +383,16 @@ class KVContent:
                     if index < len(table) and table[index] != NULL_BLOCK:
                         yield rid, g, index, table[index], tuple(keys[index * size:
                                                                       (index + 1) * size])
+
+    def _found_by_step(self, tables, start: int, n: int) -> dict[tuple[int, int], object]:
+        """What the slots a step computing ``[start, start + n)`` writes held
+        before its compute: a last-state read of the block the step goes on
+        writing (resuming mid-block) sees the state there, not the step's own."""
+        found = {}
+        for g, table, pos in self._computed_slots(tables, start, n):
+            b, s = self._slot(g, table, pos)
+            found[(b, s)] = self.slots[b][s]
+        return found
 
     def _computed_slots(self, tables, start: int, n: int):
         """(group, table, position) of every slot a step computing ``[start,
@@ -350,8 +406,8 @@ class KVContent:
     def _record_stream_writes(self, writes: dict, step_id: int) -> None:
         mine = self.in_flight[step_id]
         for tables, _keys, start, n in writes.values():
-            for _g, table, pos in self._computed_slots(tables, start, n):
-                slot = self._slot(table, pos)
+            for g, table, pos in self._computed_slots(tables, start, n):
+                slot = self._slot(g, table, pos)  # a last-state block: its one state
                 self.stream_writer[slot] = step_id
                 mine[slot] = self.slots[slot[0]][slot[1]]
 
@@ -475,10 +531,21 @@ class KVContent:
             return  # a failure the scheduler has not been told of yet
         keys = self.book.keys(r.request_id, r.all_token_ids)
         real = min(r.num_computed_tokens - r.num_output_placeholders, len(keys))
-        bad = self.first_invalid(r.block_ids, keys, real)
+        bad = self.first_invalid(r.block_ids, keys, real,
+                                 groups=self._judged_groups(real, r.num_computed_tokens))
         if bad is not None:
             yield (f"{r.request_id}: token {bad} is counted as computed "
                    f"(num_computed={r.num_computed_tokens}) but its KV is not valid")
+
+    def _judged_groups(self, real: int, computed: int) -> set[int]:
+        """The groups whose reads from ``real`` are judged when ``computed``
+        positions are: every group, but a last-state group only while its
+        block still holds the state after ``real`` tokens. A step in flight
+        that computed on into the same block replaced it with the state after
+        a token the scheduler has not seen yet (a placeholder); the step that
+        reads that state is judged when it runs (``garbage_readers``)."""
+        current = real == computed or real % self.block_size == 0
+        return {g for g in range(len(self.groups)) if current or not self._keeps_one_state(g)}
 
     def check_single_writer(self) -> Iterator[str]:
         for block, slot, first, second in self.double_writes[:1]:

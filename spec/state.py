@@ -42,7 +42,11 @@ class RequestStatus(enum.Enum):
 
 #: the most drafts a step schedules per request (vLLM's ``num_speculative_tokens``
 #: on the vLLM target; the environment proposes 0 to this many)
-MAX_DRAFTS = 2
+MAX_DRAFTS = 4
+#: the drafts a synchronous step may be proposed (``update_draft_token_ids``):
+#: the vLLM target configures this many, so traces recorded before 4 drafts
+#: replay as they ran (a new request is padded to 1 + this many rows)
+SYNC_MAX_DRAFTS = 2
 
 #: Bounds on a configuration (inclusive): wide enough for every run kvspec makes
 #: (the benchmarks' largest pool, N=256, has 3,328 blocks), narrow enough that no
@@ -52,18 +56,25 @@ MAX_DRAFTS = 2
 LIMITS = {"block_size": (1, 1024), "num_blocks": (1, 16_384), "groups": (1, 8),
           "max_num_batched_tokens": (1, 1 << 20), "max_num_seqs": (1, 4096),
           "max_model_len": (2, 8192), "long_prefill_token_threshold": (0, 1 << 20),
-          "num_speculative_tokens": (0, MAX_DRAFTS)}
+          "num_speculative_tokens": (0, MAX_DRAFTS), "max_concurrent_batches": (2, 4)}
 #: the most KV token slots (num_blocks * block_size) a configuration may have
 MAX_KV_TOKENS = 1 << 22
 #: full attention reads every earlier position; a sliding window the last
 #: ``sliding_window`` positions; a last-state group (Mamba-like) only the state
 #: after the previous token (``spec/groups.py``)
 GROUP_KINDS = ("full_attention", "sliding_window", "last_state")
-#: steps in flight under async scheduling: vLLM's batch queue (2 without pipeline parallelism)
+#: steps in flight under async scheduling by default: vLLM's batch queue holds
+#: ``max_concurrent_batches`` of them, 2 without pipeline parallelism (up to the
+#: pipeline's depth with it: ``Config.max_concurrent_batches``)
 BATCH_QUEUE_DEPTH = 2
 POLICIES = ("fcfs", "priority")
 FAILURE_POLICIES = ("recompute", "fail")
-KV_ROLES = ("kv_both", "kv_producer")
+KV_ROLES = ("kv_both", "kv_consumer", "kv_producer")
+
+
+def get_default_kv_delivery(kv_connector: bool, kv_role: str) -> bool:
+    """vLLM's default ``requires_kv_delivery``: a producer hands KV off."""
+    return kv_connector and kv_role != "kv_consumer"
 
 
 def _bounded_int(instance, attribute, value) -> None:
@@ -146,25 +157,62 @@ class Config:
     #: before step N's output is applied (``AsyncScheduler`` driven as
     #: ``EngineCore.step_with_batch_queue`` does, ``BATCH_QUEUE_DEPTH`` steps deep)
     async_scheduling: bool = attrs.field(default=False, validator=_boolean)
-    #: the connector's role: "kv_both" loads and stores (a P/D consumer or an
-    #: offloading store); "kv_producer" only stores (a P/D prefill node), so
-    #: nothing is loaded and, under async scheduling, vLLM frees blocks at once
-    #: instead of fencing them behind the step in flight (``defer_block_free``)
+    #: the connector's role: "kv_both" loads and stores (an offloading store, a
+    #: P/D node that does both); "kv_consumer" only loads (a P/D decode node:
+    #: requests arrive with ``do_remote_prefill``); "kv_producer" only stores (a
+    #: P/D prefill node), so nothing is loaded and, under async scheduling, vLLM
+    #: frees blocks at once instead of fencing them behind the step in flight
+    #: (``defer_block_free`` is for consumers)
     kv_role: str = attrs.field(default="kv_both", validator=_one_of(KV_ROLES))
+    #: False: no KV connector at all (vLLM's ``kv_transfer_config`` is None):
+    #: nothing loads, nothing sends, no frees are fenced
+    kv_connector: bool = attrs.field(default=True, validator=_boolean)
+    #: the connector's ``requires_kv_delivery``: a request preempted with output
+    #: in flight has that output dropped (it samples those positions again) when
+    #: True, delivered (appended, rolling nothing back; the request resumes only
+    #: once it drained) when False. vLLM's default is the producer role; a
+    #: best-effort cache (the offloading connectors) opts out
+    requires_kv_delivery: bool = attrs.field(
+        default=attrs.Factory(lambda c: get_default_kv_delivery(c.kv_connector, c.kv_role),
+                              takes_self=True), validator=_boolean)
     #: spec decode under async scheduling: the drafts the scheduler reserves for
     #: each decode step, as ``-1`` placeholders the worker's drafter fills (vLLM's
     #: ``num_speculative_tokens``). Synchronous runs take drafts from the
     #: environment after each step (``update_draft_token_ids``) and leave it 0.
     num_speculative_tokens: int = attrs.field(default=0, validator=_bounded_int)
+    #: async scheduling: the steps in flight at most (vLLM's batch queue,
+    #: ``max_concurrent_batches``: 2, or the pipeline-parallel depth)
+    max_concurrent_batches: int = attrs.field(default=BATCH_QUEUE_DEPTH, validator=_bounded_int)
 
     @property
     def is_kv_consumer(self) -> bool:
-        return self.kv_role == "kv_both"
+        """The connector loads KV into the scheduler's blocks."""
+        return self.kv_connector and self.kv_role in ("kv_both", "kv_consumer")
+
+    @property
+    def is_kv_producer(self) -> bool:
+        """The connector stores (sends) a finished request's KV."""
+        return self.kv_connector and self.kv_role in ("kv_both", "kv_producer")
+
+    @property
+    def defers_block_free(self) -> bool:
+        """A block freed under a step in flight waits for its output: a consumer's
+        load into it would race that step (vLLM's ``defer_block_free``)."""
+        return self.async_scheduling and self.is_kv_consumer
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """The batch queue's depth: 1 when synchronous."""
+        return self.max_concurrent_batches if self.async_scheduling else 1
 
     def __attrs_post_init__(self) -> None:
         if self.num_speculative_tokens and not self.async_scheduling:
             raise ValueError("num_speculative_tokens applies to async scheduling only "
                              "(synchronous runs take drafts from the environment)")
+        if self.max_concurrent_batches != BATCH_QUEUE_DEPTH and not self.async_scheduling:
+            raise ValueError("max_concurrent_batches applies to async scheduling only")
+        if self.requires_kv_delivery and not self.kv_connector:
+            raise ValueError("requires_kv_delivery needs a KV connector (kv_connector)")
         slots = self.num_blocks * max(g.block_size for g in self.groups)
         if slots > MAX_KV_TOKENS:
             raise ValueError(f"num_blocks * block_size = {slots} KV token slots, more than "

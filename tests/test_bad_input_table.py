@@ -296,6 +296,15 @@ TRACES = {
     "config-extra-field": (config(num_gpus=1), "unknown field 'num_gpus'"),
     "kv-role-unknown": (config(kv_role="kv_consumer_only"), "kv_role: must be one of"),
     "async-scheduling-string": (config(async_scheduling="yes"), "expected true or false"),
+    "kv-connector-string": (config(kv_connector="no"), "expected true or false"),
+    "delivery-without-connector": (config(kv_connector=False, requires_kv_delivery=True),
+                                   "requires_kv_delivery needs a KV connector"),
+    "batches-too-many": (config(async_scheduling=True, max_concurrent_batches=5),
+                         "max_concurrent_batches: must be <= 4"),
+    "batches-one": (config(async_scheduling=True, max_concurrent_batches=1),
+                    "max_concurrent_batches: must be >= 2"),
+    "batches-under-sync": (config(max_concurrent_batches=3),
+                           "max_concurrent_batches applies to async scheduling only"),
     "config-required-missing": (config(num_blocks=_DROP), "missing field 'num_blocks'"),
     # action shapes
     "action-number": (insert(1, 5), "actions[1]: expected an object"),
@@ -367,7 +376,7 @@ TRACES = {
     "step-finish-sends-object": (action(1, finish_sends={}), "finish_sends: expected a list"),
     "step-accept-negative": (action(1, accept=-1), "accept: must be >= 0"),
     "step-accept-huge": (action(1, accept=100), "accept: must be <="),
-    "step-drafts-too-many": (action(1, drafts=3), "drafts: must be <= 2"),
+    "step-drafts-too-many": (action(1, drafts=5), "drafts: must be <= 4"),
     "step-drafts-negative": (action(1, drafts=-1), "drafts: must be >= 0"),
     "step-drafts-string": (action(1, drafts="2"), "drafts: expected an integer"),
     "step-unknown-field": (action(1, foo=1), "unknown field 'foo' for op 'step'"),
@@ -391,6 +400,16 @@ TRACES = {
     "impossible-offload-under-a-producer": (
         _both(config(kv_role="kv_producer"), action(0, ext=0, offload=True)),
         "actions[0].offload: a kv_producer connector loads nothing"),
+    "impossible-send-under-a-consumer": (
+        _both(config(kv_role="kv_consumer"), action(0, send=True)),
+        "actions[0].send: a kv_consumer connector sends nothing"),
+    "impossible-ext-without-a-connector": (
+        _both(config(kv_connector=False), action(0, ext=2)),
+        "actions[0].ext: a run without a connector loads nothing"),
+    "impossible-pd-without-a-connector": (
+        _both(config(kv_connector=False), action(0, ext=0, pd=True)),
+        "actions[0].pd: P/D transfer params need a KV connector"),
+    "pd-string": (action(0, pd="yes"), "pd: expected true or false"),
     "reset-running-string": (insert(1, {"op": "reset_prefix_cache", "running": "yes"}),
                              "running: expected true or false"),
     "impossible-abort-unknown": (insert(1, {"op": "abort", "id": "zz"}),

@@ -262,11 +262,11 @@ def test_drafts_beside_a_last_state_group_are_refused_not_a_finding():
     with pytest.raises(TargetCannotMap):
         for _ in range(3):
             runner.apply({"op": "step", "drafts": 2})
-    # the vllm environment draws none there, and the verdict's first line says why
-    from kvspec.cli import target_profile, vllm_gaps
+    # no environment draws them there (profiles.FULL: neither target keeps a
+    # Mamba state per draft), so nothing is narrowed for vLLM
+    from kvspec.cli import target_profile
     profile = target_profile("vllm", quiet=True)
     assert not profile.spec_decode_with_last_state
-    assert "Mamba state per draft" in vllm_gaps("vllm")["spec_decode_with_last_state"]
 
 
 @pytest.mark.parametrize("group", [0, 1], ids=["full_attention", "sliding_window"])
@@ -375,8 +375,12 @@ def test_planted_bug_is_caught_by_the_default_check(planted, tmp_path):
     result = default_check(tmp_path, target, budget=60)
     assert result.counterexample is not None, f"{planted} survived 60 s of the default check"
     clean = replay_trace(result.trace_path, "vllm")
-    assert not clean.violations, (f"{planted}: the counterexample also fails without the "
-                                  f"planted bug: {violation_text(clean)}")
+    # lost performance (an efficiency claim) stops no run and is not a failure:
+    # the release with its fixes may lose a hit on the same trace
+    from kvspec.harness.steplog import is_lost_performance
+    broken = [v for v in clean.violations if not is_lost_performance(v)]
+    assert not broken, (f"{planted}: the counterexample also fails without the "
+                        f"planted bug: {violation_text(clean)}")
 
 
 def test_strict_and_fixes_choose_what_is_applied(tmp_path):

@@ -11,6 +11,12 @@ Fault model, written down first:
   or several consecutive blocks (a bad block, or a transfer that broke off),
   which are then reported in ``invalid_block_ids``;
 - a finished request may hold its blocks for a KV send, finished in a later step;
+- P/D disaggregation: on a consumer (decode node) a request may arrive with
+  ``do_remote_prefill`` (``pd``): a prefill node computed its whole prompt,
+  which arrives by an async load; on a producer (prefill node) one may arrive
+  with ``do_remote_decode``: it sends its KV when finished. The connector then
+  drops the remote-prefill flag once the blocks are allocated, as NIXL does:
+  a request preempted after that recomputes locally;
 - the model samples deterministic tokens, or EOS when the environment says so;
   spec decode proposes drafts and the environment picks how many are accepted;
 - clients abort requests at any time; the operator may reset the prefix cache.
@@ -20,7 +26,9 @@ are an environment contract violation, reported apart from scheduler bugs.
 
 The connector also keeps to what vLLM's in-tree connectors do (the connector
 contract, docs/findings/README.md): a synchronous hit never covers a request's
-last token (the sync connectors leave it, and say so), and a load that finished
+last token (the sync connectors leave it, and say so), nor does any hit with a
+last-state (Mamba) group (NIXL backs off one token for Mamba, the offloading
+connectors cap hits at ``n - 1`` then), and a load that finished
 is not offered again until the request is preempted (P/D connectors clear their
 remote-prefill flag once the blocks are allocated; store connectors offer whole
 blocks, so never a one-token prompt). An arrival marked ``beyond_contract``
@@ -61,6 +69,9 @@ class RequestSpec:
     offload: bool = False   # the store also keeps what the request computes (offloading)
     #: the connector answers outside vLLM's in-tree contract (see the module doc)
     beyond_contract: bool = False
+    #: P/D ``kv_transfer_params``: do_remote_prefill on a consumer, do_remote_decode
+    #: on a producer (the module doc)
+    pd: bool = False
 
 
 class EnvironmentContractViolation(Exception):
@@ -73,7 +84,8 @@ def get_request_spec(a: dict) -> RequestSpec:
                        a.get("ext", 0), a.get("async", False), a.get("none", 0),
                        a.get("send", False), a.get("offload", False),
                        # an overclaim is outside the contract by definition
-                       a.get("beyond_contract", False) or a.get("overclaim_ok", False))
+                       a.get("beyond_contract", False) or a.get("overclaim_ok", False),
+                       a.get("pd", False))
     if spec.ext > len(spec.prompt) and not a.get("overclaim_ok"):
         raise EnvironmentContractViolation(
             f"the store cannot hold {spec.ext} tokens of a {len(spec.prompt)}-token prompt")
@@ -96,6 +108,8 @@ class EnvConnector:
         self.answer_log: list[tuple[str, int, int]] = []
         #: request id -> its preemption count when an async load of it finished
         self.delivered: dict[str, int] = {}
+        #: P/D requests whose remote prefill was allocated: never offered again
+        self.remote_prefill_taken: set[str] = set()
 
     def note_computed(self, request_id: str, num_computed: int, num_tokens: int) -> None:
         """An offloading store saves a running request's computed prefix."""
@@ -128,9 +142,29 @@ class EnvConnector:
         rid = request.request_id
         if self.delivered.get(rid) == request.num_preemptions:
             return 0  # its load finished: not offered again before a preemption
-        if not self.plans[rid].load_async:
+        if rid in self.remote_prefill_taken:
+            return 0  # P/D: the remote prefill is consumed once
+        if not self.plans[rid].load_async or self.has_last_state:
             return min(num_external, max(0, request.num_tokens - 1 - num_local))
         return num_external
+
+    @property
+    def has_last_state(self) -> bool:
+        """A last-state (Mamba) group: every hit leaves the last token, async too.
+        A step from ``n - 1`` reads the state after ``n - 1`` tokens, which an
+        align-mode Mamba block holding the state after ``n`` no longer has, so
+        NIXL backs a remote prefill off by one token for Mamba
+        (``_prefill_backoff``) and the offloading connectors cap hits at
+        ``n - 1`` with such groups."""
+        return any(g.kind == "last_state" for g in self.content.groups)
+
+    def note_local_hits(self, step) -> None:
+        """Without a connector nothing is asked: the local hit a request started
+        from (``num_computed_before`` of a step that took it from waiting) is
+        recorded as the answer a connector with nothing to offer would give."""
+        for rid in (*step.new_req_ids, *step.resumed_req_ids):
+            self.answers[rid] = (step.num_computed_before[rid], 0)
+            self.answer_log.append((rid, step.num_computed_before[rid], 0))
 
     def note_load_finished(self, request_id: str, num_preemptions: int) -> None:
         """An async load of this request finished without a failure."""
@@ -139,6 +173,8 @@ class EnvConnector:
     def update_state_after_alloc(self, request, block_ids, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
+        if self.plans[request.request_id].pd:
+            self.remote_prefill_taken.add(request.request_id)
         view = self.observe_request(request.request_id)
         start, _ = self.answers.get(request.request_id, (0, 0))
         self.content.add_load(view, block_ids, start, num_external_tokens,

@@ -18,12 +18,21 @@ FEATURES = ("load_failures", "async_loads", "preemptions", "spec_decode",
             "hybrid_groups", "sliding_window", "last_state_group",
             "load_failure_in_non_full_group",
             # steps whose KV was moved and checked in real tensors (--kv torch, issue 13)
-            "kv_torch")
+            "kv_torch",
+            # what vLLM's own tests drive (issue 26): connector roles and P/D
+            # transfer params, no connector, stale output delivered (a connector
+            # that does not require KV delivery), 3 or 4 steps in flight, 3 or 4 drafts
+            "role_kv_both", "role_kv_consumer", "role_kv_producer", "no_connector",
+            "pd_transfer_params", "stale_output_delivered", "steps_in_flight_3",
+            "steps_in_flight_4", "drafts_3_or_4")
 
 
 def count_step(f: Counter, cfg: Config, step: StepView, outcome: WorkerOutcome,
                mid: Observation) -> None:
     live = sum(not r.status.is_finished for r in mid.requests.values())
+    busy = bool(step.num_scheduled_tokens)
+    f[f"role_{cfg.kv_role}" if cfg.kv_connector else "no_connector"] += busy
+    f["drafts_3_or_4"] += any(len(d) >= 3 for d in step.scheduled_spec_decode_tokens.values())
     f["load_failures"] += bool(outcome.invalid_block_ids)
     f["async_loads"] += bool(outcome.finished_recving)
     f["preemptions"] += bool(step.preempted_req_ids)
@@ -50,8 +59,23 @@ def count_groups(f: Counter, cfg: Config, step: StepView, outcome: WorkerOutcome
         k != "full_attention" and set(t) & outcome.invalid_block_ids for k, t in tables)
 
 
-def count_async_schedule(f: Counter, step: StepView, in_flight: set[str], busy: bool) -> None:
-    """A step scheduled while another is in flight; a preemption of a request
-    whose output is in flight."""
-    f["async_scheduling"] += bool(busy and step.total_num_scheduled_tokens)
+def count_async_schedule(f: Counter, step: StepView, in_flight: set[str],
+                         num_in_flight: int) -> None:
+    """A step scheduled while others are in flight (2 or 3 of them: the step
+    makes 3 or 4); a preemption of a request whose output is in flight."""
+    scheduled = bool(step.total_num_scheduled_tokens)
+    f["async_scheduling"] += bool(num_in_flight and scheduled)
+    f["steps_in_flight_3"] += num_in_flight == 2 and scheduled
+    f["steps_in_flight_4"] += num_in_flight == 3 and scheduled
     f["output_in_flight_at_preemption"] += bool(step.preempted_req_ids & in_flight)
+
+
+def count_delivery(f: Counter, stale: set[str], outcome: WorkerOutcome, plans: dict,
+                   before: Observation, after: Observation) -> None:
+    """A step's output came back: stale output a target appended (its connector
+    requires no KV delivery); a request with P/D transfer params at work."""
+    f["stale_output_delivered"] += any(
+        len(after.requests[rid].output_token_ids) > len(before.requests[rid].output_token_ids)
+        for rid in stale if rid in before.requests and rid in after.requests)
+    f["pd_transfer_params"] += any(plans[rid].pd for rid in outcome.sampled_token_ids
+                                   if rid in plans)

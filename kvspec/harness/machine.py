@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from kvspec.harness.profiles import FULL, EnvProfile
 from kvspec.harness.runner import ALL_KINDS, Counterexample, Runner
 from kvspec.harness.target import make_config
-from kvspec.spec.state import MAX_DRAFTS, GroupSpec
+from kvspec.spec.state import MAX_DRAFTS, SYNC_MAX_DRAFTS, GroupSpec
 
 #: shared prefixes so that prefix caching and shared blocks matter
 PREFIXES = ((1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5), (2, 4, 6, 1, 3, 5, 7, 2, 4, 6, 1, 3),
@@ -129,22 +129,32 @@ class KVSpecMachine(RuleBasedStateMachine):
                 policy=st.sampled_from(["fcfs", "priority"]),
                 failure_policy=st.sampled_from(["recompute", "recompute", "fail"]),
                 swarm=swarms, scheduling=st.sampled_from(["async", "async", "sync"]),
-                kv_role=st.sampled_from(["kv_both", "kv_both", "kv_both", "kv_producer"]),
-                async_drafts=st.sampled_from([0, MAX_DRAFTS]),
+                kv_role=st.sampled_from(["kv_both", "kv_both", "kv_consumer", "kv_producer"]),
+                # "best_effort": the connector does not require KV delivery (the
+                # offloading connectors); "none": no connector at all
+                connector=st.sampled_from(["default", "default", "best_effort", "none"]),
+                # steps in flight: 2, or a pipeline's depth
+                batches=st.sampled_from([2, 2, 3, 4]),
+                async_drafts=st.sampled_from([0, 2, MAX_DRAFTS]),
                 # one group half the time: most claims are about the scheduler,
                 # not the groups
                 layout=st.sampled_from(["full", "full", "full", *sorted(set(LAYOUTS) - {"full"})]),
                 window=st.integers(1, 9))
     def configure(self, block_size, spare_blocks, budget, max_num_seqs, max_model_len,
                   threshold, policy, failure_policy, swarm, scheduling, kv_role, async_drafts,
-                  layout="full", window=1):
+                  layout="full", window=1, connector="default", batches=2):
         self.swarm = swarm
         layout = self._drawable(layout)
         groups = make_groups(layout, block_size, window)
-        if not self._may_draft(groups):
-            async_drafts = 0
         if scheduling not in self.profile.scheduling:
             scheduling = self.profile.scheduling[0]
+        if not self._may_draft(groups) or scheduling != "async" \
+                or not self.profile.async_spec_decode:
+            async_drafts = 0
+        # The token budget fits a decode step with every draft: vLLM pads a new
+        # decode request to 1 + num_speculative_tokens rows and will not schedule
+        # it un-padded, so a smaller budget (which no deployment runs) never would.
+        budget = max(budget, 1 + async_drafts)
         if policy not in self.profile.policies:
             policy = self.profile.policies[0]
         if failure_policy not in self.profile.failure_policies:
@@ -155,16 +165,20 @@ class KVSpecMachine(RuleBasedStateMachine):
         # vLLM checks at start-up.
         spare_blocks = max(spare_blocks, self.profile.min_spare_blocks)
         num_blocks = len(groups) * -(-max_model_len // block_size) + spare_blocks
+        kv_role = kv_role if kv_role in self.profile.kv_roles else self.profile.kv_roles[0]
+        connector = connector if connector in self.profile.connectors else \
+            self.profile.connectors[0]
         config = make_config(block_size=block_size, num_blocks=num_blocks,
                              max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, long_prefill_token_threshold=threshold,
                              policy=policy, kv_load_failure_policy=failure_policy,
                              async_scheduling=scheduling == "async",
-                             kv_role=kv_role if kv_role in self.profile.kv_roles
-                             else self.profile.kv_roles[0],
+                             kv_role=kv_role, kv_connector=connector != "none",
+                             **({"requires_kv_delivery": False}
+                                if connector == "best_effort" else {}),
+                             max_concurrent_batches=batches if scheduling == "async" else 2,
                              # spec decode under async: drafts the worker fills
-                             num_speculative_tokens=async_drafts if scheduling == "async"
-                             and self.profile.async_spec_decode else 0, groups=groups)
+                             num_speculative_tokens=async_drafts, groups=groups)
         self.runner = Runner(self.target_name, config, self.kinds, self.design_rules, kv=self.kv)
 
     def _drawable(self, layout: str) -> str:
@@ -190,17 +204,25 @@ class KVSpecMachine(RuleBasedStateMachine):
     @rule(prefix=st.integers(0, 2), prefix_len=st.integers(0, 12), suffix_len=st.integers(1, 6),
           max_tokens=st.integers(1, 6), priority=st.integers(0, 2), ext=st.integers(0, 18),
           load_async=st.booleans(), none=st.integers(0, 2), send=st.booleans(),
-          offload=st.booleans())
+          offload=st.booleans(), pd=st.booleans())
     def add_request(self, prefix, prefix_len, suffix_len, max_tokens, priority, ext,
-                    load_async, none, send, offload):
+                    load_async, none, send, offload, pd=False):
+        config = self.runner.config
         prompt = make_prompt(self.next_index, prefix, prefix_len, suffix_len)
-        prompt = prompt[:self.runner.config.max_model_len - 1]
+        prompt = prompt[:config.max_model_len - 1]
         load_async = self.swarm.load_async(load_async)
+        pd = pd and config.kv_role != "kv_both" and config.kv_connector
+        if pd and config.is_kv_consumer:  # do_remote_prefill: the whole prompt, async
+            ext, load_async, none = len(prompt), True, 0
+        if pd and config.is_kv_producer:  # do_remote_decode: a prefill node's one token
+            send, max_tokens = True, 1
         action = {"op": "add", "id": f"r{self.next_index}", "prompt": prompt,
                   "max_tokens": max_tokens, "priority": priority, "ext": self._ext(ext, prompt),
                   "async": load_async, "none": none,
-                  "send": send and (self.profile.async_load_with_send or not load_async),
-                  "offload": self.swarm.offload(offload) and self.runner.config.is_kv_consumer}
+                  "send": send and config.is_kv_producer
+                  and (self.profile.async_load_with_send or not load_async),
+                  "offload": self.swarm.offload(offload) and config.is_kv_consumer,
+                  **({"pd": True} if pd else {})}
         self.next_index += 1
         self._apply(action)
 
@@ -224,7 +246,8 @@ class KVSpecMachine(RuleBasedStateMachine):
 
     @rule(finish_loads=ids, fail=ids, fail_roll=st.integers(0, 3),
           fail_offset=st.integers(0, 3), fail_blocks=st.integers(1, 4), eos=ids,
-          finish_sends=ids, accept=st.integers(0, 3), drafts=st.integers(0, 2),
+          finish_sends=ids, accept=st.integers(0, MAX_DRAFTS + 1),
+          drafts=st.integers(0, MAX_DRAFTS),
           fail_group=st.integers(0, 2))
     def step(self, finish_loads, fail, fail_roll, fail_offset, fail_blocks, eos, finish_sends,
              accept, drafts, fail_group=0):
@@ -244,7 +267,16 @@ class KVSpecMachine(RuleBasedStateMachine):
                         if len(self.runner.config.groups) > 1 else {}),
                      "eos": self._ids(eos),
                      "finish_sends": self._ids(finish_sends), "accept": accept,
-                     "drafts": drafts if self._may_draft(self.runner.config.groups) else 0})
+                     "drafts": self._drafts(drafts)})
+
+    def _drafts(self, drawn: int) -> int:
+        """Drafts the worker proposes this step: none beside a last-state group;
+        synchronous, at most ``SYNC_MAX_DRAFTS`` (what the vLLM target configures);
+        async, the placeholders it fills (at most ``num_speculative_tokens``)."""
+        config = self.runner.config
+        if not self._may_draft(config.groups):
+            return 0
+        return drawn if config.async_scheduling else min(drawn, SYNC_MAX_DRAFTS)
 
     def _may_draft(self, groups) -> bool:
         """Drafts (sync, or async placeholders) are drawn with these groups."""

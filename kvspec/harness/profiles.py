@@ -2,10 +2,10 @@
 
 Every run draws from the whole environment (``FULL``), less what the user asks
 to leave out (``--layouts``, ``--kv torch``) and what a target does not map at
-all (the vllm target: spec decode beside a last-state group, and last-state
-groups on releases before 0.28.0). Known findings narrow nothing: a
-counterexample one explains is reported as that finding and the run goes on
-(kvspec/harness/known.py). Any other difference from ``FULL`` is a narrowing
+all (the vllm target: last-state groups on releases before 0.28.0, a connector
+opting out of KV delivery before vLLM had ``requires_kv_delivery``). Known
+findings narrow nothing: a counterexample one explains is reported as that
+finding and the run goes on (kvspec/harness/known.py). Any other difference from ``FULL`` is a narrowing
 nobody asked for, named in the verdict's first line, and the run exits 3
 (kvspec/verdict.py).
 """
@@ -31,13 +31,20 @@ class EnvProfile:
     scheduling: tuple[str, ...] = ("async", "sync")
     #: under async scheduling, spec decode (placeholder drafts) may be configured
     async_spec_decode: bool = True
-    #: connector roles drawn: kv_both (loads and stores), kv_producer (stores only)
-    kv_roles: tuple[str, ...] = ("kv_both", "kv_producer")
+    #: connector roles drawn: kv_both (loads and stores), kv_consumer (loads
+    #: only), kv_producer (stores only)
+    kv_roles: tuple[str, ...] = ("kv_both", "kv_consumer", "kv_producer")
+    #: connectors drawn: "default" (KV delivery as the role implies), "best_effort"
+    #: (no KV delivery required), "none" (no connector)
+    connectors: tuple[str, ...] = ("default", "best_effort", "none")
     #: KV cache group layouts drawn (``machine.LAYOUTS``): one full-attention
     #: group, or hybrid ones with sliding-window and last-state groups
     layouts: tuple[str, ...] = ("full", "sliding", "sliding+state", "state")
-    #: spec decode (drafts, sync or async) beside a last-state group
-    spec_decode_with_last_state: bool = True
+    #: spec decode (drafts, sync or async) beside a last-state group: off, as
+    #: vLLM keeps a Mamba state per draft in speculative blocks that neither the
+    #: spec nor the reference models (one state per block: a rejected draft's
+    #: state would stay in the block the next step reads)
+    spec_decode_with_last_state: bool = False
     #: with several KV cache groups, which loads may fail: "any", "async" (a
     #: sync-loaded request's failure has no report the release takes) or "none"
     load_failures_with_groups: str = attrs.field(

@@ -11,7 +11,8 @@ import kvspec.spec.catalogue  # noqa: F401  (registers every claim, in one order
 from kvspec.harness.batch_queue import BatchQueue, InFlight
 from kvspec.harness.checker import ALL_KINDS, Checker
 from kvspec.harness.env import EnvConnector, EnvironmentContractViolation, get_request_spec
-from kvspec.harness.features import FEATURES, OUTSIDE_MODEL, count_async_schedule, count_step
+from kvspec.harness.features import (FEATURES, OUTSIDE_MODEL, count_async_schedule,
+                                     count_delivery, count_step)
 from kvspec.harness.hints import compute_hints, get_invalid_holders
 from kvspec.harness.judge import Judge
 from kvspec.harness.kv_modes import KV_CLAIM, KV_MODES, KVWorkerError
@@ -26,7 +27,7 @@ from kvspec.spec.conformance import ModelStep
 from kvspec.spec.history import Ghost
 from kvspec.spec.oracle import KVContent
 from kvspec.spec.registry import Violation
-from kvspec.spec.state import (BATCH_QUEUE_DEPTH, Config, Observation, RequestStatus,
+from kvspec.spec.state import (Config, Observation, RequestStatus,
                                WorkerOutcome)
 
 __all__ = ["ALL_KINDS", "FEATURES", "KV_CLAIM", "KV_MODES", "OUTSIDE_MODEL", "Counterexample",
@@ -51,7 +52,7 @@ class Runner:
                                         self.features)
         #: synchronous scheduling is a batch queue of depth 1
         self.is_sync = not config.async_scheduling
-        self.queue = BatchQueue(1 if self.is_sync else BATCH_QUEUE_DEPTH, self.ghost)
+        self.queue = BatchQueue(config.num_steps_in_flight, self.ghost)
         self.actions: list[dict] = []
         self.log: list[StepRecord] = []
         self.violation_counts: Counter = Counter()
@@ -163,11 +164,13 @@ class Runner:
         answers_before, asked = dict(self.env.answers), len(self.env.answer_log)
         self.content.note_step_start(before)
         step = self.target.schedule()
+        if not self.config.kv_connector:
+            self.env.note_local_hits(step)
         mid = self.target.observe()
         self.content.learn(mid)
         history.process_observation(self.ghost, mid, self.env.answers, frozenset())
         count_async_schedule(self.features, step, self.queue.get_in_flight_ids(),
-                             bool(len(self.queue)))
+                             len(self.queue))
         job = InFlight(step, before, mid, None, {}, shares=self.queue.process_scheduled(step, mid),
                        answers_before=answers_before, asked=self.env.answer_log[asked:])
         self.model_runner.tell(step, mid)
@@ -202,6 +205,7 @@ class Runner:
                                       stale=frozenset(job.stale))
         self.model_runner.note_output_applied(before, after, job.report, outcome)
         count_step(self.features, self.config, job.step, outcome, job.mid)
+        count_delivery(self.features, job.stale, outcome, self.env.plans, before, after)
         history.process_departed(self.ghost, after)
         found = self._settle(t, get_invalid_holders(before, job.report),
                              self.judge.get_delivery_step(job, t, outcome, self.is_sync))
@@ -237,7 +241,7 @@ class Runner:
 
     def _do_drain(self, a: dict) -> list[Violation]:
         """The healed phase: no faults, every load and send completes."""
-        bound = 20 + BATCH_QUEUE_DEPTH + sum(len(r.prompt_token_ids) + r.max_tokens
+        bound = 20 + self.config.num_steps_in_flight + sum(len(r.prompt_token_ids) + r.max_tokens
                                              for r in self.obs.requests.values())
         history.process_drain(self.ghost, self.obs)
         for _ in range(bound):

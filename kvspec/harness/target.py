@@ -42,8 +42,11 @@ class ImplTarget:
             policy=config.policy, kv_load_failure_policy=config.kv_load_failure_policy,
             enable_prefix_caching=config.enable_prefix_caching,
             async_scheduling=config.async_scheduling, kv_role=config.kv_role,
+            kv_connector=config.kv_connector, requires_kv_delivery=config.requires_kv_delivery,
             num_speculative_tokens=config.num_speculative_tokens)
-        self.scheduler = (scheduler_factory or Scheduler)(sched_config, connector)
+        # without a connector the scheduler never asks the environment anything
+        self.scheduler = (scheduler_factory or Scheduler)(
+            sched_config, connector if config.kv_connector else None)
         self._outputs: list = []  # scheduler outputs whose model output is pending
         self._requests: dict[str, object] = {}  # every request added, to see how it ended
 
@@ -125,7 +128,9 @@ def make_config(block_size=4, num_blocks=16, max_num_batched_tokens=16, max_num_
                 max_model_len=32, long_prefill_token_threshold=0, policy="fcfs",
                 kv_load_failure_policy="recompute", enable_prefix_caching=True,
                 async_scheduling=False, kv_role="kv_both", num_speculative_tokens=0,
-                groups=None) -> Config:
+                groups=None, **more) -> Config:
+    """A ``Config`` of one full-attention group unless ``groups`` are given;
+    ``more``: any other ``Config`` field (``kv_connector``, ``max_concurrent_batches``)."""
     return Config(groups=groups or (GroupSpec(block_size),), num_blocks=num_blocks,
                   max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                   max_model_len=max_model_len,
@@ -133,4 +138,4 @@ def make_config(block_size=4, num_blocks=16, max_num_batched_tokens=16, max_num_
                   kv_load_failure_policy=kv_load_failure_policy,
                   enable_prefix_caching=enable_prefix_caching,
                   async_scheduling=async_scheduling, kv_role=kv_role,
-                  num_speculative_tokens=num_speculative_tokens)
+                  num_speculative_tokens=num_speculative_tokens, **more)

@@ -30,8 +30,9 @@ import jsonschema
 from jsonschema import validators
 
 from kvspec.text import shown
-from kvspec.spec.state import (FAILURE_POLICIES, GROUP_KINDS, KV_ROLES, LIMITS, MAX_DRAFTS,
-                               POLICIES, Config, GroupSpec)
+from kvspec.spec.state import (BATCH_QUEUE_DEPTH, FAILURE_POLICIES, GROUP_KINDS, KV_ROLES,
+                               LIMITS, MAX_DRAFTS, POLICIES, Config, GroupSpec,
+                               get_default_kv_delivery)
 
 FORMAT = "kvspec-trace/1"
 OPS = ("add", "step", "abort", "reset_prefix_cache", "drain")
@@ -80,6 +81,7 @@ ACTION_FIELDS: dict[str, tuple[dict, tuple[str, ...]]] = {
         "offload": _BOOL,
         "overclaim_ok": _BOOL,    # a connector contract violation, on purpose
         "beyond_contract": _BOOL,  # answers outside vLLM's in-tree connector contract
+        "pd": _BOOL,  # P/D kv_transfer_params: do_remote_prefill (consumer), do_remote_decode
     }, ("id", "prompt", "max_tokens")),
     "step": ({
         "finish_loads": _IDS, "fail": _IDS, "fail_all": _BOOL,
@@ -123,13 +125,16 @@ _CONFIG_SCHEMA = {
                                                 0, LIMITS["max_model_len"][1])}}},
         **{name: _int(*LIMITS[name]) for name in (
             "num_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-            "long_prefill_token_threshold", "num_speculative_tokens")},
+            "long_prefill_token_threshold", "num_speculative_tokens",
+            "max_concurrent_batches")},
         "policy": {"enum": list(POLICIES)},
         "kv_load_failure_policy": {"enum": list(FAILURE_POLICIES)},
         "enable_prefix_caching": _BOOL,
         "async_scheduling": _BOOL,
         "long_prefill_token_threshold_adaptive": _BOOL,
         "kv_role": {"enum": list(KV_ROLES)},
+        "kv_connector": _BOOL,
+        "requires_kv_delivery": _BOOL,
     },
 }
 
@@ -297,8 +302,12 @@ def check_semantics(config: Config, actions: list[dict]) -> str | None:
                         "(set overclaim_ok to test a contract violation)")
             if (ext or action.get("offload")) and not config.is_kv_consumer:
                 key = "ext" if ext else "offload"
-                return (f"{where}.{key}: a {config.kv_role} connector loads nothing (an "
+                return (f"{where}.{key}: {get_connector_label(config)} loads nothing (an "
                         "offloading store loads its KV back): no ext, no offload")
+            if action.get("send") and not config.is_kv_producer:
+                return f"{where}.send: {get_connector_label(config)} sends nothing"
+            if action.get("pd") and not config.kv_connector:
+                return f"{where}.pd: P/D transfer params need a KV connector"
             # the KV a request computes before its last token: it must fit the pool alone
             need = -(-min(n + max_tokens - 1, config.max_model_len - 1) // block_size)
             if need > config.num_blocks:
@@ -375,7 +384,19 @@ def config_to_dict(config: Config) -> dict:
         del data["num_speculative_tokens"]
     if not data["long_prefill_token_threshold_adaptive"]:  # likewise: a fixed cap before
         del data["long_prefill_token_threshold_adaptive"]
+    # likewise: a connector, its delivery as its role implies, two steps in flight
+    defaults = {"kv_connector": True, "max_concurrent_batches": BATCH_QUEUE_DEPTH,
+                "requires_kv_delivery": get_default_kv_delivery(config.kv_connector,
+                                                                config.kv_role)}
+    for name, value in defaults.items():
+        if data[name] == value:
+            del data[name]
     return data
+
+
+def get_connector_label(config: Config) -> str:
+    """How a message names the configured connector."""
+    return f"a {config.kv_role} connector" if config.kv_connector else "a run without a connector"
 
 
 def config_from_dict(data: dict) -> Config:

@@ -77,6 +77,27 @@ def is_producer_only(transfer) -> bool:
         transfer, "is_kv_consumer", True)
 
 
+def get_kv_role(transfer) -> str:
+    """kvspec's role of vLLM's connector: both, consumer (loads only) or producer."""
+    if is_producer_only(transfer):
+        return "kv_producer"
+    if transfer is not None and not getattr(transfer, "is_kv_producer", True):
+        return "kv_consumer"
+    return "kv_both"
+
+
+def get_connector_fields(s) -> dict:
+    """Whether the scheduler has a connector, its role and whether it requires
+    KV delivery (vLLM's own flag where the release has one)."""
+    transfer = getattr(s.vllm_config, "kv_transfer_config", None)
+    if getattr(s, "connector", None) is None:
+        return {"kv_connector": False, "requires_kv_delivery": False}
+    role = get_kv_role(transfer)
+    delivery = getattr(s, "requires_kv_delivery", None)
+    return {"kv_role": role, **({} if delivery is None
+                                else {"requires_kv_delivery": bool(delivery)})}
+
+
 def get_config(s) -> Config:
     """kvspec's ``Config`` of a vLLM scheduler, or ``Unmappable``."""
     groups = tuple(get_group_spec(g.kv_cache_spec) for g in s.kv_cache_config.kv_cache_groups)
@@ -92,7 +113,7 @@ def get_config(s) -> Config:
             long_prefill_token_threshold=s.scheduler_config.long_prefill_token_threshold,
             long_prefill_token_threshold_adaptive=bool(getattr(
                 s.scheduler_config, "long_prefill_token_threshold_adaptive", False)),
-            kv_role="kv_producer" if is_producer_only(transfer) else "kv_both",
+            **get_connector_fields(s),
             policy=s.policy.value, enable_prefix_caching=s.cache_config.enable_prefix_caching,
             kv_load_failure_policy=getattr(transfer, "kv_load_failure_policy", None) or "fail",
             async_scheduling=is_async,

@@ -34,6 +34,9 @@ class Binding:
     on_finished: Callable[[str, bool], None] = lambda request_id, delay: None
     #: called with the request id and the (kvspec) block ids a load will write
     on_load: Callable[[str, tuple], None] = lambda request_id, block_ids: None
+    #: the connector's ``requires_kv_delivery`` (kvspec's Config); None: the
+    #: release's default (the producer role)
+    requires_kv_delivery: bool | None = None
 
 
 #: set by the target right before it constructs a Scheduler; read once by __init__
@@ -53,6 +56,14 @@ class KVSpecConnector(KVConnectorBase_V1):
             raise RuntimeError("KVSpecConnector built without a kvspec binding: construct "
                                "the scheduler through kvspec.harness.vllm_target.VllmTarget")
         self.binding = CURRENT_BINDING
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """As configured: a best-effort cache opts out, as vLLM's offloading
+        connectors do."""
+        if self.binding.requires_kv_delivery is None:
+            return self._kv_transfer_config.is_kv_producer
+        return self.binding.requires_kv_delivery
 
     # -- scheduler side: every answer comes from the environment ---------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):

@@ -89,7 +89,7 @@ from kvspec.harness.env import EOS_TOKEN_ID, RequestSpec
 from kvspec.harness.targets import TargetCannotMap
 from kvspec.harness.vllm_observe import NULL_BLOCKS, VllmObserver
 from kvspec.spec.groups import NULL_BLOCK
-from kvspec.spec.state import MAX_DRAFTS, Config, GroupSpec, StepView, WorkerOutcome
+from kvspec.spec.state import SYNC_MAX_DRAFTS, Config, GroupSpec, StepView, WorkerOutcome
 
 TINY_MODEL = Path(__file__).with_name("tiny_model")
 TINY_MODEL_CONFIG = {
@@ -293,7 +293,8 @@ class VllmTarget(VllmObserver):
         #: give one back before the load's report arrives: failures name it still)
         self._load_targets: dict[str, set[int]] = {}
         vllm_connector.CURRENT_BINDING = vllm_connector.Binding(
-            env=connector, to_spec_ids=self._to_spec_ids, on_load=self._note_load)
+            env=connector, to_spec_ids=self._to_spec_ids, on_load=self._note_load,
+            requires_kv_delivery=config.requires_kv_delivery)
         try:
             with self.patches.managers():
                 self.scheduler = self._scheduler_class()(**kwargs)
@@ -324,19 +325,20 @@ class VllmTarget(VllmObserver):
         cache_config = _only_known(c.CacheConfig, block_size=config.block_size,
                                    enable_prefix_caching=config.enable_prefix_caching,
                                    prefix_caching_hash_algo="sha256")
-        kv_transfer_config = _only_known(
+        kv_transfer_config = None if not config.kv_connector else _only_known(
             c.KVTransferConfig,
             kv_connector="KVSpecHMAConnector" if self.is_hybrid else "KVSpecConnector",
             kv_connector_module_path="kvspec.harness.vllm_connector", kv_role=config.kv_role,
             kv_load_failure_policy=config.kv_load_failure_policy)
-        if getattr(kv_transfer_config, "kv_load_failure_policy",
-                   config.kv_load_failure_policy) != config.kv_load_failure_policy:
+        if kv_transfer_config is not None and getattr(
+                kv_transfer_config, "kv_load_failure_policy",
+                config.kv_load_failure_policy) != config.kv_load_failure_policy:
             raise RuntimeError("this vLLM release ignores kv_load_failure_policy")
         # Drafts reach a vLLM scheduler only with spec decode configured (its
         # metrics are sized by num_speculative_tokens). "ngram" needs no model.
         # Under async scheduling drafts stay on the worker: the scheduler only
         # reserves num_speculative_tokens placeholder drafts per decode step.
-        num_drafts = config.num_speculative_tokens if config.async_scheduling else MAX_DRAFTS
+        num_drafts = config.num_speculative_tokens if config.async_scheduling else SYNC_MAX_DRAFTS
         if self.has_last_state:
             num_drafts = 0  # NO_DRAFTS_WITH_STATE
         speculative_config = None if not num_drafts else _only_known(
@@ -375,7 +377,8 @@ class VllmTarget(VllmObserver):
     # -- the Target protocol ----------------------------------------------------
     def add_request(self, spec: RequestSpec) -> None:
         m = self.m
-        params = m.SamplingParams(max_tokens=spec.max_tokens, ignore_eos=False)
+        params = m.SamplingParams(max_tokens=spec.max_tokens, ignore_eos=False,
+                                  extra_args=get_transfer_args(spec, self.config))
         # The model's EOS: the second parameter, named ``eos_token_id`` or
         # ``model_eos_token_id`` depending on the release.
         if m.generation_config_takes_eos:
@@ -472,8 +475,13 @@ class VllmTarget(VllmObserver):
     def abort(self, request_id: str) -> None:
         s = self.scheduler
         r = s.requests.get(request_id)
+        # A load the worker has not run yet is dropped with the request: the
+        # harness reports it finished at the next output, as a worker that lets
+        # the transfer end would. One the worker ran already (its output still
+        # in flight, with 3 or more steps in the queue) reports itself.
         if (r is not None and r.status == m_status(self.m, "WAITING_FOR_REMOTE_KVS")
-                and request_id not in getattr(s, "finished_recving_kv_req_ids", ())):
+                and request_id not in getattr(s, "finished_recving_kv_req_ids", ())
+                and request_id in self.env.content.loads):
             self._cancelled_loads.add(request_id)
         with _LocateAsserts():
             s.finish_requests(request_id, m_status(self.m, "FINISHED_ABORTED"))
@@ -485,6 +493,27 @@ class VllmTarget(VllmObserver):
             return bool(self.scheduler.reset_prefix_cache(reset_running_requests=True))
 
 @functools.cache  # one installed release per process; a target is built per run
+def maps_kv_delivery() -> bool:
+    """The release lets a connector say whether it requires KV delivery
+    (``KVConnectorBase_V1.requires_kv_delivery``): a best-effort one has a
+    preempted request's output in flight delivered."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    return hasattr(KVConnectorBase_V1, "requires_kv_delivery")
+
+
+def get_transfer_args(spec: RequestSpec, config: Config) -> dict | None:
+    """P/D ``kv_transfer_params`` as a router sends them (vLLM reads them from
+    ``extra_args``): a decode node's request names the remote prefill it loads,
+    a prefill node's the decode node it hands its KV to."""
+    if not spec.pd:
+        return None
+    if config.is_kv_consumer:
+        return {"kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
+                                       "remote_engine_id": "kvspec-prefill",
+                                       "remote_request_id": spec.request_id}}
+    return {"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+
+
 def maps_last_state(m: _Modules) -> bool:
     """The installed release maps a last-state group: it has an align-mode Mamba
     cache whose admission tells a connector's hit from a local one (0.28.0 on).
