@@ -210,8 +210,9 @@ def main() -> None:
              "committed under `model_tests/regressions/` and replayed by the test suite. One "
              "run of `kvspec zoo --budget 60s --json` over every mutant on the 2-core "
              "development machine, shared with other work (times are upper bounds of a quiet "
-             "machine's), after every step of every target became judged by the one conformance "
-             "model and the worker started reading the scheduler's outputs (issue 25). An "
+             "machine's), after the environment began drawing what vLLM's own tests drive "
+             "(connector roles, no connector, KV delivery, 3-4 steps in flight, 4 drafts) and "
+             "the data oracle one state per Mamba block (issue 26). An "
              "efficiency mutant is caught when it loses performance with every safety claim "
              "holding (`computed_blocks_are_cached`).", "",
              f"Caught: {len(caught)} of {sum(r['status'] != 'pending' for r in rows)}; "
