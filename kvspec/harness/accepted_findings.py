@@ -185,7 +185,7 @@ HYBRID_BLOCK_FAILURE_UNPACK_CRASH = AcceptedFinding(
 # trace also breaks the stats claims of full-async-hit-external-exceeds-cached.
 HYBRID_FULL_PROMPT_HIT_WINDOW_FREED = AcceptedFinding(
     "hybrid-full-prompt-hit-window-freed",
-    "several KV cache groups: a full-prompt async hit nulls the window (or state) block "
+    "several KV cache groups: a full-prompt async hit nulls the sliding-window block "
     "the recomputed last token reads",
     ("vllm-0.32.0-hybrid-full-prompt-hit-window-freed.json",),
     fix="hybrid-full-prompt-hit-keeps-window", upstream="not reported")
