@@ -195,12 +195,6 @@ class Config:
         return self.kv_connector and self.kv_role in ("kv_both", "kv_producer")
 
     @property
-    def defers_block_free(self) -> bool:
-        """A block freed under a step in flight waits for its output: a consumer's
-        load into it would race that step (vLLM's ``defer_block_free``)."""
-        return self.async_scheduling and self.is_kv_consumer
-
-    @property
     def num_steps_in_flight(self) -> int:
         """The batch queue's depth: 1 when synchronous."""
         return self.max_concurrent_batches if self.async_scheduling else 1

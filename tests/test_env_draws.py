@@ -61,7 +61,8 @@ def test_stale_output_is_dropped_when_the_connector_requires_delivery():
 
 def test_a_run_without_a_connector_never_asks_one():
     config = make_config(block_size=2, num_blocks=8, async_scheduling=True, kv_connector=False)
-    assert not config.requires_kv_delivery and not config.defers_block_free
+    # nothing to deliver, nothing loaded: no frees are fenced (defer_block_free)
+    assert not config.requires_kv_delivery and not config.is_kv_consumer
     runner = Runner("impl", config)
     found = runner.run([{"op": "add", "id": "r0", "prompt": [1, 2, 3, 4, 5], "max_tokens": 2},
                         {"op": "add", "id": "r1", "prompt": [1, 2, 3, 4, 6], "max_tokens": 2},
@@ -134,15 +135,14 @@ def test_a_request_scheduled_in_three_steps_in_flight_owns_only_its_shares():
 
 @NEEDS_VLLM
 def test_vllm_sees_the_pd_params_and_no_connector():
-    from kvspec.harness.target import make_config as mk
-    runner = Runner("vllm", mk(block_size=2, num_blocks=12, kv_role="kv_consumer"))
-    runner.run([{"op": "add", "id": "r0", "prompt": [1, 2, 3, 4, 5], "max_tokens": 2,
-                 "ext": 5, "async": True, "pd": True}])
+    runner = Runner("vllm", make_config(block_size=2, num_blocks=12, kv_role="kv_consumer"))
+    assert runner.run([{"op": "add", "id": "r0", "prompt": [1, 2, 3, 4, 5], "max_tokens": 2,
+                        "ext": 5, "async": True, "pd": True}]) is None
     request = runner.target.scheduler.requests["r0"]
     assert request.kv_transfer_params["do_remote_prefill"] is True
     assert runner.run([{"op": "step"}, {"op": "step", "finish_loads": ["r0"]},
                        {"op": "drain"}]) is None
-    bare = Runner("vllm", mk(block_size=2, num_blocks=12, kv_connector=False))
+    bare = Runner("vllm", make_config(block_size=2, num_blocks=12, kv_connector=False))
     assert bare.target.scheduler.connector is None
 
 

@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from kvspec.harness.profiles import FULL, EnvProfile
 from kvspec.harness.runner import ALL_KINDS, Counterexample, Runner
 from kvspec.harness.target import make_config
-from kvspec.spec.state import MAX_DRAFTS, SYNC_MAX_DRAFTS, GroupSpec
+from kvspec.spec.state import BATCH_QUEUE_DEPTH, MAX_DRAFTS, SYNC_MAX_DRAFTS, GroupSpec
 
 #: shared prefixes so that prefix caching and shared blocks matter
 PREFIXES = ((1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5), (2, 4, 6, 1, 3, 5, 7, 2, 4, 6, 1, 3),
@@ -176,7 +176,8 @@ class KVSpecMachine(RuleBasedStateMachine):
                              kv_role=kv_role, kv_connector=connector != "none",
                              **({"requires_kv_delivery": False}
                                 if connector == "best_effort" else {}),
-                             max_concurrent_batches=batches if scheduling == "async" else 2,
+                             max_concurrent_batches=batches if scheduling == "async"
+                             else BATCH_QUEUE_DEPTH,
                              # spec decode under async: drafts the worker fills
                              num_speculative_tokens=async_drafts, groups=groups)
         self.runner = Runner(self.target_name, config, self.kinds, self.design_rules, kv=self.kv)
