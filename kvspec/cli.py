@@ -150,15 +150,15 @@ def with_layouts(profile, layouts: str | None, target: str):
 
 
 def target_profile(target: str, quiet: bool = False):
-    """The environment for ``target``: everything; on vLLM, everything the
-    target maps on this source (its gaps are named in the verdict's first
-    line: ``vllm_gaps``). Known findings narrow nothing: a counterexample one
+    """The environment for ``target``: everything the spec models (``MODELLED``);
+    on vLLM, of that, everything the target maps on this source (its gaps are named in the verdict's first
+    line: ``target_gaps``). Known findings narrow nothing: a counterexample one
     explains is reported as that finding and the run goes on (harness/known.py)."""
-    from kvspec.harness.profiles import FULL
+    from kvspec.harness.profiles import MODELLED
     from kvspec.harness.targets import parse_vllm_target
     options = parse_vllm_target(target)
     if options is None:
-        return FULL
+        return MODELLED
     from kvspec.harness.vllm_patches import patched
     fixes, planted = options
     applied = patched(fixes, planted)
@@ -167,7 +167,7 @@ def target_profile(target: str, quiet: bool = False):
         fail(f"planted bug {unplanted[0]!r} does not fit {source_label()}"
              f"{' with these fixes' if fixes != 'all' else ''}: "
              f"{applied.skipped[unplanted[0]].split(': ', 1)[-1][:200]}")
-    return _mapped_layouts(FULL)
+    return _mapped_layouts(MODELLED)
 
 
 def _mapped_layouts(profile):
@@ -181,13 +181,14 @@ def _mapped_layouts(profile):
                         connectors=connectors)
 
 
-def vllm_gaps(target: str) -> dict[str, str]:
+def target_gaps(target: str) -> dict[str, str]:
     """What the target does not map at all, by profile field (the verdict's
     first line names each; they are the target's scope, not a restriction)."""
+    from kvspec.harness.profiles import UNMODELLED
     from kvspec.harness.targets import parse_vllm_target
     if parse_vllm_target(target) is None:
-        return {}
-    return {"layouts": f"{source_label()} has no align-mode Mamba admission that tells a "
+        return dict(UNMODELLED)
+    return {**UNMODELLED, "layouts": f"{source_label()} has no align-mode Mamba admission that tells a "
                        "connector hit from a local one (0.28.0 on): no last-state group",
             "connectors": f"{source_label()} has no connector opting out of KV delivery "
                           "(requires_kv_delivery): every connector's preemption drops the "
@@ -482,7 +483,7 @@ def prepare_vllm_aware(target: str, budget: str, out: Path, db: Path | None, db_
         check_target(target)
         profile = drawn_profile(target, layouts, kv)
         prep = prepare(target, seconds, profile, asked_restrictions(layouts, kv),
-                       vllm_gaps(target), worker)
+                       target_gaps(target), worker)
     except BaseException:
         if worker is not None:
             worker.close()

@@ -280,12 +280,12 @@ class Review:
 def check_head(review: Review, worker, seed: int, out: Path, console) -> None:
     """The default check on HEAD (this process must have activated it), every
     counterexample asked of the base, coverage of HEAD's package."""
-    from kvspec.cli import check_target, drawn_profile, vllm_gaps
+    from kvspec.cli import check_target, drawn_profile, target_gaps
     from kvspec.harness.vllm_patches import patched
     from kvspec.run import describe_source, execute, prepare, print_statuses
     check_target("vllm")
     prep = prepare("vllm", review.seconds, drawn_profile("vllm", None, "symbolic"), {},
-                   vllm_gaps("vllm"), worker, review=True)
+                   target_gaps("vllm"), worker, review=True)
     review.prep, review.base_label = prep, worker.label
     from rich.text import Text
     console.print(Text(f"kvspec review: base {review.base.label()}, head {review.head.label()}; "

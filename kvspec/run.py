@@ -169,9 +169,9 @@ def default_check(target: str, budget: float, seed: int, out: Path, base=None, *
     """The default check as ``kvspec check`` runs it (the target's whole
     environment, its fixes, known findings recognised), for tests and benches:
     (the FuzzResult, the Prepared run)."""
-    from kvspec.cli import target_profile, vllm_gaps
+    from kvspec.cli import target_profile, target_gaps
     from kvspec.harness.fuzz import fuzz
-    prep = prepare(target, budget, target_profile(target, quiet=True), {}, vllm_gaps(target),
+    prep = prepare(target, budget, target_profile(target, quiet=True), {}, target_gaps(target),
                    base)
     result = fuzz(target, budget, seed, out, profile=prep.profile, recogniser=prep.recogniser,
                   **fuzz_args)

@@ -6,8 +6,8 @@ line, and only a run that checked what it set out to check exits 0:
 - a *restriction* is any way the environment a run draws from differs from
   the whole environment (``profiles.FULL``). The user may ask for one
   (``--layouts``, ``--kv torch``); the target may not map a feature at all (a
-  *gap* of the target, such as spec decode beside a last-state group on the
-  vllm target: the spec does not model vLLM's per-draft Mamba states); any
+  *gap* of the target, such as spec decode beside a last-state group on every
+  target: the spec does not model vLLM's per-draft Mamba states); any
   other restriction is *unasked* and makes the run exit 3, whatever it found;
 - a fix whose code was changed is shown before anything else (its finding is
   still there, and a counterexample of it is reported as that known finding);

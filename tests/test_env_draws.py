@@ -164,3 +164,19 @@ def test_vllm_abort_of_a_load_the_worker_already_ran_is_reported_once():
     second report of a request it had already freed."""
     path = HERE / "data" / "vllm_abort_after_load_ran_three_in_flight.json"
     assert not replay_trace(path, "vllm").violations
+
+
+def test_drafts_beside_a_last_state_group_are_named_as_not_checked():
+    """No target draws them (the spec keeps no Mamba state per draft), and the
+    verdict's first line of a reference check says so: a pass is never silent
+    about what it left out."""
+    from kvspec.cli import target_gaps, target_profile
+    from kvspec.harness.profiles import FULL
+    from kvspec.verdict import first_line, restrictions
+    from kvspec.harness.fuzz import FuzzResult
+    assert FULL.spec_decode_with_last_state
+    profile = target_profile("impl", quiet=True)
+    assert not profile.spec_decode_with_last_state
+    line, _code = first_line(FuzzResult("impl", 0, 1.0, 1, 1, {}),
+                             restrictions(profile, {}, target_gaps("impl")))
+    assert "spec_decode_with_last_state" in line and "Mamba state per draft" in line

@@ -158,7 +158,7 @@ def test_fixes_are_applied_or_not_needed_and_nothing_is_stepped_around():
     written, or over drifted context that its trace shows harmless); every
     other fix is not needed (its findings' traces pass); none is code-changed.
     The environment is the whole one, less what the target does not map."""
-    from kvspec.cli import target_profile, vllm_gaps
+    from kvspec.cli import target_profile, target_gaps
     from kvspec.harness.known import build_recogniser
     from kvspec.harness.profiles import FULL
     from kvspec.verdict import restrictions
@@ -178,7 +178,7 @@ def test_fixes_are_applied_or_not_needed_and_nothing_is_stepped_around():
     assert {f.id for f in recogniser.unfixed} == {f.id for f in accepted_for(VERSION)
                                                  if f.remedy == "none"}
     profile = target_profile("vllm", quiet=True)
-    found = restrictions(profile, {}, vllm_gaps("vllm"))
+    found = restrictions(profile, {}, target_gaps("vllm"))
     assert all(r.kind == "gap" for r in found), found
     assert profile.load_failures and profile.load_failures_with_groups == FULL.load_failures_with_groups
 
@@ -262,11 +262,11 @@ def test_drafts_beside_a_last_state_group_are_refused_not_a_finding():
     with pytest.raises(TargetCannotMap):
         for _ in range(3):
             runner.apply({"op": "step", "drafts": 2})
-    # no environment draws them there (profiles.FULL: neither target keeps a
-    # Mamba state per draft), so nothing is narrowed for vLLM
-    from kvspec.cli import target_profile
+    # the vllm environment draws none there, and the verdict's first line says why
+    from kvspec.cli import target_gaps, target_profile
     profile = target_profile("vllm", quiet=True)
     assert not profile.spec_decode_with_last_state
+    assert "Mamba state per draft" in target_gaps("vllm")["spec_decode_with_last_state"]
 
 
 @pytest.mark.parametrize("group", [0, 1], ids=["full_attention", "sliding_window"])

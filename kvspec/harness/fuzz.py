@@ -28,7 +28,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvspec.harness.heartbeat import periodic
 from kvspec.harness.machine import machine_for
 from kvspec.harness.minimize import minimize
-from kvspec.harness.profiles import FULL
+from kvspec.harness.profiles import MODELLED
 from kvspec.harness.runner import ALL_KINDS, Counterexample, is_lost_performance
 from kvspec.harness.trace import save_trace
 
@@ -92,7 +92,7 @@ def safe_file_stem(target: str) -> str:
 def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | None = None,
          batch_examples: int = 25, step_count: int = 30,
          progress: Callable[[FuzzResult], None] | None = None,
-         kinds=ALL_KINDS, trace_name: str | None = None, profile=FULL,
+         kinds=ALL_KINDS, trace_name: str | None = None, profile=MODELLED,
          heartbeat: Callable[[FuzzResult], None] | None = None,
          heartbeat_every: float = 10.0, design_rules: bool = True,
          kv: str = "symbolic", recogniser=None,

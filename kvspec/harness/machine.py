@@ -14,7 +14,7 @@ import attrs
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from kvspec.harness.profiles import FULL, EnvProfile
+from kvspec.harness.profiles import MODELLED, EnvProfile
 from kvspec.harness.runner import ALL_KINDS, Counterexample, Runner
 from kvspec.harness.target import make_config
 from kvspec.spec.state import BATCH_QUEUE_DEPTH, MAX_DRAFTS, SYNC_MAX_DRAFTS, GroupSpec
@@ -77,7 +77,7 @@ def make_prompt(index: int, prefix: int, prefix_len: int, suffix_len: int) -> li
 class KVSpecMachine(RuleBasedStateMachine):
     target_name = "impl"
     kinds = ALL_KINDS
-    profile: EnvProfile = FULL
+    profile: EnvProfile = MODELLED
     design_rules: bool = True
     kv: str = "symbolic"  # the worker's KV: symbolic, or torch (real tensors)
     #: called with the failing runner before anything else happens (save first);
@@ -313,7 +313,7 @@ class KVSpecMachine(RuleBasedStateMachine):
 
 
 def machine_for(target: str, on_counterexample=None, kinds=ALL_KINDS,
-                profile: EnvProfile = FULL, design_rules: bool = True,
+                profile: EnvProfile = MODELLED, design_rules: bool = True,
                 kv: str = "symbolic", deadline: float | None = None) -> type[KVSpecMachine]:
     """A fresh machine class bound to one target (class attributes are per class)."""
     return type(f"KVSpecMachine_{target.replace(':', '_')}", (KVSpecMachine,),

@@ -1,9 +1,11 @@
 """Environment profiles: what the environment may do.
 
-Every run draws from the whole environment (``FULL``), less what the user asks
+Every run draws from the whole environment (``FULL``) less what the spec does not
+model (``UNMODELLED``: that is ``MODELLED``), less what the user asks
 to leave out (``--layouts``, ``--kv torch``) and what a target does not map at
-all (the vllm target: last-state groups on releases before 0.28.0, a connector
-opting out of KV delivery before vLLM had ``requires_kv_delivery``). Known
+all (every target: spec decode beside a last-state group, which the spec does
+not model; the vllm target: last-state groups on releases before 0.28.0, a
+connector opting out of KV delivery before vLLM had ``requires_kv_delivery``). Known
 findings narrow nothing: a counterexample one explains is reported as that
 finding and the run goes on (kvspec/harness/known.py). Any other difference from ``FULL`` is a narrowing
 nobody asked for, named in the verdict's first line, and the run exits 3
@@ -40,11 +42,12 @@ class EnvProfile:
     #: KV cache group layouts drawn (``machine.LAYOUTS``): one full-attention
     #: group, or hybrid ones with sliding-window and last-state groups
     layouts: tuple[str, ...] = ("full", "sliding", "sliding+state", "state")
-    #: spec decode (drafts, sync or async) beside a last-state group: off, as
+    #: spec decode (drafts, sync or async) beside a last-state group. Part of the
+    #: whole environment, but no target draws it (``MODELLED``; ``cli.target_gaps`` names it):
     #: vLLM keeps a Mamba state per draft in speculative blocks that neither the
     #: spec nor the reference models (one state per block: a rejected draft's
     #: state would stay in the block the next step reads)
-    spec_decode_with_last_state: bool = False
+    spec_decode_with_last_state: bool = True
     #: with several KV cache groups, which loads may fail: "any", "async" (a
     #: sync-loaded request's failure has no report the release takes) or "none"
     load_failures_with_groups: str = attrs.field(
@@ -54,3 +57,11 @@ class EnvProfile:
 
 
 FULL = EnvProfile("full")
+
+#: what no target draws because the spec does not model it, by profile field and
+#: why (every verdict's first line names it: ``cli.target_gaps``)
+UNMODELLED = {"spec_decode_with_last_state": (
+    "drafts beside a last-state group: vLLM keeps a Mamba state per draft in speculative "
+    "blocks, which neither the spec nor the reference models; docs/notes/hybrid-groups.md")}
+#: what every run draws by default: the whole environment less ``UNMODELLED``
+MODELLED = attrs.evolve(FULL, **{field: False for field in UNMODELLED})
