@@ -180,7 +180,16 @@ WHY = {
         "and every prefix hit of a hybrid layout is recomputed. Every safety claim holds; the "
         "efficiency claim `computed_blocks_are_cached` names the computed block that is not "
         "cached under its key, and the run reports it apart as LOST PERFORMANCE (issue 25, "
-        "part 6)."),
+        "part 6). With two block sizes it is corruption too: a window block and a "
+        "full-attention block ending at the same position share the plain hash, and one is "
+        "served as the other (`no_caching_of_invalid_blocks`)."),
+    "hit_aligned_to_full_attention": (
+        "With two block sizes a hit must end where every group's blocks end (the least "
+        "common multiple of the sizes). Ended on a full-attention boundary inside a larger "
+        "window block, the window group gets a fresh block there whose first positions "
+        "nobody computed: the next step reads them (`computed_means_valid`), and the block "
+        "is cached under a hash naming content it lacks (`no_caching_of_invalid_blocks`); the "
+        "conformance relations see the count jump past what the hit can serve."),
 }
 
 

@@ -2,6 +2,8 @@
 bounds as the spec's ``Config`` (``kvspec.spec.state.LIMITS``)."""
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from kvspec.spec.state import (FAILURE_POLICIES, KV_ROLES, LIMITS, MAX_KV_TOKENS, POLICIES,
@@ -35,9 +37,6 @@ def _block_sizes(instance, attribute, value):
     for size in value:
         if not _is_int(size) or not lo <= size <= hi:
             raise ValueError(f"block_sizes must be integers in {lo}..{hi}, got {value!r:.60}")
-    if len(set(value)) != 1:
-        raise ValueError(f"block_sizes {value!r:.60}: groups of different block sizes need "
-                         "hybrid groups, which the reference scheduler does not have")
 
 
 def _one_of(options: tuple[str, ...]):
@@ -95,12 +94,17 @@ class SchedulerConfig:
                              f"block_sizes {self.block_sizes}")
         if self.groups[0].kind != "full_attention":
             raise ValueError("the first KV cache group must be full attention")
+        sizes = sorted(set(self.block_sizes))
+        if len(sizes) > 1 and {g.kind for g in self.groups} != {"full_attention",
+                                                                 "sliding_window"}:
+            raise ValueError(f"block_sizes {sizes}: groups of different block sizes are "
+                             "modelled for full attention beside sliding window only")
         if self.requires_kv_delivery and not self.kv_connector:
             raise ValueError("requires_kv_delivery needs a KV connector (kv_connector)")
         if self.num_speculative_tokens and not self.async_scheduling:
             raise ValueError("num_speculative_tokens applies to async scheduling only "
                              "(synchronous drafts come through update_draft_token_ids)")
-        slots = self.num_blocks * self.block_size
+        slots = self.num_blocks * max(self.block_sizes)
         if slots > MAX_KV_TOKENS:
             raise ValueError(f"num_blocks * block_size = {slots} KV token slots, more than "
                              f"the {MAX_KV_TOKENS} kvspec allows")
@@ -113,3 +117,13 @@ class SchedulerConfig:
     @property
     def block_size(self) -> int:
         return self.block_sizes[0]
+
+    @property
+    def hash_block_size(self) -> int:
+        """Tokens per block hash (``spec.state.Config.hash_block_size``)."""
+        return math.gcd(*self.block_sizes)
+
+    @property
+    def scheduler_block_size(self) -> int:
+        """Where prefix hits end (``spec.state.Config.scheduler_block_size``)."""
+        return math.lcm(*self.block_sizes)

@@ -6,15 +6,24 @@ its read window, and its table holds ``NULL`` there. A prefix hit counts only as
 far as every group can serve it: full attention needs every block of the hit
 cached, a windowed group the blocks it reads from the hit's end. Cached blocks
 are keyed by hash and group (``get_group_cache_key``).
+
+Groups may differ in block size (full attention beside a sliding window, as
+vLLM equalises their page sizes): block hashes then cover the greatest common
+divisor of the sizes, a group's block is named by the last hash inside it
+(``get_block_hash_index``), a hit ends on a multiple of the least common
+multiple (``scheduler_block_size``), and a windowed group caches only the
+blocks some hit can read (``is_block_reachable``).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable
 
 from kvspec.impl.block_pool import NULL, BlockPool, KVCacheBlock
 from kvspec.impl.request import Request
-from kvspec.spec.groups import (compute_num_skipped_blocks, get_group_cache_key,
-                                get_needed_blocks, is_windowed)
+from kvspec.spec.groups import (compute_num_skipped_blocks, get_block_hash_index,
+                                get_group_cache_key, get_needed_blocks,
+                                get_num_hashed_blocks, is_block_reachable, is_windowed)
 from kvspec.spec.state import GroupSpec
 
 Blocks = tuple[list[KVCacheBlock], ...]  # one list per group
@@ -27,10 +36,11 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     def __init__(self, groups: tuple[GroupSpec, ...], num_blocks: int,
                  enable_caching: bool = True) -> None:
-        assert len({g.block_size for g in groups}) == 1, \
-            "kv cache manager: groups of different block sizes are not modelled"
         self.groups = groups
         self.block_size = groups[0].block_size
+        #: tokens per block hash, and where a prefix hit may end
+        self.hash_block_size = math.gcd(*(g.block_size for g in groups))
+        self.scheduler_block_size = math.lcm(*(g.block_size for g in groups))
         self.num_groups = len(groups)
         #: some group frees blocks behind its window (vLLM's hybrid KV cache manager)
         self.is_hybrid = any(is_windowed(g) for g in groups)
@@ -63,30 +73,37 @@ class KVCacheManager:
         token to compute."""
         if not self.enable_caching:
             return self.empty_blocks(), 0
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        size = self.scheduler_block_size
+        max_hit_blocks = (request.num_tokens - 1) // size
         for num_blocks in range(self._num_full_hit_blocks(request, max_hit_blocks), 0, -1):
             hit = self._get_hit(request, num_blocks)
             if hit is not None:
-                return hit, num_blocks * self.block_size
+                return hit, num_blocks * size
         return self.empty_blocks(), 0
 
     def _num_full_hit_blocks(self, request: Request, limit: int) -> int:
+        """Scheduler blocks (at most ``limit``) the full-attention group 0 has
+        cached from the start."""
+        per = self.scheduler_block_size // self.block_size
         num = 0
-        while num < limit and self._cached(request, 0, num) is not None:
+        while num < limit * per and self._cached(request, 0, num) is not None:
             num += 1
-        return num
+        return num // per
 
     def _cached(self, request: Request, group: int, index: int) -> KVCacheBlock | None:
+        """The cached block holding block ``index`` of ``group`` of the request."""
+        hash_index = get_block_hash_index(self.groups[group], index, self.hash_block_size)
         return self.pool.get_cached_block(
-            get_group_cache_key(request.block_hashes[index], group))
+            get_group_cache_key(request.block_hashes[hash_index], group))
 
     def _get_hit(self, request: Request, num_blocks: int) -> Blocks | None:
-        """Each group's blocks for a hit of ``num_blocks`` blocks, or None if a
-        group misses a block it would read."""
+        """Each group's blocks for a hit of ``num_blocks`` scheduler blocks, or
+        None if a group misses a block it would read."""
         hit = self.empty_blocks()
+        num_tokens = num_blocks * self.scheduler_block_size
         for g, group in enumerate(self.groups):
-            needed = get_needed_blocks(group, num_blocks * self.block_size)
-            for index in range(num_blocks):
+            needed = get_needed_blocks(group, num_tokens)
+            for index in range(num_tokens // group.block_size):
                 block = self._cached(request, g, index) if index in needed else NULL
                 if block is None:
                     return None
@@ -107,12 +124,12 @@ class KVCacheManager:
         total_computed = request.num_computed_tokens + num_new_computed_tokens
         self.remove_skipped_blocks(request, self.get_skip_base(request, total_computed))
         held = self.get_blocks(request.request_id)
-        need = cdiv(total_computed + num_new_tokens, self.block_size)
+        need = [cdiv(total_computed + num_new_tokens, g.block_size) for g in self.groups]
         first = [len(held[g]) + len(new_computed[g]) for g in range(self.num_groups)]
         resume = self.get_resume_point(request, total_computed + num_external_tokens)
-        skipped = [max(first[g], min(need, compute_num_skipped_blocks(group, resume)))
+        skipped = [max(first[g], min(need[g], compute_num_skipped_blocks(group, resume)))
                    for g, group in enumerate(self.groups)]
-        num_new = [max(0, need - skipped[g]) for g in range(self.num_groups)]
+        num_new = [max(0, need[g] - skipped[g]) for g in range(self.num_groups)]
         if sum(num_new) + self._num_free_among(new_computed) > self.pool.get_num_free_blocks():
             return None
         table = self.req_to_blocks.setdefault(request.request_id, self.empty_blocks())
@@ -156,30 +173,42 @@ class KVCacheManager:
                 self.release_skipped(request, gone)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Put the request's full blocks under ``num_tokens`` in the prefix cache."""
+        """Put the request's full blocks under ``num_tokens``, rounded down to
+        where a hit may end, in the prefix cache: those a hit can read."""
         if not self.enable_caching or request.request_id not in self.req_to_blocks:
             return
-        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        size = self.scheduler_block_size
+        num_tokens = min(num_tokens // size * size,
+                         len(request.block_hashes) * self.hash_block_size)
         cached = self.num_cached_block[request.request_id]
         for g, table in enumerate(self.req_to_blocks[request.request_id]):
-            for i in range(cached[g], min(num_full, len(table))):
-                if not table[i].is_null:
-                    self.cache_block(table[i], request.block_hashes[i], g)
-            cached[g] = max(cached[g], min(num_full, len(table)))
+            group = self.groups[g]
+            num_full = min(num_tokens // group.block_size, len(table))
+            for i in range(cached[g], num_full):
+                if not table[i].is_null and is_block_reachable(group, i, size):
+                    self.cache_block(table[i], self._get_hash(request, g, i), g)
+            cached[g] = max(cached[g], num_full)
+
+    def _get_hash(self, request: Request, group: int, index: int):
+        """The block hash naming block ``index`` of ``group`` of the request."""
+        return request.block_hashes[
+            get_block_hash_index(self.groups[group], index, self.hash_block_size)]
 
     def cache_block(self, block: KVCacheBlock, block_hash, group: int) -> None:
         """Cache one block of ``group`` under the key telling groups apart."""
         self.pool.cache_block(block, get_group_cache_key(block_hash, group))
 
-    def get_windowed_cached_ids(self, request: Request, first: int) -> list[int]:
-        """Blocks cached under the request's hashes from block ``first`` on in
-        the windowed groups, whoever holds them."""
+    def get_windowed_cached_ids(self, request: Request, pos: int) -> list[int]:
+        """Blocks cached under the request's hashes of the blocks holding
+        position ``pos`` on, in the windowed groups, whoever holds them."""
         found = []
         for g, group in enumerate(self.groups):
-            if is_windowed(group):
-                for block_hash in request.block_hashes[first:]:
-                    found += [block.block_id for block in
-                              self.pool.get_cached_blocks(get_group_cache_key(block_hash, g))]
+            if not is_windowed(group):
+                continue
+            num = get_num_hashed_blocks(group, len(request.block_hashes), self.hash_block_size)
+            for index in range(pos // group.block_size, num):
+                key = get_group_cache_key(self._get_hash(request, g, index), g)
+                found += [block.block_id for block in self.pool.get_cached_blocks(key)]
         return found
 
     def uncache_blocks(self, block_ids: Iterable[int]) -> None:

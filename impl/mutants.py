@@ -523,7 +523,8 @@ class HybridPerGroupAccounting(Scheduler):
     def _recover_from(self, request, tables, first, owners):
         if not self.kv.is_hybrid:
             return super()._recover_from(request, tables, first, owners)
-        return self._recover(request, tables[0][first], first, owners)
+        idx = first // self.block_size  # ``first``: the failed block's position
+        return self._recover(request, tables[0][idx], idx, owners)
 
 
 class HybridSingleGroupUnpack(Scheduler):
@@ -543,7 +544,7 @@ class HitIgnoresWindowKVCacheManager(KVCacheManager):
     def _get_hit(self, request, num_blocks):
         hit = self.empty_blocks()
         for g, group in enumerate(self.groups):
-            for index in range(num_blocks):
+            for index in range(num_blocks * self.scheduler_block_size // group.block_size):
                 block = self._cached(request, g, index)
                 if block is None and g == 0:
                     return None
@@ -604,11 +605,12 @@ class FullPromptHitKVCacheManager(KVCacheManager):
     def get_computed_blocks(self, request):
         if not self.enable_caching:
             return self.empty_blocks(), 0
-        limit = request.num_tokens // self.block_size
+        size = self.scheduler_block_size
+        limit = request.num_tokens // size
         for num_blocks in range(self._num_full_hit_blocks(request, limit), 0, -1):
             hit = self._get_hit(request, num_blocks)
             if hit is not None:
-                return hit, min(num_blocks * self.block_size, request.num_tokens - 1)
+                return hit, min(num_blocks * size, request.num_tokens - 1)
         return self.empty_blocks(), 0
 
 
@@ -670,9 +672,11 @@ class PlainHashKVCacheManager(KVCacheManager):
 
 
 class HybridCacheUnderPlainHash(Scheduler):
-    """Issue 25: hybrid blocks cached under the plain hash. Nothing is corrupted
-    (no block is served under a key naming other content); local prefix hits of
-    multi-group requests vanish, and every safety claim holds."""
+    """Issue 25: hybrid blocks cached under the plain hash. With one block size
+    nothing is corrupted (no block is served under a key naming other content);
+    local prefix hits of multi-group requests vanish, and every safety claim
+    holds. With two, a window block and a full-attention block ending at the
+    same position share the plain hash, and one is served as the other."""
 
     kv_manager_class = PlainHashKVCacheManager
 
@@ -682,7 +686,39 @@ MUTANTS.update({m.name: m for m in [
            "every KV cache group's blocks cached under the plain block hash: a windowed "
            "group's blocks never enter the prefix cache, so hybrid prefix hits are lost",
            "issue 25 (local hits of multi-group requests 439 -> 7 in 30 s, every claim held)",
-           "computed_blocks_are_cached", HybridCacheUnderPlainHash),
+           "computed_blocks_are_cached", HybridCacheUnderPlainHash,
+           # with two block sizes a window block under the plain hash names the same
+           # prefix end as a full-attention block: it is served as one
+           also_caught_by=("no_caching_of_invalid_blocks", "computed_means_valid")),
+]})
+
+# -- two block sizes (issue 26) ----------------------------------------------------
+
+class FullAttentionAlignedKVCacheManager(KVCacheManager):
+    """Hits end, and blocks are cached, on the full-attention group's block
+    boundaries, not on the least common multiple of the groups' sizes."""
+
+    def __init__(self, groups, num_blocks, enable_caching=True):
+        super().__init__(groups, num_blocks, enable_caching)
+        self.scheduler_block_size = self.block_size
+
+
+class HitAlignedToFullAttention(Scheduler):
+    """With a sliding window whose blocks are larger than full attention's, a
+    hit ending inside a window block: the window group's block there is fresh
+    and the step reads positions of it nobody computed."""
+
+    kv_manager_class = FullAttentionAlignedKVCacheManager
+
+
+MUTANTS.update({m.name: m for m in [
+    Mutant("hit_aligned_to_full_attention",
+           "with two block sizes, prefix hits end on the full-attention group's block "
+           "boundaries, inside a larger window block whose start nobody computed",
+           "vLLM's scheduler_block_size (least common multiple of the groups' sizes)",
+           "no_caching_of_invalid_blocks", HitAlignedToFullAttention,
+           also_caught_by=("update_from_output_relation", "computed_means_valid",
+                           "every_group_serves_computed")),
 ]})
 
 #: mutants that need spec features not built yet: listed so the zoo table shows

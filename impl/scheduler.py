@@ -18,7 +18,7 @@ from kvspec.impl.recovery import RecoveryBook, Waiter, first_invalid_index, lowe
 from kvspec.impl.request import Request
 from kvspec.impl.request_queue import RequestQueue
 from kvspec.spec.arith import compute_truncated_computed
-from kvspec.spec.groups import NULL_BLOCK, get_first_failed_index
+from kvspec.spec.groups import get_blocks_from, get_first_failed_position
 from kvspec.spec.state import STATS_UNSET, RequestStatus
 
 
@@ -96,13 +96,14 @@ class Scheduler:
         if not isinstance(request, Request):
             raise TypeError(f"add_request needs a kvspec.impl.Request, got "
                             f"{type(request).__name__} {request!r:.60}")
-        if request.hash_block_size != self.block_size:
+        size = self.config.hash_block_size
+        if request.hash_block_size != size:
             # its block hashes would cover other token spans than the pool's blocks:
             # a cached block would be matched by a request with different tokens
             raise ValueError(f"request {request.request_id!r:.40}: hash_block_size "
-                             f"{request.hash_block_size} differs from the scheduler's block "
-                             f"size {self.block_size}; build it with "
-                             f"Request(..., hash_block_size={self.block_size})")
+                             f"{request.hash_block_size} differs from the scheduler's hash "
+                             f"block size {size}; build it with "
+                             f"Request(..., hash_block_size={size})")
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if request.num_prompt_tokens == 0:
@@ -295,9 +296,9 @@ class Scheduler:
         self._release_claims(request)
         # Blocks cached past the computed prefix (by this step's allocation, or a
         # sync load that will now never run) hold no KV yet: do not serve them.
-        keep = request.num_computed_tokens // self.block_size
-        self.kv.uncache_blocks(b for table in self.kv.get_block_ids(request.request_id)
-                               for b in table[keep:])
+        self.kv.uncache_blocks(get_blocks_from(self.config.groups,
+                                               self.kv.get_block_ids(request.request_id),
+                                               request.num_computed_tokens))
         fenced = self._free_or_fence(request)
         self._load_origin.pop(request.request_id, None)
         if self.is_async:
@@ -661,18 +662,19 @@ class Scheduler:
                 tables = self.kv.get_block_ids(request.request_id)
                 first = self._first_failed(request, tables, bad)
                 if first is not None:
-                    bad.update(b for t in tables for b in t[first:] if b != NULL_BLOCK)
+                    bad |= get_blocks_from(self.config.groups, tables, first)
             for tables in gone:  # by position, every block they held
-                first = get_first_failed_index(tables, self._table_tokens(tables),
-                                               self.block_size, bad)
+                first = get_first_failed_position(self.config.groups, tables,
+                                                  self._table_tokens(tables), bad)
                 if first is not None:
-                    bad.update(b for t in tables for b in t[first:] if b != NULL_BLOCK)
+                    bad |= get_blocks_from(self.config.groups, tables, first)
             if len(bad) == before:
                 return bad
 
     def _table_tokens(self, tables) -> int:
         """Tokens the longest of a request's tables has room for."""
-        return max(map(len, tables), default=0) * self.block_size
+        return max((len(t) * g.block_size for g, t in zip(self.config.groups, tables)),
+                   default=0)
 
     def _truncate_affected(self, requests, invalid: set[int], suspect: set[int],
                            owners: dict) -> set[str]:
@@ -685,7 +687,7 @@ class Scheduler:
             affected.add(request.request_id)
             # Blocks past a failed one were computed on top of it in the failing
             # step, in every group (each layer reads the one before it).
-            suspect.update(b for table in tables for b in table[first:] if b != NULL_BLOCK)
+            suspect |= get_blocks_from(self.config.groups, tables, first)
             # and so were blocks a windowed group gave back since (they left its
             # table but keep their hash): dropping a hash costs a hit at most
             suspect.update(self.kv.get_windowed_cached_ids(request, first))
@@ -693,7 +695,7 @@ class Scheduler:
         return affected
 
     def _recover_from(self, request: Request, tables, first: int, owners: dict) -> None:
-        """Recompute from the block before ``first``, or from zero in fresh
+        """Recompute from the failed block at position ``first``, or from zero in fresh
         blocks: where a windowed group gave blocks back
         (``compute_recovered_computed``), or where a request that ended holds a
         block from there on for a KV send (recomputing in place would rewrite
@@ -701,21 +703,20 @@ class Scheduler:
         if self.kv.is_hybrid or self._is_sending_from(tables, first):
             self._restart_from_zero(request)
         else:
-            self._recover(request, tables[0][first], first, owners)
+            idx = first // self.block_size
+            self._recover(request, tables[0][idx], idx, owners)
 
     def _first_failed(self, request: Request, tables, bad: set[int]) -> int | None:
-        """Index of the first block, in any group, under the request's scan
-        limit that is in ``bad`` (groups share positions, so it is also where
-        every group's table is cut)."""
-        limit = self._recovery_scan_limit(request)
-        found = [i for t in tables
-                 if (i := first_invalid_index(t, limit, self.block_size, bad)) is not None]
-        return min(found, default=None)
+        """Position where the first block, in any group, under the request's
+        scan limit that is in ``bad`` starts (groups share positions, so every
+        group's table is cut there)."""
+        return get_first_failed_position(self.config.groups, tables,
+                                         self._recovery_scan_limit(request), bad)
 
     def _is_sending_from(self, tables, first: int) -> bool:
-        """Some block at or past index ``first`` is held by a request that
-        ended and keeps its blocks for a send."""
-        mine = {b for t in tables for b in t[first:]}
+        """Some block holding position ``first`` or later is held by a request
+        that ended and keeps its blocks for a send."""
+        mine = get_blocks_from(self.config.groups, tables, first)
         return any(mine & {b for t in self.kv.get_block_ids(rid) for b in t}
                    for rid, r in self.requests.items() if r.is_finished())
 

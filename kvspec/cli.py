@@ -126,10 +126,12 @@ def check_target(name: str, origin: str = "") -> None:
 
 
 #: the KV cache group layouts the vllm target maps (see target_profile); those
-#: with a last-state group only where the release maps one (vllm_target.maps_last_state)
-VLLM_LAYOUTS = ("full", "sliding", "state", "sliding+state")
+#: with a last-state group only where the release maps one (vllm_target.maps_last_state),
+#: groups of two block sizes where it hashes finer than its blocks (maps_mixed_block_sizes)
+VLLM_LAYOUTS = ("full", "sliding", "state", "sliding+state", "sliding-mixed")
 LAYOUTS_HELP = ("KV cache group layouts to draw, joined by commas: full, sliding, state, "
-                "sliding+state (default: every layout the target maps)")
+                "sliding+state, sliding-mixed (full attention and a sliding window of "
+                "different block sizes) (default: every layout the target maps)")
 
 
 def with_layouts(profile, layouts: str | None, target: str):
@@ -173,8 +175,12 @@ def target_profile(target: str, quiet: bool = False):
 def _mapped_layouts(profile):
     """The profile drawing only the layouts and connectors the vllm target maps
     on the installed release."""
-    from kvspec.harness.vllm_target import maps_kv_delivery, maps_last_state, modules
-    mapped = VLLM_LAYOUTS if maps_last_state(modules()) else ("full", "sliding")
+    from kvspec.harness.machine import MIXED_SIZES
+    from kvspec.harness.vllm_target import (maps_kv_delivery, maps_last_state,
+                                            maps_mixed_block_sizes, modules)
+    m = modules()
+    mapped = [x for x in VLLM_LAYOUTS if maps_last_state(m) or "state" not in x]
+    mapped = [x for x in mapped if maps_mixed_block_sizes(m) or x not in MIXED_SIZES]
     connectors = profile.connectors if maps_kv_delivery() else tuple(
         x for x in profile.connectors if x != "best_effort")
     return attrs.evolve(profile, layouts=tuple(x for x in profile.layouts if x in mapped),
@@ -189,7 +195,8 @@ def target_gaps(target: str) -> dict[str, str]:
     if parse_vllm_target(target) is None:
         return dict(UNMODELLED)
     return {**UNMODELLED, "layouts": f"{source_label()} has no align-mode Mamba admission that tells a "
-                       "connector hit from a local one (0.28.0 on): no last-state group",
+                       "connector hit from a local one (0.28.0 on): no last-state group; or "
+                       "no hash_block_size (hashes finer than blocks): one block size",
             "connectors": f"{source_label()} has no connector opting out of KV delivery "
                           "(requires_kv_delivery): every connector's preemption drops the "
                           "output in flight"}

@@ -353,9 +353,13 @@ LEGEND = (
 
 
 def _config_line(config) -> str:
+    mixed = config.has_mixed_block_sizes
     groups = ", ".join(g.kind + (f" (window {g.sliding_window})" if g.sliding_window else "")
+                       + (f" in blocks of {g.block_size}" if mixed else "")
                        for g in config.groups)
-    return (f"block size {config.block_size}, {config.num_blocks} blocks, groups: {groups}; "
+    sizes = (f"hash block {config.hash_block_size}, hits per {config.scheduler_block_size} "
+             "tokens" if mixed else f"block size {config.block_size}")
+    return (f"{sizes}, {config.num_blocks} blocks, groups: {groups}; "
             f"token budget {config.max_num_batched_tokens}, max_num_seqs "
             f"{config.max_num_seqs}, max_model_len {config.max_model_len}, long-prefill "
             f"threshold {config.long_prefill_token_threshold}; {config.policy} policy; load "

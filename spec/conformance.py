@@ -14,6 +14,7 @@ claims have not caught, or a gap in the model (``transition_admitted_by_model``)
 from __future__ import annotations
 
 import functools
+import math
 from typing import Iterator
 
 import attrs
@@ -32,14 +33,21 @@ _STATUS = {RequestStatus.WAITING: WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS:
 INITIAL_GHOST = {f: 0 for f in GHOST_FIELDS}
 
 
+def get_model_block_size(groups) -> int:
+    """The block the model counts in: the groups' greatest common divisor
+    (their one block size, or the hash block of two sizes), so that every
+    group's blocks are whole numbers of it."""
+    return math.gcd(*(g.block_size for g in groups))
+
+
 def get_num_blocks(r: RequestView, groups) -> int:
     """The blocks the model counts: every group's table covers the same
     positions (a group that gave blocks back holds the null block there), so
-    the shortest table, in blocks of the first group's size, is what covers
-    the computed prefix in every group."""
+    the shortest table, in the model's blocks (``get_model_block_size``), is
+    what covers the computed prefix in every group."""
     if not r.block_ids:
         return 0
-    size = groups[0].block_size
+    size = get_model_block_size(groups)
     return min(len(table) * g.block_size // size for g, table in zip(groups, r.block_ids))
 
 
@@ -50,7 +58,7 @@ def get_counters(r: RequestView, groups, ghost=None) -> Counters:
         prompt_len=r.num_prompt_tokens, num_tokens=r.num_tokens,
         num_computed=r.num_computed_tokens, num_cached=r.num_cached_tokens,
         num_external=r.num_external_computed_tokens, num_preemptions=r.num_preemptions,
-        num_blocks=get_num_blocks(r, groups), block_size=groups[0].block_size,
+        num_blocks=get_num_blocks(r, groups), block_size=get_model_block_size(groups),
         num_placeholders=r.num_output_placeholders, **(ghost or INITIAL_GHOST))
 
 
@@ -147,10 +155,14 @@ def is_same(model: Counters, observed: Counters) -> bool:
 
 def must_recover(before: Counters, hints: Hints) -> bool:
     """A block reported failed lies under the prefix the request counted before
-    its tokens of this step: it must be cut back (or ended by the "fail" policy)."""
+    its tokens of this step: it must be cut back (or ended by the "fail" policy).
+    Not yet scheduled in the step: under its real computed prefix, since past it
+    lie the positions of later steps, in blocks that may be fresh (a block a
+    request gone since held, whose id the failed load reported)."""
     if hints.first_invalid_block is None:
         return False
-    counted = hints.start if hints.start is not None else before.num_computed
+    counted = hints.start if hints.start is not None else \
+        before.num_computed - before.num_placeholders
     return hints.first_invalid_block * before.block_size < counted
 
 

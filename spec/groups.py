@@ -4,7 +4,9 @@ free, and which computed prefix a group can serve.
 Hybrid models (Gemma 3, gpt-oss, Qwen3-Next, Jamba) give each kind of layer
 its own KV cache group with its own block table over one block pool (vLLM's
 hybrid KV cache manager). Every group's table covers the same positions, block
-``i`` holding positions ``[i * block_size, (i + 1) * block_size)``; a group
+``i`` holding positions ``[i * block_size, (i + 1) * block_size)`` with the
+group's own block size (full attention and sliding window may differ: a prefix
+hit then ends where every group's blocks end, ``Config.scheduler_block_size``); a group
 that no longer needs a block gives it back and its table holds ``NULL_BLOCK``
 there (vLLM's null block).
 
@@ -96,19 +98,25 @@ def get_needed_blocks(group: GroupSpec, num_computed: int) -> range:
     return range(positions[0] // size, -(-num_computed // size))
 
 
-def get_first_failed_index(tables, num_computed: int, block_size: int, bad) -> int | None:
-    """Index of a request's first block, in any group, under its computed
-    prefix that is in ``bad`` (groups share positions: every group's table is
-    cut there)."""
-    limit = -(-num_computed // block_size)
-    found = [i for table in tables for i, b in enumerate(table[:limit]) if b in bad]
+def get_first_failed_position(groups, tables, num_computed: int, bad) -> int | None:
+    """First position, in any group, of a block under a request's computed
+    prefix that is in ``bad``: the start of that block (groups share positions,
+    though their blocks may differ in size)."""
+    found = [i * group.block_size for group, table in zip(groups, tables)
+             for i, b in enumerate(table[:-(-num_computed // group.block_size)]) if b in bad]
     return min(found, default=None)
 
 
-def compute_tainted_blocks(holders, block_size: int, bad) -> set[int]:
+def get_blocks_from(groups, tables, pos: int) -> set[int]:
+    """The blocks of every group holding a position at or past ``pos``."""
+    return {b for group, table in zip(groups, tables)
+            for b in table[pos // group.block_size:] if b != NULL_BLOCK}
+
+
+def compute_tainted_blocks(holders, groups, bad) -> set[int]:
     """Blocks that count as failed after a failed load with several groups:
     the failed ones, and, to a fixed point, every block a holder of one keeps
-    at or past its first failed index, in every group. ``holders``: (block
+    at or past its first failed position, in every group. ``holders``: (block
     tables, real computed count) per request.
 
     Conservative on purpose: a layer reads the layer before it, so what a
@@ -121,8 +129,35 @@ def compute_tainted_blocks(holders, block_size: int, bad) -> set[int]:
     while True:
         before = len(tainted)
         for tables, num_computed in holders:
-            first = get_first_failed_index(tables, num_computed, block_size, tainted)
+            first = get_first_failed_position(groups, tables, num_computed, tainted)
             if first is not None:
-                tainted.update(b for t in tables for b in t[first:] if b != NULL_BLOCK)
+                tainted |= get_blocks_from(groups, tables, first)
         if len(tainted) == before:
             return tainted
+
+
+def get_block_hash_index(group: GroupSpec, index: int, hash_block_size: int) -> int:
+    """Which of a request's block hashes (one per ``hash_block_size`` tokens)
+    names block ``index`` of ``group``: the last hash inside it. Hashes chain
+    over the whole prefix, so that one names the block's content and all before
+    it (vLLM's ``BlockHashListWithBlockSize``)."""
+    return (index + 1) * (group.block_size // hash_block_size) - 1
+
+
+def get_num_hashed_blocks(group: GroupSpec, num_hashes: int, hash_block_size: int) -> int:
+    """How many of ``group``'s blocks ``num_hashes`` block hashes name."""
+    return num_hashes * hash_block_size // group.block_size
+
+
+def is_block_reachable(group: GroupSpec, index: int, alignment: int) -> bool:
+    """Some prefix hit reads block ``index`` of ``group``; hits end on
+    multiples of ``alignment`` (the scheduler block size). Full attention reads
+    every block; a windowed group only those in the window of a hit's end, and
+    the first end at or past the block's is its only chance (later ones read
+    later blocks). A block no hit reads is not worth caching: with one block
+    size every block of a window of 2 or more is reachable; with a larger
+    scheduler block, only the tail of each (vLLM's ``reachable_block_mask``)."""
+    end = (index + 1) * group.block_size
+    hit_end = -(-end // alignment) * alignment
+    return index in get_needed_blocks(group, hit_end)
+

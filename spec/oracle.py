@@ -41,12 +41,13 @@ runs after the steps launched before it.
 """
 from __future__ import annotations
 
+import math
 from typing import Hashable, Iterator
 
 import attrs
 
 from kvspec.spec.groups import NULL_BLOCK, split_cache_key
-from kvspec.spec.reads import get_positions_read
+from kvspec.spec.reads import get_blocks_read, get_positions_read
 from kvspec.spec.predicates import is_cached_block_valid
 from kvspec.spec.state import GroupSpec, Observation, RequestStatus, RequestView, StepView
 
@@ -134,9 +135,14 @@ def _held(r: RequestView) -> set[int]:
 class KVContent:
     def __init__(self, num_blocks: int, block_size: int,
                  groups: tuple[GroupSpec, ...] | None = None) -> None:
-        self.block_size = block_size
         self.groups = groups or (GroupSpec(block_size),)
-        self.slots: list[list] = [[GARBAGE] * block_size for _ in range(num_blocks)]
+        #: slots per block: the largest group's block size (a group of smaller
+        #: blocks uses the first slots of each)
+        self.block_size = max(g.block_size for g in self.groups)
+        #: tokens per block hash, and where a prefix hit may end (``Config``)
+        self.hash_block_size = math.gcd(*(g.block_size for g in self.groups))
+        self.scheduler_block_size = math.lcm(*(g.block_size for g in self.groups))
+        self.slots: list[list] = [[GARBAGE] * self.block_size for _ in range(num_blocks)]
         self.expected_by_hash: dict[Hashable, tuple] = {}
         self.loads: dict[str, LoadJob] = {}
         #: async loads of requests that ended mid-load: the environment drops
@@ -176,12 +182,17 @@ class KVContent:
         not one KV entry per position."""
         return g < len(self.groups) and self.groups[g].kind == "last_state"
 
+    def _size(self, g: int) -> int:
+        """Group ``g``'s block size."""
+        return self.groups[g].block_size if g < len(self.groups) else self.block_size
+
     def _slot(self, g: int, blocks, pos: int) -> tuple[int, int]:
         """Where group ``g`` keeps position ``pos``: its own slot, or for a
         last-state group the block's one state (its last slot), so that every
         position written into the block replaces the same state."""
-        slot = self.block_size - 1 if self._keeps_one_state(g) else pos % self.block_size
-        return blocks[pos // self.block_size], slot
+        size = self._size(g)
+        slot = size - 1 if self._keeps_one_state(g) else pos % size
+        return blocks[pos // size], slot
 
     def _write(self, g: int, blocks, pos: int, value) -> None:
         b, s = self._slot(g, blocks, pos)
@@ -195,7 +206,7 @@ class KVContent:
         """Position ``pos`` of group ``g`` holds its valid content. ``before``:
         slot -> value, what the reader sees of the slots it writes itself this
         step (a step reads a state before it overwrites it)."""
-        index = pos // self.block_size
+        index = pos // self._size(g)
         if index >= len(blocks) or blocks[index] == NULL_BLOCK:
             return False
         b, s = self._slot(g, blocks, pos)
@@ -293,13 +304,13 @@ class KVContent:
         for g, group in enumerate(self.groups):
             table = job.block_ids[g] if g < len(job.block_ids) else ()
             positions = self._load_positions(group, table, job)
-            written = sorted({pos // self.block_size for pos in positions})
+            written = sorted({pos // group.block_size for pos in positions})
             bad = set()
             if failing and g == g_bad and written:
                 start = fail_offset % len(written)
                 bad = set(written[start:start + max(fail_blocks, 1)])
             for pos in positions:  # in order: a last-state block keeps the last one's state
-                ok = pos // self.block_size not in bad
+                ok = pos // group.block_size not in bad
                 self._write(g, table, pos, get_content(g, job.keys, pos) if ok else GARBAGE)
             for index in sorted(bad):
                 report.invalid_block_ids.add(table[index])
@@ -310,8 +321,8 @@ class KVContent:
         for (into a last-state block the load leaves the state after the last
         position it loaded there)."""
         return [p for p in range(job.start, job.start + job.num_tokens)
-                if p // self.block_size < len(table)
-                and table[p // self.block_size] != NULL_BLOCK]
+                if p // group.block_size < len(table)
+                and table[p // group.block_size] != NULL_BLOCK]
 
     def _compute(self, step: StepView, obs: Observation, report: ExecReport,
                  pending: dict[str, tuple[int, ...]]) -> None:
@@ -370,19 +381,33 @@ class KVContent:
                 report.garbage_readers[rid] = bad
                 for g, table, pos in self._computed_slots(tables, start, n):
                     self._write(g, table, pos, GARBAGE)
-                    report.garbage_blocks.add(table[pos // self.block_size])
+                    report.garbage_blocks.add(table[pos // self._size(g)])
                 changed = True
 
     def _completed_blocks(self, rid: str, req: RequestView, tables, keys, start: int, n: int):
-        """The blocks whose last position ``[start, start + n)`` computes, within
-        the tokens the scheduler knows (not a draft, not a token in flight)."""
-        size, known = self.block_size, len(req.all_token_ids)
-        for index in range(start // size, min(start + n, known) // size):
-            if (index + 1) * size > start:
-                for g, table in enumerate(tables):
-                    if index < len(table) and table[index] != NULL_BLOCK:
-                        yield rid, g, index, table[index], tuple(keys[index * size:
-                                                                      (index + 1) * size])
+        """The blocks a step computing ``[start, start + n)`` made worth caching:
+        full blocks a prefix hit can read (``is_block_reachable``) that end
+        where a hit may end, or before it, once the step computed on to that
+        end (``scheduler_block_size``), within the tokens the scheduler knows
+        (not a draft, not a token in flight)."""
+        align = self.scheduler_block_size
+        lo = start // align * align
+        hi = min(start + n, len(req.all_token_ids)) // align * align
+        for g, table in enumerate(tables):
+            size = self._size(g)
+            for index in range(lo // size, min(hi // size, len(table))):
+                if table[index] != NULL_BLOCK and self._is_read_by_a_hit(g, index):
+                    yield rid, g, index, table[index], tuple(keys[index * size:
+                                                                  (index + 1) * size])
+
+    def _is_read_by_a_hit(self, g: int, index: int) -> bool:
+        """Block ``index`` of group ``g`` holds a position a step resuming from
+        a prefix hit reads. Hits end on multiples of the scheduler block, and a
+        block's only chance is the first such end at or past its own (a later
+        one reads later positions)."""
+        align = self.scheduler_block_size
+        hit_end = -(-(index + 1) * self._size(g) // align) * align
+        return index in get_blocks_read(self.groups[g], hit_end)
 
     def _found_by_step(self, tables, start: int, n: int) -> dict[tuple[int, int], object]:
         """What the slots a step computing ``[start, start + n)`` writes held
@@ -399,7 +424,7 @@ class KVContent:
         start + n)`` writes: each group's entries that hold a block."""
         for g, table in enumerate(tables):
             for pos in range(start, start + n):
-                index = pos // self.block_size
+                index = pos // self._size(g)
                 if index < len(table) and table[index] != NULL_BLOCK:
                     yield g, table, pos
 
@@ -414,14 +439,17 @@ class KVContent:
     # -- checks ---------------------------------------------------------------
     def learn(self, obs: Observation) -> None:
         """Record what each block hash names, from the requests' hash chains."""
-        size = self.block_size
+        size, span = self.hash_block_size, self.block_size
         for r in obs.requests.values():
             if not r.block_hashes:
                 continue
             keys = self.book.keys(r.request_id, r.all_token_ids)
             for i, h in enumerate(r.block_hashes):
-                if h not in self.expected_by_hash and (i + 1) * size <= len(keys):
-                    self.expected_by_hash[h] = tuple(keys[i * size:(i + 1) * size])
+                end = (i + 1) * size
+                if h not in self.expected_by_hash and end <= len(keys):
+                    # the hash names the prefix up to ``end``: a group's block
+                    # named by it holds the keys from the block's start to it
+                    self.expected_by_hash[h] = (end, tuple(keys[max(0, end - span):end]))
 
     def loading_blocks(self, held_requests=frozenset()) -> set[int]:
         """Blocks an async load in flight is still writing: the loads under way,
@@ -434,9 +462,10 @@ class KVContent:
     def _load_targets(self, job: LoadJob) -> set[int]:
         if job.num_tokens <= 0:
             return set()
-        first = job.start // self.block_size
-        last = (job.start + job.num_tokens - 1) // self.block_size
-        return {b for table in job.block_ids for b in table[first:last + 1] if b != NULL_BLOCK}
+        end = job.start + job.num_tokens - 1
+        return {b for g, table in enumerate(job.block_ids)
+                for b in table[job.start // self._size(g):end // self._size(g) + 1]
+                if b != NULL_BLOCK}
 
     def check_cache(self, obs: Observation) -> Iterator[str]:
         """``is_cached_block_valid`` on every prefix-cache entry, with the valid and
@@ -445,27 +474,45 @@ class KVContent:
         unreported = self.get_unreported_blocks()
         for key, block in obs.pool.cached:
             block_hash, g = split_cache_key(key)
-            expected = self.expected_by_hash.get(block_hash)
-            if expected is None or block in unreported or g >= len(self.groups):
+            valid = self.holds_named(block, g, block_hash)
+            if valid is None or block in unreported:
                 continue
-            valid = self._holds(block, g, expected)
             if not is_cached_block_valid(True, valid, block in loading):
                 why = "an async load is still writing it" if valid else \
                     "it does not hold the content its hash names"
                 yield f"block {block} is in the prefix cache but {why}"
 
+    def holds_named(self, block: int, g: int, block_hash) -> bool | None:
+        """The block holds what ``block_hash`` names in group ``g`` (None: a
+        hash no request has shown, or a group the oracle lacks)."""
+        named = self.expected_by_hash.get(block_hash)
+        if named is None or g >= len(self.groups):
+            return None
+        return self._holds(block, g, self._get_named_keys(g, *named))
+
+    def _get_named_keys(self, g: int, end: int, tail: tuple) -> tuple:
+        """The keys a block of group ``g`` cached under a hash naming the
+        prefix up to ``end`` holds: from the block's start to ``end``. Short
+        of a whole block for a partial entry (vLLM caches the block holding a
+        prompt's last hash boundary under that boundary's hash too, when the
+        group's blocks are larger than its hash blocks)."""
+        start = (end - 1) // self._size(g) * self._size(g)
+        return tail[len(tail) - (end - start):]
+
     def _holds(self, block: int, g: int, expected: tuple) -> bool:
         """The block holds the content ``expected`` names, as group ``g`` keeps
-        it: every slot, or for a last-state group the state at its end."""
+        it: every slot (the first ones, for a partial entry), or for a
+        last-state group the state at its end."""
         want = self._want(g, expected)
+        size = self._size(g)
         if self.groups[g].kind == "last_state":
-            return self.slots[block][-1] == want[-1]
-        return self.slots[block] == want
+            return len(want) == size and self.slots[block][size - 1] == want[-1]
+        return self.slots[block][:len(want)] == want
 
-    @staticmethod
-    def _want(g: int, expected: tuple) -> list:
-        """The slots of a block holding ``expected`` in group ``g``."""
-        return [get_content(g, expected, i) for i in range(len(expected))]
+    def _want(self, g: int, expected: tuple) -> list:
+        """The slots of a block of group ``g`` holding the last of ``expected``."""
+        tail = expected[-self._size(g):]
+        return [get_content(g, tail, i) for i in range(len(tail))]
 
     def forget_completed(self) -> None:
         """The step's completed blocks were judged: later evictions and resets
@@ -480,7 +527,9 @@ class KVContent:
         """What the prefix cache offers, by content: every cached block's slots,
         and its last slot (all a last-state group keeps)."""
         blocks = {block for _key, block in obs.pool.cached}
-        return ({tuple(self.slots[b]) for b in blocks}, {self.slots[b][-1] for b in blocks})
+        sizes = {g.block_size for g in self.groups}
+        return ({tuple(self.slots[b][:size]) for b in blocks for size in sizes},
+                {self.slots[b][-1] for b in blocks})
 
     def note_step_start(self, obs: Observation) -> None:
         """A step begins: what the cache offers now (a block computed again over
@@ -491,7 +540,9 @@ class KVContent:
     def _was_offered(self, r: RequestView, g: int, index: int, expected: tuple) -> bool:
         """A copy was in the cache when the step began: by content, or by the
         key of this block of the request (its copy's load may not have landed)."""
-        key = (r.block_hashes[index], g) if index < len(r.block_hashes) else None
+        # the hash naming the prefix up to the block's end (hashes chain)
+        h = (index + 1) * self._size(g) // self.hash_block_size - 1
+        key = (r.block_hashes[h], g) if h < len(r.block_hashes) else None
         return key in self.keys_at_start or \
             self._is_offered(self.offered_at_start, g, expected)
 
@@ -544,8 +595,8 @@ class KVContent:
         that computed on into the same block replaced it with the state after
         a token the scheduler has not seen yet (a placeholder); the step that
         reads that state is judged when it runs (``garbage_readers``)."""
-        current = real == computed or real % self.block_size == 0
-        return {g for g in range(len(self.groups)) if current or not self._keeps_one_state(g)}
+        return {g for g in range(len(self.groups)) if not self._keeps_one_state(g)
+                or real == computed or real % self._size(g) == 0}
 
     def check_single_writer(self) -> Iterator[str]:
         for block, slot, first, second in self.double_writes[:1]:

@@ -353,13 +353,17 @@ def lemma_lowering_is_admissible(rule=None, bounded=False):
 def _hybrid_layouts() -> tuple[tuple[GroupSpec, ...], ...]:
     """The layouts the recovery lemma covers: full attention with a sliding
     window of 1 to 9 tokens, with a last-state group, and with both; block sizes
-    1 to 4 (one per layout: kvspec models groups of one block size)."""
+    1 to 4, one per layout, and full attention beside a window whose blocks are
+    twice or half its own (block sizes 1 to 4)."""
     layouts = []
     for size in range(1, 5):
         full, state = GroupSpec(size), GroupSpec(size, "last_state")
         windows = [GroupSpec(size, "sliding_window", w) for w in range(1, 10)]
         layouts += [(full, window) for window in windows] + [(full, state)]
         layouts += [(full, window, state) for window in windows]
+    for full_size, window_size in [(1, 2), (2, 4), (2, 1), (4, 2)]:
+        layouts += [(GroupSpec(full_size), GroupSpec(window_size, "sliding_window", w))
+                    for w in range(1, 10)]
     return tuple(layouts)
 
 
@@ -402,10 +406,12 @@ def failed_load(groups, value) -> FailedLoad:
 
 
 def is_layout(groups, value):
-    """Names the layout in a counterexample: block size, window (0: none), groups."""
-    window = next((g.sliding_window for g in groups if g.kind == "sliding_window"), 0)
+    """Names the layout in a counterexample: block sizes (the window's: 0 if
+    none), window (0: none), groups."""
+    window = next((g for g in groups if g.kind == "sliding_window"), None)
     return And(value("parameter", "block_size") == groups[0].block_size,
-               value("parameter", "sliding_window") == window,
+               value("parameter", "window_block_size") == (window.block_size if window else 0),
+               value("parameter", "sliding_window") == (window.sliding_window if window else 0),
                value("parameter", "num_groups") == len(groups))
 
 
@@ -464,7 +470,7 @@ def is_recovery_served(groups, load: FailedLoad, recovered, p):
 def lemma_recovery_cut_served_by_every_group(rule=None, bounded=False):
     """After a failed load of a hybrid request (full attention with a sliding
     window of 1 to 9 tokens, with a last-state group, or with both; block sizes
-    1 to 4), whatever each group gave back before it and wherever each group's
+    1 to 4, the window's blocks also twice or half full attention's), whatever each group gave back before it and wherever each group's
     load failed: the count a recovery rule keeps (``compute_recovered_computed``,
     and the reference's restart from zero) never reaches the first failed block,
     and every position the next step reads from it is held and valid in every

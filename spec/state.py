@@ -12,6 +12,7 @@ and async scheduling (``num_output_placeholders``).
 from __future__ import annotations
 
 import enum
+import math
 from typing import Hashable
 
 import attrs
@@ -108,9 +109,13 @@ def _groups(instance, attribute, value) -> None:
         # group 0 names the prefix (its block hashes) every other group aligns to
         raise ValueError(f"groups: the first KV cache group must be full attention, "
                          f"got {value[0].kind}")
-    if len({g.block_size for g in value}) > 1:
-        raise ValueError(f"groups: block sizes {sorted({g.block_size for g in value})} "
-                         f"differ; kvspec models groups of one block size")
+    sizes = sorted({g.block_size for g in value})
+    if len(sizes) > 1 and {g.kind for g in value} != {"full_attention", "sliding_window"}:
+        # a larger Mamba block keeps a state per hash block (vLLM's partial hash
+        # hits), and full attention alone has no reason to mix: neither is modelled
+        raise ValueError(f"groups: block sizes {sizes} differ; kvspec models different "
+                         "block sizes for full attention beside sliding window only, got "
+                         f"{', '.join(g.kind for g in value)}")
 
 
 def _window(instance, attribute, value) -> None:
@@ -216,6 +221,24 @@ class Config:
     def block_size(self) -> int:
         """The block size of the first (full-attention) group."""
         return self.groups[0].block_size
+
+    @property
+    def hash_block_size(self) -> int:
+        """Tokens per block hash: the greatest common divisor of the groups'
+        block sizes (vLLM's ``hash_block_size``). A group's block of ``k`` hash
+        blocks is named by the last of them (``spec/groups.py``)."""
+        return math.gcd(*(g.block_size for g in self.groups))
+
+    @property
+    def scheduler_block_size(self) -> int:
+        """Tokens per scheduler block: the least common multiple of the groups'
+        block sizes. A prefix hit ends on a multiple of it, where every group's
+        blocks end (vLLM's ``scheduler_block_size``)."""
+        return math.lcm(*(g.block_size for g in self.groups))
+
+    @property
+    def has_mixed_block_sizes(self) -> bool:
+        return len({g.block_size for g in self.groups}) > 1
 
     @property
     def is_hybrid(self) -> bool:

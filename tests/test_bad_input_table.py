@@ -972,7 +972,7 @@ def _state(s):
     # hash_block_size left at its default (4) on a scheduler of block size 8: it would
     # share a's cached block 0 with different tokens
     (lambda s: s.add_request(_request("b", [1, 2, 3, 4, 90, 91, 92, 93, 5], 2)), ValueError,
-     r"hash_block_size 4 differs from the scheduler's block size 8"),
+     r"hash_block_size 4 differs from the scheduler's hash block size 8"),
     (lambda s: s.finish_requests("a", _status("RUNNING")), ValueError,
      "needs a FINISHED_\\* status, got RUNNING"),
     (lambda s: s.finish_requests("a", _status("WAITING")), ValueError, "got WAITING"),

@@ -20,12 +20,14 @@ def test_the_claim_is_of_role_efficiency():
 
 def test_hybrid_blocks_cached_under_the_plain_hash_are_lost_performance(tmp_path):
     """The bug the issue measured (local hits of multi-group requests 439 -> 7,
-    every claim held) is caught by the default check (found within a second
-    here; 260 times in a 60 s run), as lost performance: exit 0, the verdict
-    says HOLD for safety and names the claim, the trace replays."""
+    every claim held) is caught by a check of the hybrid layouts of one block
+    size (found within a second here; 260 times in a 60 s run), as lost
+    performance: exit 0, the verdict says HOLD for safety and names the claim,
+    the trace replays. (With two block sizes it corrupts too: see the mutant.)"""
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["check", "--target", PLAIN_HASH, "--budget", "8s",
-                                      "--seed", "0", "--json", "--out", str(out)])
+                                      "--seed", "0", "--layouts", "sliding,state,sliding+state",
+                                      "--json", "--out", str(out)])
     assert result.exit_code == 0, result.stdout
     report = json.loads(result.stdout)
     assert report["verdict"] == "hold" and report["violations"] == []
@@ -57,7 +59,11 @@ def test_lost_performance_never_stops_a_run(tmp_path):
     from kvspec.harness.runner import Runner
     from kvspec.harness.trace import load_trace
     out = tmp_path / "out"
+    # the hybrid layouts of one block size: with two, a window block cached under
+    # the plain hash is served as a full-attention block (a safety bug, not only
+    # lost performance)
     CliRunner().invoke(app, ["check", "--target", PLAIN_HASH, "--budget", "4s", "--seed", "1",
+                             "--layouts", "sliding,state,sliding+state",
                              "--json", "--out", str(out)])
     (path,) = (out / "efficiency").glob("*.json")
     data = load_trace(path)

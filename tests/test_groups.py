@@ -235,8 +235,9 @@ def make_config(groups) -> Config:
      "groups: the first KV cache group must be full attention, got sliding_window"),
     (lambda: make_config((state(), full())), ValueError,
      "groups: the first KV cache group must be full attention, got last_state"),
-    (lambda: make_config((full(2), sliding(3, 4))), ValueError,
-     "groups: block sizes [2, 4] differ; kvspec models groups of one block size"),
+    (lambda: make_config((full(2), state(4))), ValueError,
+     "groups: block sizes [2, 4] differ; kvspec models different block sizes for full "
+     "attention beside sliding window only, got full_attention, last_state"),
     (lambda: make_config((full(4), state(2), sliding(3, 2))), ValueError,
      "groups: block sizes [2, 4] differ"),
     (lambda: make_config(()), ValueError, "groups must hold 1 to 8 KV cache groups, got 0"),
@@ -254,7 +255,7 @@ def test_bad_group_config_is_one_clear_line(build, error, needle):
 
 @pytest.mark.parametrize("groups", [
     (full(),), (full(), sliding(1)), (full(), sliding(8192)), (full(), state()),
-    (full(), sliding(3), state(), full()),
+    (full(), sliding(3), state(), full()), (full(2), sliding(3, 4)), (full(4), sliding(1, 2)),
 ])
 def test_good_group_configs_build(groups):
     assert make_config(groups).groups == groups
@@ -278,7 +279,7 @@ def test_bad_group_in_a_trace_config_is_a_trace_error():
      "a sliding_window group needs a window of 1..8192 tokens, got 0"),
     ([{"block_size": 2}, {"block_size": 2, "kind": "last_state", "sliding_window": 2}],
      "sliding_window applies to sliding_window groups only, not last_state"),
-    ([{"block_size": 2}, {"block_size": 4, "kind": "sliding_window", "sliding_window": 3}],
+    ([{"block_size": 2}, {"block_size": 4, "kind": "last_state"}],
      "block sizes [2, 4] differ"),
 ])
 def test_replay_of_a_bad_group_config_is_one_line(tmp_path, capsys, monkeypatch, groups,
@@ -322,15 +323,18 @@ PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # 9 tokens, 4 full blocks of 2
 def test_is_hybrid_per_layout():
     # one full-attention group plus the kinds LAYOUTS names
     expected = {"full": (1, False), "sliding": (2, True), "state": (2, True),
-                "sliding+state": (3, True)}
+                "sliding+state": (3, True), "sliding-mixed": (2, True)}
     assert set(LAYOUTS) == set(expected)
     for layout, (num_groups, hybrid) in expected.items():
-        groups = make_groups(layout, 2, 3)
+        groups = make_groups(layout, 2, 3, larger="sliding_window")
         kv = KVCacheManager(groups, 8)
         assert (len(groups), kv.is_hybrid) == (num_groups, hybrid), layout
         assert make_config(groups).is_hybrid is hybrid
         assert groups[0] == full()
     assert make_groups("sliding", 2, 3)[1] == sliding(3)
+    # the mixed layout: one kind's blocks twice the other's
+    assert make_groups("sliding-mixed", 2, 3) == (full(4), sliding(3, 2))
+    assert make_groups("sliding-mixed", 2, 3, "sliding_window") == (full(2), sliding(3, 4))
     assert make_groups("state", 2, 3)[1] == state()  # the window only on a sliding group
 
 
@@ -604,9 +608,11 @@ def test_get_windowed_cached_ids_finds_given_back_blocks():
     kv.allocate_slots(r, 9)  # sliding blocks 5..8 cached under r's 4 hashes
     kv.remove_skipped_blocks(r, 9)  # 5, 6, 7 leave the table, not the cache
     assert kv.get_block_ids("r")[1] == [NULL_BLOCK] * 3 + [8, 9]
+    # from a position on: the blocks holding it and later ones (block size 2)
     assert kv.get_windowed_cached_ids(r, 0) == [5, 6, 7, 8]
-    assert kv.get_windowed_cached_ids(r, 2) == [7, 8]
-    assert kv.get_windowed_cached_ids(r, 4) == []
+    assert kv.get_windowed_cached_ids(r, 4) == [7, 8]
+    assert kv.get_windowed_cached_ids(r, 5) == [7, 8]
+    assert kv.get_windowed_cached_ids(r, 8) == []
 
 
 def test_without_prefix_caching_windowed_groups_still_give_back():
@@ -707,16 +713,32 @@ def test_layouts_restrict_what_a_check_draws(tmp_path):
 
 # -- what counts as failed after a failed load (spec/groups.py) ----------------------
 
-def test_first_failed_index_is_the_first_in_any_group_under_the_prefix():
-    from kvspec.spec.groups import get_first_failed_index
+def test_first_failed_position_is_the_first_in_any_group_under_the_prefix():
+    from kvspec.spec.groups import get_first_failed_position
+    groups = (full(2), sliding(3, 2))
     tables = ([10, 11, 12, 13], [NULL_BLOCK, 21, 22, 23])
-    # block 22 (group 1, index 2) and 13 (group 0, index 3): the first is 2
-    assert get_first_failed_index(tables, 8, 2, {22, 13}) == 2
+    # block 22 (group 1, index 2) and 13 (group 0, index 3): the first is at 4
+    assert get_first_failed_position(groups, tables, 8, {22, 13}) == 4
     # 4 computed tokens cover indices 0 and 1 only: neither failed block counts
-    assert get_first_failed_index(tables, 4, 2, {22, 13}) is None
+    assert get_first_failed_position(groups, tables, 4, {22, 13}) is None
     # 5 tokens reach into index 2
-    assert get_first_failed_index(tables, 5, 2, {22}) == 2
-    assert get_first_failed_index(tables, 8, 2, set()) is None
+    assert get_first_failed_position(groups, tables, 5, {22}) == 4
+    assert get_first_failed_position(groups, tables, 8, set()) is None
+
+
+def test_first_failed_position_with_two_block_sizes_is_the_blocks_start():
+    from kvspec.spec.groups import get_blocks_from, get_first_failed_position
+    # full attention in blocks of 4, the window in blocks of 2: block 22 holds
+    # positions 4 and 5, block 11 positions 4 to 7
+    groups = (full(4), sliding(3, 2))
+    tables = ([10, 11], [NULL_BLOCK, 21, 22, 23])
+    assert get_first_failed_position(groups, tables, 8, {22}) == 4
+    assert get_first_failed_position(groups, tables, 8, {23, 11}) == 4
+    assert get_first_failed_position(groups, tables, 8, {23}) == 6
+    # what a holder keeps from position 6 on: the full block holding 6 and 7,
+    # and the window's block 23
+    assert get_blocks_from(groups, tables, 6) == {11, 23}
+    assert get_blocks_from(groups, tables, 2) == {10, 11, 21, 22, 23}
 
 
 def test_taint_spreads_past_the_first_failed_block_in_every_group_to_a_fixed_point():
@@ -730,9 +752,9 @@ def test_taint_spreads_past_the_first_failed_block_in_every_group_to_a_fixed_poi
     # a is cut at index 1 in both groups: {2, 3, 4, 5}; b holds 2 at index 1:
     # {2, 6, 8}; c holds 2 at index 1: {2, 6, 7, 8, 9}. Block 1 (index 0) is
     # valid for every holder and stays out.
-    assert compute_tainted_blocks([a, b, c], 2, {4}) == {2, 3, 4, 5, 6, 7, 8, 9}
+    assert compute_tainted_blocks([a, b, c], (full(2), sliding(3, 2)), {4}) == {2, 3, 4, 5, 6, 7, 8, 9}
     # without a the failure touches nobody else
-    assert compute_tainted_blocks([b, c], 2, {4}) == {4}
+    assert compute_tainted_blocks([b, c], (full(2), sliding(3, 2)), {4}) == {4}
 
 
 def test_taint_ignores_a_failed_block_past_a_holders_computed_prefix():
@@ -740,4 +762,4 @@ def test_taint_ignores_a_failed_block_past_a_holders_computed_prefix():
     # the failed block 3 is at index 1, but the holder computed 2 tokens: only
     # index 0 is under its prefix, so nothing of its spreads
     holder = (([7, 3], [NULL_BLOCK, 8]), 2)
-    assert compute_tainted_blocks([holder], 2, {3}) == {3}
+    assert compute_tainted_blocks([holder], (full(2), sliding(3, 2)), {3}) == {3}

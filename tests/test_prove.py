@@ -251,8 +251,8 @@ def test_group_recovery_worked_example():
     the window, which it gave back: the spec recovers to 0, the historical rule
     keeps the cut."""
     groups = (GroupSpec(1), GroupSpec(1, "sliding_window", 2))
-    values = {"s.num_computed": 5, "cut": 1, "block_size": 1, "sliding_window": 2,
-              "num_groups": 2, "full_attention.first_present": 0,
+    values = {"s.num_computed": 5, "cut": 1, "block_size": 1, "window_block_size": 1,
+              "sliding_window": 2, "num_groups": 2, "full_attention.first_present": 0,
               "full_attention.first_invalid": 1, "sliding_window.first_present": 3,
               "sliding_window.first_invalid": 5}
     assert _first_failing_layout(historical.recovered_computed_by_full_attention,

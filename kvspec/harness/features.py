@@ -24,7 +24,10 @@ FEATURES = ("load_failures", "async_loads", "preemptions", "spec_decode",
             # that does not require KV delivery), 3 or 4 steps in flight, 3 or 4 drafts
             "role_kv_both", "role_kv_consumer", "role_kv_producer", "no_connector",
             "pd_transfer_params", "stale_output_delivered", "steps_in_flight_3",
-            "steps_in_flight_4", "drafts_3_or_4")
+            "steps_in_flight_4", "drafts_3_or_4",
+            # groups of two block sizes: a step over them, and a request running
+            # on a local prefix hit (which ends where every group's blocks end)
+            "two_block_sizes", "two_block_sizes_local_hit")
 
 
 def count_step(f: Counter, cfg: Config, step: StepView, outcome: WorkerOutcome,
@@ -57,6 +60,11 @@ def count_groups(f: Counter, cfg: Config, step: StepView, outcome: WorkerOutcome
         f[feature] += any(k == kind and NULL_BLOCK in t for k, t in tables)
     f["load_failure_in_non_full_group"] += any(
         k != "full_attention" and set(t) & outcome.invalid_block_ids for k, t in tables)
+    if cfg.has_mixed_block_sizes:
+        f["two_block_sizes"] += bool(step.num_scheduled_tokens)
+        f["two_block_sizes_local_hit"] += any(
+            r.num_cached_tokens > max(r.num_external_computed_tokens, 0)
+            for rid, r in mid.requests.items() if rid in step.num_scheduled_tokens)
 
 
 def count_async_schedule(f: Counter, step: StepView, in_flight: set[str],

@@ -3,42 +3,56 @@
 tainted. Pure functions of observations the runner hands in."""
 from __future__ import annotations
 
-from kvspec.spec.conformance import Hints, get_num_blocks
-from kvspec.spec.groups import compute_tainted_blocks
+from kvspec.spec.conformance import Hints, get_model_block_size, get_num_blocks
+from kvspec.spec.groups import NULL_BLOCK, compute_tainted_blocks
 from kvspec.spec.state import Observation, StepView, WorkerOutcome
 
 
-def get_tainted_blocks(obs: Observation, report) -> set[int]:
+def get_tainted_blocks(obs: Observation, report, scheduled: Observation | None = None) -> set[int]:
     """Blocks the step's failed loads left invalid; with several kinds of group
     the blocks a reader of invalid KV wrote its garbage into, and everything the
     spec counts as failed with them (``compute_tainted_blocks``: a request can
     read another group's block computed on top of a failed one without holding
     the failed block). Not a holder's blocks before its first failed one: the
-    hits it only read stay valid for every other holder."""
+    hits it only read stay valid for every other holder. ``scheduled``: the
+    observation right after the step was scheduled; a request in it that is
+    gone since computed on the failed KV all the same, so every block of it
+    still fenced behind the step counts, by position (a hit may have shared
+    one since; a block given back is fresh to whoever took it)."""
     bad = set(report.invalid_block_ids)
     if bad and obs.config.is_hybrid:
+        groups = obs.config.groups
         holders = [(r.block_ids, r.num_computed_tokens - r.num_output_placeholders)
                    for r in obs.requests.values()]
-        bad = compute_tainted_blocks(holders, obs.config.block_size,
-                                     bad | report.garbage_blocks)
+        fenced = set(obs.pool.fenced)
+        gone = [tuple(tuple(b if b in fenced else NULL_BLOCK for b in t) for t in r.block_ids)
+                for rid, r in (scheduled.requests if scheduled else {}).items()
+                if rid not in obs.requests]
+        holders += [(tables, max((len(t) * g.block_size for g, t in zip(groups, tables)),
+                                 default=0)) for tables in gone]
+        bad = compute_tainted_blocks(holders, groups, bad | report.garbage_blocks)
     return bad
 
 
-def get_invalid_holders(obs: Observation, report) -> set[str]:
+def get_invalid_holders(obs: Observation, report,
+                        scheduled: Observation | None = None) -> set[str]:
     """Requests holding a tainted block (``get_tainted_blocks``)."""
-    bad = get_tainted_blocks(obs, report)
+    bad = get_tainted_blocks(obs, report, scheduled)
     return {r.request_id for r in obs.requests.values()
             if bad & {b for table in r.block_ids for b in table}}
 
 
-def get_first_invalid_block(old, tables, bad) -> int | None:
-    """The first failed block in any group: with several groups the recovery
-    rule is stated at the earliest one (spec/groups.py). A request that had
-    ended (held for a send) recovers nothing: the taint may reach its blocks,
-    its count stays as it was."""
+def get_first_invalid_block(old, tables, bad, groups) -> int | None:
+    """The first failed block in any group, in the model's blocks
+    (``get_model_block_size``): with several groups the recovery rule is
+    stated at the earliest one (spec/groups.py). A request that had ended
+    (held for a send) recovers nothing: the taint may reach its blocks, its
+    count stays as it was."""
     if old.status.is_finished:
         return None
-    return min((i for t in tables for i, b in enumerate(t) if b in bad), default=None)
+    first = min((i * g.block_size for g, t in zip(groups, tables) for i, b in enumerate(t)
+                 if b in bad), default=None)
+    return None if first is None else first // get_model_block_size(groups)
 
 
 def compute_hints(before: Observation, mid: Observation, ended: dict, step: StepView,
@@ -59,7 +73,7 @@ def compute_hints(before: Observation, mid: Observation, ended: dict, step: Step
             num_appended=len(new.output_token_ids) - len(old.output_token_ids),
             answer=answers.get(rid), load_answer=answers_before.get(rid),
             first_invalid_block=get_first_invalid_block(
-                old, tables, tainted or outcome.invalid_block_ids),
+                old, tables, tainted or outcome.invalid_block_ids, mid.config.groups),
             # (a preemption since the step started it over: that start is gone)
             start=None if rid in stale else step.num_computed_before.get(rid),
             scheduled_stats=None if was is None else (was.num_cached_tokens,

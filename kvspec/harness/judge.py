@@ -73,7 +73,7 @@ class Judge:
         """The model's view of a step's output coming back: async, the output
         alone; synchronous (a batch queue of depth 1), the schedule and its
         output as one step. ``job``: the step, as the batch queue kept it."""
-        tainted = get_tainted_blocks(t.before, job.report)
+        tainted = get_tainted_blocks(t.before, job.report, job.mid)
         ended = t.after.requests | t.departed
         if not is_sync:
             return self.get_model_step(t, compute_hints(

@@ -59,14 +59,25 @@ swarms = st.builds(Swarm, store=st.sampled_from(["mixed", "offloading", "plain"]
 
 #: KV cache group layouts: what current models have (Llama: one full-attention
 #: group; Gemma 3 / gpt-oss: full attention and sliding window; Jamba / Qwen3-Next:
-#: full attention and a last-state group; and all three kinds together)
+#: full attention and a last-state group; and all three kinds together).
+#: "sliding-mixed": full attention and a sliding window whose blocks hold
+#: different numbers of tokens (one twice the other), as vLLM gives them when
+#: it equalises their pages (a float32 window beside float16 attention)
 LAYOUTS = {"full": (), "sliding": ("sliding_window",), "state": ("last_state",),
-           "sliding+state": ("sliding_window", "last_state")}
+           "sliding+state": ("sliding_window", "last_state"),
+           "sliding-mixed": ("sliding_window",)}
+#: the layouts whose groups differ in block size
+MIXED_SIZES = ("sliding-mixed",)
 
 
-def make_groups(layout: str, block_size: int, window: int) -> tuple[GroupSpec, ...]:
-    return (GroupSpec(block_size),) + tuple(
-        GroupSpec(block_size, kind, window if kind == "sliding_window" else 0)
+def make_groups(layout: str, block_size: int, window: int,
+                larger: str = "full_attention") -> tuple[GroupSpec, ...]:
+    """The layout's groups of ``block_size``; in a mixed layout the ``larger``
+    kind's blocks hold twice as many tokens."""
+    def size(kind: str) -> int:
+        return block_size * 2 if layout in MIXED_SIZES and kind == larger else block_size
+    return (GroupSpec(size("full_attention")),) + tuple(
+        GroupSpec(size(kind), kind, window if kind == "sliding_window" else 0)
         for kind in LAYOUTS[layout])
 
 
@@ -138,14 +149,18 @@ class KVSpecMachine(RuleBasedStateMachine):
                 async_drafts=st.sampled_from([0, 2, MAX_DRAFTS]),
                 # one group half the time: most claims are about the scheduler,
                 # not the groups
-                layout=st.sampled_from(["full", "full", "full", *sorted(set(LAYOUTS) - {"full"})]),
-                window=st.integers(1, 9))
+                layout=st.sampled_from(["full"] * (len(LAYOUTS) - 1)
+                                       + sorted(set(LAYOUTS) - {"full"})),
+                window=st.integers(1, 9),
+                # a mixed layout: whose blocks are the larger
+                larger=st.sampled_from(["full_attention", "sliding_window"]))
     def configure(self, block_size, spare_blocks, budget, max_num_seqs, max_model_len,
                   threshold, policy, failure_policy, swarm, scheduling, kv_role, async_drafts,
-                  layout="full", window=1, connector="default", batches=2):
+                  layout="full", window=1, connector="default", batches=2,
+                  larger="full_attention"):
         self.swarm = swarm
         layout = self._drawable(layout)
-        groups = make_groups(layout, block_size, window)
+        groups = make_groups(layout, block_size, window, larger)
         if scheduling not in self.profile.scheduling:
             scheduling = self.profile.scheduling[0]
         if not self._may_draft(groups) or scheduling != "async" \
@@ -164,7 +179,7 @@ class KVSpecMachine(RuleBasedStateMachine):
         # The pool always fits one request of max_model_len in every group, as
         # vLLM checks at start-up.
         spare_blocks = max(spare_blocks, self.profile.min_spare_blocks)
-        num_blocks = len(groups) * -(-max_model_len // block_size) + spare_blocks
+        num_blocks = sum(-(-max_model_len // g.block_size) for g in groups) + spare_blocks
         kv_role = kv_role if kv_role in self.profile.kv_roles else self.profile.kv_roles[0]
         connector = connector if connector in self.profile.connectors else \
             self.profile.connectors[0]

@@ -40,8 +40,9 @@ class EnvProfile:
     #: (no KV delivery required), "none" (no connector)
     connectors: tuple[str, ...] = ("default", "best_effort", "none")
     #: KV cache group layouts drawn (``machine.LAYOUTS``): one full-attention
-    #: group, or hybrid ones with sliding-window and last-state groups
-    layouts: tuple[str, ...] = ("full", "sliding", "sliding+state", "state")
+    #: group, or hybrid ones with sliding-window and last-state groups, and full
+    #: attention beside a sliding window of another block size
+    layouts: tuple[str, ...] = ("full", "sliding", "sliding+state", "state", "sliding-mixed")
     #: spec decode (drafts, sync or async) beside a last-state group. Part of the
     #: whole environment, but no target draws it (``MODELLED``; ``cli.target_gaps`` names it):
     #: vLLM keeps a Mamba state per draft in speculative blocks that neither the

@@ -207,7 +207,7 @@ class Runner:
         count_step(self.features, self.config, job.step, outcome, job.mid)
         count_delivery(self.features, job.stale, outcome, self.env.plans, before, after)
         history.process_departed(self.ghost, after)
-        found = self._settle(t, get_invalid_holders(before, job.report),
+        found = self._settle(t, get_invalid_holders(before, job.report, job.mid),
                              self.judge.get_delivery_step(job, t, outcome, self.is_sync))
         if self.is_sync:
             self.content.forget_completed()  # judged once, right after the step

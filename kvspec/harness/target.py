@@ -54,7 +54,7 @@ class ImplTarget:
         from kvspec.impl import Request
         request = Request(spec.request_id, list(spec.prompt), spec.max_tokens,
                           eos_token_id=EOS_TOKEN_ID, priority=spec.priority,
-                          hash_block_size=self.config.block_size)
+                          hash_block_size=self.config.hash_block_size)
         self.scheduler.add_request(request)
         self._requests[spec.request_id] = request
 

@@ -98,6 +98,9 @@ def get_sliding_window(config: Config) -> int:
     group, the window for full attention + one sliding window (the tiny
     model's layouts); ValueError for any other layout."""
     kinds = [g.kind for g in config.groups]
+    if config.has_mixed_block_sizes:
+        raise ValueError("--kv torch runs groups of one block size; groups of block sizes "
+                         f"{[g.block_size for g in config.groups]} need a cache per group")
     if kinds == ["full_attention"]:
         return 0
     if kinds == ["full_attention", "sliding_window"]:
@@ -404,9 +407,9 @@ class TorchWorker:
     def _oracle_holds_cached(self, mid: Observation, block: int, group: int):
         for key, b in mid.pool.cached:
             block_hash, g = split_cache_key(key)
-            expected = self.content.expected_by_hash.get(block_hash)
-            if (b, g) == (block, group) and expected is not None:
-                return self.content._holds(block, g, expected)
+            valid = self.content.holds_named(block, g, block_hash)
+            if (b, g) == (block, group) and valid is not None:
+                return valid
         return None
 
     def _expect_request(self, request: RequestView, start: int, seq, bad: set[int]):

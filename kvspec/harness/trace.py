@@ -274,15 +274,11 @@ def schema_error(data) -> str | None:
 
 def check_semantics(config: Config, actions: list[dict]) -> str | None:
     """The first thing the environment could never produce, as ``where: why``:
-    groups of different block sizes; an arrival that reuses an id, does not fit
+    an arrival that reuses an id, does not fit
     under max_model_len, has a store holding more than its prompt (or anything,
     for a connector that only stores), or cannot
     finish alone in the pool; a step, abort or fault naming a request not added
     before it."""
-    sizes = sorted({g.block_size for g in config.groups})
-    if len(sizes) > 1:
-        return (f"config.groups: block sizes {sizes} differ; groups of different block sizes "
-                "(hybrid groups) are not modelled")
     added: dict[str, int] = {}
     block_size = config.block_size
     for i, action in enumerate(actions):

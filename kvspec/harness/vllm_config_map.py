@@ -3,6 +3,8 @@ someone else built (``kvspec/harness/watch.py``): its KV cache groups by what
 their specs inherit, its limits, its roles; or ``Unmappable`` with the reason."""
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from kvspec.harness.vllm_observe import NULL_BLOCKS
@@ -44,9 +46,11 @@ def check_watched_groups(instance, attribute, value) -> None:
         raise ValueError("groups: none kvspec maps")
     if value[0].kind not in ("full_attention", "sliding_window"):
         raise ValueError(f"groups: the first KV cache group is {value[0].kind}")
-    if len({g.block_size for g in value}) > 1:
-        raise ValueError(f"groups: block sizes {sorted({g.block_size for g in value})} "
-                         f"differ; kvspec models groups of one block size")
+    sizes = sorted({g.block_size for g in value})
+    if len(sizes) > 1 and {g.kind for g in value} != {"full_attention", "sliding_window"}:
+        raise ValueError(f"groups: block sizes {sizes} differ; kvspec models different "
+                         "block sizes for full attention beside sliding window only, got "
+                         f"{', '.join(g.kind for g in value)}")
 
 
 @attrs.frozen
@@ -98,11 +102,31 @@ def get_connector_fields(s) -> dict:
                                 else {"requires_kv_delivery": bool(delivery)})}
 
 
+def check_block_sizes(s, groups) -> None:
+    """Groups of two block sizes: the scheduler must hash in their greatest
+    common divisor and end hits on their least common multiple, as vLLM's
+    engine sets it up (``resolve_kv_cache_block_sizes``) and kvspec's
+    ``Config`` derives; a test that builds it otherwise is ``Unmappable``."""
+    sizes = [g.block_size for g in groups]
+    if len(set(sizes)) == 1:
+        return
+    hashing, scheduling = math.gcd(*sizes), math.lcm(*sizes)
+    found = (getattr(s, "hash_block_size", None), getattr(s, "block_size", None))
+    if found != (hashing, scheduling):
+        raise Unmappable(f"groups of block sizes {sorted(set(sizes))} with hash block and "
+                         f"scheduler block {found}, not ({hashing}, {scheduling})")
+    coordinator = getattr(s.kv_cache_manager, "coordinator", None)
+    if getattr(coordinator, "enable_partial_hash_hits", False):
+        raise Unmappable("prefix hits inside a block (partial hash hits), which kvspec "
+                         "does not model")
+
+
 def get_config(s) -> Config:
     """kvspec's ``Config`` of a vLLM scheduler, or ``Unmappable``."""
     groups = tuple(get_group_spec(g.kv_cache_spec) for g in s.kv_cache_config.kv_cache_groups)
     if not groups:
         raise Unmappable("no KV cache group (an attention-free model)")
+    check_block_sizes(s, groups)
     is_async = is_async_scheduler(s)
     transfer = getattr(s.vllm_config, "kv_transfer_config", None)
     try:

@@ -247,9 +247,13 @@ class VllmTarget(VllmObserver):
         self.patches = patched(fixes, planted)
         self.config = config
         self.env = connector
-        block_size = config.block_size
-        if any(g.block_size != block_size for g in config.groups):
-            raise ValueError("the vllm target needs one block size for every group")
+        # groups of two block sizes: hashes per hash block (their greatest
+        # common divisor), hits and the scheduler's rounding per scheduler block
+        # (their least common multiple), as vLLM's engine resolves them
+        block_size, hash_block_size = config.scheduler_block_size, config.hash_block_size
+        if config.has_mixed_block_sizes and not maps_mixed_block_sizes(m):
+            raise TargetCannotMap(f"vLLM {m.version} has one block size for every group "
+                                  "(no hash_block_size)")
         #: several groups: vLLM's hybrid KV cache manager and an HMA connector
         self.is_hybrid = len(config.groups) > 1
         num_blocks = config.num_blocks + NULL_BLOCKS
@@ -270,7 +274,7 @@ class VllmTarget(VllmObserver):
         kv_cache_config = m.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                           kv_cache_groups=kv_cache_groups)
         if hasattr(kv_cache_config, "hash_block_size"):
-            kv_cache_config.hash_block_size = block_size
+            kv_cache_config.hash_block_size = hash_block_size
         if hasattr(kv_cache_config, "cache_hit_alignment_tokens"):
             kv_cache_config.cache_hit_alignment_tokens = block_size
 
@@ -280,13 +284,14 @@ class VllmTarget(VllmObserver):
         #: scheduler outputs whose model output is pending, oldest first (the
         #: engine's batch queue under async scheduling)
         self._outputs: list = []
-        self._block_hasher = m.kv_cache_utils.get_request_block_hasher(block_size, m.hash_fn)
+        self._block_hasher = m.kv_cache_utils.get_request_block_hasher(hash_block_size,
+                                                                       m.hash_fn)
 
         kwargs = dict(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                       structured_output_manager=m.StructuredOutputManager(vllm_config),
                       block_size=block_size, log_stats=True)
         if "hash_block_size" in m.scheduler_params:
-            kwargs["hash_block_size"] = block_size
+            kwargs["hash_block_size"] = hash_block_size
         kwargs = {k: v for k, v in kwargs.items() if k in m.scheduler_params}
         logging.getLogger("vllm").setLevel(logging.CRITICAL)  # vLLM may reconfigure its logger
         #: request id -> the blocks its latest load writes (a windowed group may
@@ -322,7 +327,7 @@ class VllmTarget(VllmObserver):
             long_prefill_token_threshold_adaptive=config.long_prefill_token_threshold_adaptive,
             policy=config.policy, enable_chunked_prefill=True, async_scheduling=False,
             disable_hybrid_kv_cache_manager=not self.is_hybrid)
-        cache_config = _only_known(c.CacheConfig, block_size=config.block_size,
+        cache_config = _only_known(c.CacheConfig, block_size=config.scheduler_block_size,
                                    enable_prefix_caching=config.enable_prefix_caching,
                                    prefix_caching_hash_algo="sha256")
         kv_transfer_config = None if not config.kv_connector else _only_known(
@@ -366,7 +371,7 @@ class VllmTarget(VllmObserver):
         if (sc.max_num_seqs, sc.max_num_batched_tokens, sc.policy) != (
                 config.max_num_seqs, config.max_num_batched_tokens, config.policy) or \
                 vllm_config.model_config.max_model_len != config.max_model_len or \
-                vllm_config.cache_config.block_size != config.block_size:
+                vllm_config.cache_config.block_size != config.scheduler_block_size:
             raise RuntimeError("vLLM changed the scheduler configuration it was given: "
                                f"{sc.max_num_seqs=} {sc.max_num_batched_tokens=} {sc.policy=} "
                                f"{vllm_config.model_config.max_model_len=} "
@@ -528,6 +533,12 @@ def maps_last_state(m: _Modules) -> bool:
         return False
     return "num_local_computed_tokens" in inspect.signature(
         mamba.get_num_blocks_to_allocate).parameters
+
+
+def maps_mixed_block_sizes(m: _Modules) -> bool:
+    """The installed release takes groups of different block sizes: its
+    scheduler hashes in blocks finer than its own (``hash_block_size``)."""
+    return "hash_block_size" in m.scheduler_params
 
 
 #: why the vllm target takes no drafts beside a last-state group
