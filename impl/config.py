@@ -2,8 +2,6 @@
 bounds as the spec's ``Config`` (``kvspec.spec.state.LIMITS``)."""
 from __future__ import annotations
 
-import math
-
 import attrs
 
 from kvspec.spec.state import (FAILURE_POLICIES, KV_ROLES, LIMITS, MAX_KV_TOKENS, POLICIES,
@@ -117,13 +115,3 @@ class SchedulerConfig:
     @property
     def block_size(self) -> int:
         return self.block_sizes[0]
-
-    @property
-    def hash_block_size(self) -> int:
-        """Tokens per block hash (``spec.state.Config.hash_block_size``)."""
-        return math.gcd(*self.block_sizes)
-
-    @property
-    def scheduler_block_size(self) -> int:
-        """Where prefix hits end (``spec.state.Config.scheduler_block_size``)."""
-        return math.lcm(*self.block_sizes)

@@ -16,7 +16,6 @@ blocks some hit can read (``is_block_reachable``).
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Iterable
 
 from kvspec.impl.block_pool import NULL, BlockPool, KVCacheBlock
@@ -24,7 +23,7 @@ from kvspec.impl.request import Request
 from kvspec.spec.groups import (compute_num_skipped_blocks, get_block_hash_index,
                                 get_group_cache_key, get_needed_blocks,
                                 get_num_hashed_blocks, is_block_reachable, is_windowed)
-from kvspec.spec.state import GroupSpec
+from kvspec.spec.state import GroupSpec, get_hash_block_size, get_scheduler_block_size
 
 Blocks = tuple[list[KVCacheBlock], ...]  # one list per group
 
@@ -39,8 +38,8 @@ class KVCacheManager:
         self.groups = groups
         self.block_size = groups[0].block_size
         #: tokens per block hash, and where a prefix hit may end
-        self.hash_block_size = math.gcd(*(g.block_size for g in groups))
-        self.scheduler_block_size = math.lcm(*(g.block_size for g in groups))
+        self.hash_block_size = get_hash_block_size(groups)
+        self.scheduler_block_size = get_scheduler_block_size(groups)
         self.num_groups = len(groups)
         #: some group frees blocks behind its window (vLLM's hybrid KV cache manager)
         self.is_hybrid = any(is_windowed(g) for g in groups)

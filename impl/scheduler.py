@@ -96,7 +96,7 @@ class Scheduler:
         if not isinstance(request, Request):
             raise TypeError(f"add_request needs a kvspec.impl.Request, got "
                             f"{type(request).__name__} {request!r:.60}")
-        size = self.config.hash_block_size
+        size = self.kv.hash_block_size
         if request.hash_block_size != size:
             # its block hashes would cover other token spans than the pool's blocks:
             # a cached block would be matched by a request with different tokens

@@ -175,11 +175,11 @@ def target_profile(target: str, quiet: bool = False):
 def _mapped_layouts(profile):
     """The profile drawing only the layouts and connectors the vllm target maps
     on the installed release."""
-    from kvspec.harness.machine import MIXED_SIZES
+    from kvspec.harness.machine import LAYOUTS, MIXED_SIZES
     from kvspec.harness.vllm_target import (maps_kv_delivery, maps_last_state,
                                             maps_mixed_block_sizes, modules)
     m = modules()
-    mapped = [x for x in VLLM_LAYOUTS if maps_last_state(m) or "state" not in x]
+    mapped = [x for x in VLLM_LAYOUTS if maps_last_state(m) or "last_state" not in LAYOUTS[x]]
     mapped = [x for x in mapped if maps_mixed_block_sizes(m) or x not in MIXED_SIZES]
     connectors = profile.connectors if maps_kv_delivery() else tuple(
         x for x in profile.connectors if x != "best_effort")

@@ -109,13 +109,33 @@ def _groups(instance, attribute, value) -> None:
         # group 0 names the prefix (its block hashes) every other group aligns to
         raise ValueError(f"groups: the first KV cache group must be full attention, "
                          f"got {value[0].kind}")
-    sizes = sorted({g.block_size for g in value})
-    if len(sizes) > 1 and {g.kind for g in value} != {"full_attention", "sliding_window"}:
-        # a larger Mamba block keeps a state per hash block (vLLM's partial hash
-        # hits), and full attention alone has no reason to mix: neither is modelled
+    check_block_sizes(value)
+
+
+def check_block_sizes(groups) -> None:
+    """Groups of different block sizes are full attention beside a sliding
+    window: a larger Mamba block keeps a state per hash block (vLLM's partial
+    hash hits), and full attention alone has no reason to mix; neither is
+    modelled. ValueError otherwise."""
+    sizes = sorted({g.block_size for g in groups})
+    if len(sizes) > 1 and {g.kind for g in groups} != {"full_attention", "sliding_window"}:
         raise ValueError(f"groups: block sizes {sizes} differ; kvspec models different "
                          "block sizes for full attention beside sliding window only, got "
-                         f"{', '.join(g.kind for g in value)}")
+                         f"{', '.join(g.kind for g in groups)}")
+
+
+def get_hash_block_size(groups) -> int:
+    """Tokens per block hash: the greatest common divisor of the groups'
+    block sizes (vLLM's ``hash_block_size``). A group's block of ``k`` hash
+    blocks is named by the last of them (``spec/groups.py``)."""
+    return math.gcd(*(g.block_size for g in groups))
+
+
+def get_scheduler_block_size(groups) -> int:
+    """Tokens per scheduler block: the least common multiple of the groups'
+    block sizes. A prefix hit ends on a multiple of it, where every group's
+    blocks end (vLLM's ``scheduler_block_size``)."""
+    return math.lcm(*(g.block_size for g in groups))
 
 
 def _window(instance, attribute, value) -> None:
@@ -224,17 +244,11 @@ class Config:
 
     @property
     def hash_block_size(self) -> int:
-        """Tokens per block hash: the greatest common divisor of the groups'
-        block sizes (vLLM's ``hash_block_size``). A group's block of ``k`` hash
-        blocks is named by the last of them (``spec/groups.py``)."""
-        return math.gcd(*(g.block_size for g in self.groups))
+        return get_hash_block_size(self.groups)
 
     @property
     def scheduler_block_size(self) -> int:
-        """Tokens per scheduler block: the least common multiple of the groups'
-        block sizes. A prefix hit ends on a multiple of it, where every group's
-        blocks end (vLLM's ``scheduler_block_size``)."""
-        return math.lcm(*(g.block_size for g in self.groups))
+        return get_scheduler_block_size(self.groups)
 
     @property
     def has_mixed_block_sizes(self) -> bool:

@@ -3,12 +3,11 @@ someone else built (``kvspec/harness/watch.py``): its KV cache groups by what
 their specs inherit, its limits, its roles; or ``Unmappable`` with the reason."""
 from __future__ import annotations
 
-import math
-
 import attrs
 
 from kvspec.harness.vllm_observe import NULL_BLOCKS
-from kvspec.spec.state import Config, GroupSpec
+from kvspec.spec.state import (Config, GroupSpec, check_block_sizes, get_hash_block_size,
+                               get_scheduler_block_size)
 
 
 class Unmappable(Exception):
@@ -46,11 +45,7 @@ def check_watched_groups(instance, attribute, value) -> None:
         raise ValueError("groups: none kvspec maps")
     if value[0].kind not in ("full_attention", "sliding_window"):
         raise ValueError(f"groups: the first KV cache group is {value[0].kind}")
-    sizes = sorted({g.block_size for g in value})
-    if len(sizes) > 1 and {g.kind for g in value} != {"full_attention", "sliding_window"}:
-        raise ValueError(f"groups: block sizes {sizes} differ; kvspec models different "
-                         "block sizes for full attention beside sliding window only, got "
-                         f"{', '.join(g.kind for g in value)}")
+    check_block_sizes(value)
 
 
 @attrs.frozen
@@ -102,7 +97,7 @@ def get_connector_fields(s) -> dict:
                                 else {"requires_kv_delivery": bool(delivery)})}
 
 
-def check_block_sizes(s, groups) -> None:
+def check_scheduler_block_sizes(s, groups) -> None:
     """Groups of two block sizes: the scheduler must hash in their greatest
     common divisor and end hits on their least common multiple, as vLLM's
     engine sets it up (``resolve_kv_cache_block_sizes``) and kvspec's
@@ -110,7 +105,7 @@ def check_block_sizes(s, groups) -> None:
     sizes = [g.block_size for g in groups]
     if len(set(sizes)) == 1:
         return
-    hashing, scheduling = math.gcd(*sizes), math.lcm(*sizes)
+    hashing, scheduling = get_hash_block_size(groups), get_scheduler_block_size(groups)
     found = (getattr(s, "hash_block_size", None), getattr(s, "block_size", None))
     if found != (hashing, scheduling):
         raise Unmappable(f"groups of block sizes {sorted(set(sizes))} with hash block and "
@@ -126,7 +121,7 @@ def get_config(s) -> Config:
     groups = tuple(get_group_spec(g.kv_cache_spec) for g in s.kv_cache_config.kv_cache_groups)
     if not groups:
         raise Unmappable("no KV cache group (an attention-free model)")
-    check_block_sizes(s, groups)
+    check_scheduler_block_sizes(s, groups)
     is_async = is_async_scheduler(s)
     transfer = getattr(s.vllm_config, "kv_transfer_config", None)
     try:
