@@ -15,8 +15,8 @@ strong, a mis-mapping or a vLLM bug, until shown which.
 With ``--fixes`` the same files run with every kvspec fix installed in vLLM's
 classes (``-p kvspec.harness.pytest_vllm_fixes``) instead; a test that fails
 there is run again on the release, and one that passes on the release must be
-in ``FIX_CONTRADICTS`` (the fix changes what the test asserts, on purpose) or
-the run says so. Writes ``docs/calibration/VERSION-fixes.md`` and ``.json``.
+named by a packet's ``changes_vllm_tests`` (the fix changes what the test
+asserts, on purpose; docs/findings/packets/) or the run says so. Writes ``docs/calibration/VERSION-fixes.md`` and ``.json``.
 """
 from __future__ import annotations
 
@@ -65,28 +65,12 @@ TEST_FILES = (
 CACHE = ROOT / ".kvspec" / "sdist"
 
 
-_SHARED = ("tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py::"
-           "test_sync_load_failure_with_shared_blocks[100-99-50-invalid_block_idxs{}]")
-_SHARED_WHY = (
-    "the test expects request 2, whose 50-block prefix hit is request 1's blocks, to keep its "
-    "800 computed tokens after a sync load of {} of those shared blocks failed; the fix cuts "
-    "every request holding a failed block back to its first one ({} tokens here), because "
-    "request 2's prefix then holds KV nobody wrote (finding "
-    "recovery-cuts-every-request-at-its-first-failed-block; the test asserts the bug)")
-#: vLLM tests a kvspec fix changes on purpose: test id -> (fix, why)
-FIX_CONTRADICTS: dict[str, tuple[str, str]] = {
-    _SHARED.format(i): ("recovery-cuts-every-request-at-its-first-failed-block",
-                        _SHARED_WHY.format(blocks, tokens))
-    for i, blocks, tokens in ((0, "blocks 0 and 49", 0), (1, "blocks 25 and 49", 400),
-                              (2, "block 49", 784))} | {
-    "tests/v1/core/prefix_cache/test_partial_prefix_cache_hits.py::"
-    "test_connector_finish_registers_partial_tail_before_cleanup": (
-        "hybrid-full-prompt-hit-keeps-window",
-        "the test calls `_connector_finished` with a `SimpleNamespace` standing in for the "
-        "request, without `num_tokens`; the fix reads `request.num_tokens` (every vLLM "
-        "`Request` has it) to keep the window of a full-prompt hit's recomputed token, so the "
-        "stand-in raises AttributeError. What the test asserts is unchanged by the fix"),
-}
+def get_fix_contradicts() -> dict[str, tuple[str, str]]:
+    """vLLM tests a kvspec fix changes on purpose: test id -> (fix, why), from
+    the packets that say so (``changes_vllm_tests`` in docs/findings/packets/)."""
+    from packets import load_packets  # the packets read this module too
+    return {entry["id"]: (p.fixes[0], f"packet {p.slug}: {entry['why']}")
+            for p in load_packets() for entry in p.get_changed_vllm_tests()}
 
 
 def get_sdist_url(version: str) -> str:
@@ -202,11 +186,11 @@ def judge_fixes(counts: Counter, failed: list[str], rerun_result: dict) -> dict:
     """What the fixes did to vLLM's tests: failures the release shares (this
     machine's), failures a fix causes on purpose, and any other (a defect)."""
     caused = [n for n in failed if n in rerun_result["passed_without"]]
+    contradicts = get_fix_contradicts()
     return {"tests": sum(counts.values()), "outcomes": dict(counts),
             "failed": failed, "failed_on_the_release_too": sorted(set(failed) - set(caused)),
-            "contradicted_on_purpose": {n: FIX_CONTRADICTS[n] for n in caused
-                                        if n in FIX_CONTRADICTS},
-            "broken_by_a_fix": [n for n in caused if n not in FIX_CONTRADICTS]}
+            "contradicted_on_purpose": {n: contradicts[n] for n in caused if n in contradicts},
+            "broken_by_a_fix": [n for n in caused if n not in contradicts]}
 
 
 def render_fixes(version: str, data: dict, seconds: float) -> str:
@@ -241,7 +225,7 @@ def calibrate_fixes(args, source: Path, files: list[str], hf_home: Path) -> None
 
 
 def rejudge_fixes(version: str) -> None:
-    """Judge a run's failures again against ``FIX_CONTRADICTS`` (no test run)."""
+    """Judge a run's failures again against the packets' changed tests (no test run)."""
     path = ROOT / "docs" / "calibration" / f"{version}-fixes.json"
     old = json.loads(path.read_text())
     rerun_result = {"passed_without": old["contradicted_on_purpose"].keys()

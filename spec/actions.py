@@ -457,29 +457,37 @@ def is_preempted_view(r: RequestView) -> bool:
 
 @invariant(cites="seed 004 (reset_prefix_cache)", kind="relation")
 def reset_prefix_cache_relation(t: Transition):
-    """reset_prefix_cache. Guard: none; forced (``reset_running_requests``, as
-    after a weight update) it must succeed. Effect: when it reports success the
-    prefix cache is empty; forced, every running request is first preempted
-    (PREEMPTED, nothing computed, no blocks; its output in flight is stale,
-    #46066, #49860). Unchanged: every other request."""
+    """reset_prefix_cache. Guard: none. Effect: when it reports success the
+    prefix cache is empty; forced (``reset_running_requests``, as after a
+    weight update), every running request is first preempted (PREEMPTED,
+    nothing computed, no blocks; its output in flight is stale, #46066,
+    #49860). A forced reset may refuse (report failure) only having changed
+    nothing: no request preempted, the cache as it was. vLLM as released
+    preempts everything and then raises when a step in flight still fences
+    the preempted requests' blocks; the fix in the packet
+    forced-reset-raises-under-deferred-frees refuses before preempting, and
+    its callers retry once no step is in flight. Unchanged: every other
+    request."""
     if t.action != "reset_prefix_cache":
         return
     forced, ok = t.request_id.startswith("forced:"), t.request_id.endswith("True")
+    refused = forced and not ok
     t.witness(ok)
-    if forced and not ok:
-        yield "a forced reset_prefix_cache reported failure"
     if ok and t.after.pool.cached:
         yield "reset_prefix_cache reported success but the cache is not empty"
+    if refused and t.after.pool.cached != t.before.pool.cached:
+        yield "a forced reset_prefix_cache reported failure after changing the prefix cache"
     for rid, old in t.before.requests.items():
         new = t.after.requests.get(rid)
         if new is None:
             yield f"reset_prefix_cache removed {rid}"
-        elif forced and old.status == RequestStatus.RUNNING:
+        elif forced and not refused and old.status == RequestStatus.RUNNING:
             if not is_preempted_view(new):
                 yield (f"forced reset_prefix_cache left {rid} {new.status.name} with "
                        f"num_computed={new.num_computed_tokens}, blocks={new.block_ids}")
         elif _unchanged_fields(old, new):
-            yield f"reset_prefix_cache changed {rid}"
+            yield (f"a forced reset_prefix_cache reported failure after changing {rid}"
+                   if refused else f"reset_prefix_cache changed {rid}")
 
 
 @invariant(cites="#26661, #26385", kind="relation", action="schedule")

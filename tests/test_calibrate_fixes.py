@@ -1,7 +1,7 @@
 """``scripts/calibrate_vllm_tests.py --fixes`` (issue 26, part 4): a failure with
 the fixes that the release shares is this machine's; one only the fixes cause
-is either listed in ``FIX_CONTRADICTS`` with its fix and why, or reported as a
-fix's defect. Pure functions on pytest's printed summary; no vLLM needed."""
+is either named by a packet (``changes_vllm_tests``) with its fix and why, or reported as
+a fix's defect. Pure functions on pytest's printed summary; no vLLM needed."""
 from __future__ import annotations
 
 import importlib.util
@@ -20,7 +20,7 @@ def load():
 
 def test_a_failure_only_the_fixes_cause_is_named_or_reported(tmp_path):
     calibrate = load()
-    contradicted = next(iter(calibrate.FIX_CONTRADICTS))
+    contradicted = next(iter(calibrate.get_fix_contradicts()))
     shard = tmp_path / "fixes0.txt"
     shard.write_text("\n".join([
         "..F.F.F", f"FAILED {contradicted} - AssertionError: 0 != 800",
@@ -39,11 +39,11 @@ def test_a_failure_only_the_fixes_cause_is_named_or_reported(tmp_path):
     data["applied"] = ["recovery-cuts-every-request-at-its-first-failed-block"]
     page = calibrate.render_fixes("0.0.0", data, 1.0)
     assert "**broken by a fix (a defect of the fix): 1**" in page
-    assert calibrate.FIX_CONTRADICTS[contradicted][1] in page
+    assert calibrate.get_fix_contradicts()[contradicted][1] in page
 
 
 def test_every_contradiction_names_a_fix_kvspec_has():
     calibrate = load()
     fixes = {p.stem.split("@")[0] for p in
              (SCRIPT.parents[1] / "kvspec" / "harness" / "patches" / "fixes").glob("*.diff")}
-    assert {fix for fix, _ in calibrate.FIX_CONTRADICTS.values()} <= fixes
+    assert {fix for fix, _ in calibrate.get_fix_contradicts().values()} <= fixes

@@ -8,8 +8,9 @@ changed into vLLM's own classes (``kvspec/harness/in_place.py``): the installed
 ``AsyncScheduler``, vLLM's other subclasses, a test's own subclass and an
 ``isinstance`` on any of them all see them. The fixes are read from
 ``KVSPEC_VLLM_FIXES``: "all" (the default), "none", or fix ids joined by
-commas. Used by tests/test_reproducers.py on docs/findings/reproducers/, and
-by ``scripts/calibrate_vllm_tests.py --fixes`` on vLLM's own tests.
+commas. Used by ``scripts/packets.py test`` on the finding packets' vLLM-style
+tests (docs/findings/packets/), and by ``scripts/calibrate_vllm_tests.py --fixes``
+on vLLM's own tests.
 """
 from __future__ import annotations
 

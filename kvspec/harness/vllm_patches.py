@@ -86,11 +86,13 @@ FIXES: dict[str, Patch] = {p.id: p for p in [
           "vllm-0.32.0-fail-policy-shared-failure-downstream-cached"),
     Patch("failed-async-load-self-reservation-hang", "fix",
           "an async load that failed outright and gave its blocks back leaves the in-flight "
-          "prefill set, so its reservation no longer blocks admissions, its own retry included",
+          "prefill set, so its reservation no longer blocks admissions, its own retry "
+          "included, and waits behind the requests that hold KV, not ahead of them",
           "vllm-0.32.0-failed-async-load-self-reservation-hang"),
     Patch("async-load-reservation-past-max-model-len", "fix",
-          "an async load's reservation for its own spec-decode step stops at max_model_len, "
-          "so a prompt near max_model_len is admitted into a pool sized for max_model_len",
+          "an async load's reservation for its own spec-decode step stops, in each KV cache "
+          "group, at the group's last block below max_model_len, so a prompt near "
+          "max_model_len is admitted into a pool sized for max_model_len",
           "vllm-0.32.0-async-load-reservation-past-max-model-len"),
     Patch("abort-mid-load-frees-under-send", "fix",
           "a request finished while its load is in flight and its connector delays the free "
@@ -101,26 +103,31 @@ FIXES: dict[str, Patch] = {p.id: p for p in [
           "leaves room for the padded step", "vllm-0.32.0-spec-pad-clipped-by-prefill-threshold"),
     Patch("async-recovery-drops-output-in-flight", "fix",
           "under async scheduling, a running request that load-failure recovery cuts back "
-          "has its output in flight dropped as stale and its placeholders zeroed, as a "
-          "preempted one does", "vllm-0.32.0-async-recovery-keeps-placeholders"),
+          "has its output in flight dropped as stale, its placeholders zeroed and its "
+          "placeholder drafts cleared, as a preempted one does",
+          "vllm-0.32.0-async-recovery-keeps-placeholders"),
     Patch("recovery-evicts-blocks-of-requests-ended-mid-step", "fix",
-          "under async scheduling, load-failure recovery also evicts the blocks past a failed "
-          "one of requests that ended while the failing step was in flight (blocks deferred "
-          "or held for a send), before they return to the pool",
+          "under async scheduling, load-failure recovery also evicts from the prefix cache "
+          "the blocks past a failed one of a request that ended while the failing step was "
+          "in flight (blocks deferred or held for a send), except blocks a running request "
+          "holds, which recovery itself evicts or has recomputed",
           "vllm-0.32.0-recovery-misses-requests-ended-mid-step"),
     Patch("forced-reset-evicts-fenced-blocks", "fix",
-          "a forced reset_prefix_cache (reset_running_requests) whose preempted requests' "
-          "blocks are fenced behind the step in flight drops every hash instead of raising",
+          "a forced reset_prefix_cache (reset_running_requests) while a step is in flight "
+          "whose blocks are fenced (deferred frees) returns False and preempts nothing, "
+          "instead of preempting every running request and raising",
           "vllm-0.32.0-forced-reset-raises-under-deferred-frees"),
     Patch("hybrid-full-prompt-hit-keeps-window", "fix",
-          "a first allocation skips windowed blocks from where the request resumes: for "
-          "a hit of the whole prompt one token early, so the sliding window its "
-          "recomputed last token reads is not the null block",
+          "a first allocation skips sliding-window and chunked-local blocks from where "
+          "the request resumes: for a hit of the whole prompt one token early, so the "
+          "window its recomputed last token reads is not the null block (Mamba groups "
+          "still count from the hit's end)",
           "vllm-0.32.0-hybrid-full-prompt-hit-window-freed"),
     Patch("mamba-external-hit-counts-its-state-block", "fix",
           "align-mode Mamba admission counts the block an external hit's state is "
           "loaded into when the first step's state goes to another block, so "
-          "allocate_slots no longer runs out of blocks it said it had",
+          "allocate_slots no longer runs out of blocks it said it had (the per-step "
+          "check only; the full-sequence estimate is unchanged)",
           "vllm-0.32.0-mamba-external-hit-undercounted"),
     # Backports of upstream fixes for findings of older releases only (0.32.0 has
     # the fix already, so they fit only the releases named in their variants).
