@@ -33,6 +33,7 @@ import argparse
 import ast
 import datetime
 import difflib
+import functools
 import json
 import os
 import subprocess
@@ -481,8 +482,20 @@ def render_fix(packet: Packet, source: Source) -> list[str]:
     return lines
 
 
+@functools.cache
+def get_replays() -> dict[str, dict]:
+    """kvspec's measured replays per release (bench/releases/), read once per run."""
+    return load_replays()
+
+
+@functools.cache
+def get_results() -> tuple[dict, ...]:
+    """The measured packet runs (results-RELEASE.json), oldest release first, read once."""
+    return tuple(json.loads(path.read_text()) for path in sorted(PACKETS.glob("results-*.json")))
+
+
 def render_releases(packet: Packet) -> list[str]:
-    replays = load_replays()
+    replays = get_replays()
     rows = [row for t in packet.data.get("traces", []) for row in trace_rows(t, replays)]
     if not rows:
         return []
@@ -494,8 +507,7 @@ def render_releases(packet: Packet) -> list[str]:
 
 def render_outcome(packet: Packet) -> list[str]:
     lines = []
-    for path in sorted(PACKETS.glob("results-*.json")):
-        data = json.loads(path.read_text())
+    for data in get_results():
         r = data["packets"].get(packet.slug)
         if r is None:
             continue
@@ -540,8 +552,7 @@ def rendered_readme(packet: Packet, source: Source) -> str:
 
 def render_index(packets: list[Packet]) -> str:
     results = {}
-    for path in sorted(PACKETS.glob("results-*.json")):
-        data = json.loads(path.read_text())
+    for data in get_results():
         for slug, r in data["packets"].items():
             results[slug] = (data["vllm"], r)
     rows = []
