@@ -21,6 +21,7 @@ asserts, on purpose; docs/findings/packets/) or the run says so. Writes ``docs/c
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -107,6 +108,29 @@ def get_tests(version: str) -> Path:
             or m.name == f"vllm-{version}/pyproject.toml")]
         tar.extractall(CACHE, members=members, filter="data")
     return where
+
+
+def get_conftest_imports(tests: Path) -> list[str]:
+    """The third-party modules vLLM's ``tests/conftest.py`` imports at its top:
+    every test file of the tree loads it, so each must import."""
+    tree = ast.parse((tests / "tests" / "conftest.py").read_text())
+    names = {alias.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import)
+             for alias in node.names}
+    names |= {node.module.split(".")[0] for node in tree.body
+              if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+    return sorted(n for n in names - {"vllm", "tests"} if n not in sys.stdlib_module_names)
+
+
+def check_test_imports(python: str, tests: Path, env: dict | None = None) -> None:
+    """Stop with one line when ``python`` lacks what vLLM's test tree imports
+    (else every test errors at collection and no verdict is possible)."""
+    probe = ("import importlib.util, sys\n"
+             "print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))")
+    out = subprocess.run([python, "-c", probe, *get_conftest_imports(tests)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    if missing := out.stdout.split():
+        sys.exit(f"calibrate: {python} lacks {', '.join(missing)}, which vLLM's "
+                 f"tests/conftest.py imports: pip install -e '{ROOT}[vllm-tests]'")
 
 
 def get_installed_version(python: str) -> str:
@@ -363,6 +387,7 @@ def main() -> None:
         sys.exit(f"calibrate: {args.python} has vLLM {installed or 'not installed'}, "
                  f"not {args.version}; pass --python of a venv with vLLM {args.version}")
     source = get_tests(args.version)
+    check_test_imports(args.python, source)
     files = [f for f in TEST_FILES if (source / f).exists()]
     hf_home = CACHE / "hf_home"
     write_cache(hf_home)

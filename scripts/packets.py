@@ -41,6 +41,7 @@ import sys
 import tempfile
 import tomllib
 import xml.etree.ElementTree as ET
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -49,7 +50,7 @@ import attrs
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
-from calibrate_vllm_tests import CACHE, get_tests  # noqa: E402
+from calibrate_vllm_tests import CACHE, check_test_imports, get_tests  # noqa: E402
 from render_affected_releases import load_replays, trace_rows  # noqa: E402
 from vllm_test_models import write_cache  # noqa: E402
 
@@ -210,11 +211,22 @@ def read_junit(junit: Path, tests: list[str]) -> dict[str, tuple[str, str]]:
 
 
 def is_failing(outcome: str) -> bool:
-    return outcome in ("failed", "error")
+    """Only a test that ran and failed shows the bug: an error (a missing
+    module, a fixture that broke, a collection failure) shows nothing."""
+    return outcome == "failed"
+
+
+def get_error(runs: dict) -> str | None:
+    for label, (outcome, message) in runs.items():
+        if outcome == "error":
+            return f"{label.replace('_', ' ')}: error, not a verdict: {message}"
+    return None
 
 
 def judge(packet: Packet, runs: dict) -> str | None:
     """Why the packet's test does not behave as its kind says (None: it does)."""
+    if error := get_error(runs):
+        return error
     released, own, every = (runs[k][0] for k in ("released", "with_its_fixes", "with_every_fix"))
     if not is_failing(released):
         return f"passes as released ({released}): it does not show the bug"
@@ -249,6 +261,7 @@ def test_command(args) -> int:
     release = get_release(args.python, env)
     label = source.label() if source else f"vLLM {release} installed for {args.python}"
     tree = get_tests(release)
+    check_test_imports(args.python, tree, env)
     install_tests(packets, tree)
     tests = [p.test for p in packets]
     print(f"packets: {len(packets)} tests on {label}", file=sys.stderr)
@@ -520,12 +533,45 @@ def render_outcome(packet: Packet) -> list[str]:
     return lines
 
 
+@functools.cache
+def get_gate(release: str) -> dict | None:
+    """The last run of vLLM's own tests with every fix (calibrate_vllm_tests.py --fixes)."""
+    path = ROOT / "docs" / "calibration" / f"{release}-fixes.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def render_gate(packet: Packet, release: str) -> list[str]:
+    """What vLLM's own suite says of the packet's fixes, and what it could not say."""
+    gate = get_gate(release)
+    if gate is None or not packet.fixes:
+        return []
+    mine = sorted(t for t, (fix, _) in gate["contradicted_on_purpose"].items()
+                  if fix in packet.fixes)
+    broken = gate["broken_by_a_fix"]  # with every fix at once: not split by fix
+    unrun = Counter(t.split("::")[0] for t in gate["failed_on_the_release_too"])
+    lines = [f"vLLM {release}'s scheduler, prefix-cache and KV-connector tests, {gate['tests']} "
+             f"in all, run with every kvspec fix applied "
+             f"([`docs/calibration/{release}-fixes.md`](../../../calibration/{release}-fixes.md)):",
+             "",
+             f"- changed on purpose by this packet's fixes: "
+             + (", ".join(f"`{t}`" for t in mine) if mine else "none"),
+             f"- broken by a fix (every fix at once): "
+             + (", ".join(f"`{t}`" for t in broken) if broken else "none"),
+             f"- not run: {sum(unrun.values())} tests fail on the release too here, so the gate "
+             "says nothing about them (multimodal models, whose inspection needs torchvision, "
+             "which does not import beside torch 2.13 here; or a tokenizer, model weights or "
+             "vLLM's compiled CPU kernels, none of which the offline gate has): "
+             + ", ".join(f"`{f}` {n}" for f, n in unrun.most_common())]
+    return lines
+
+
 def render_facts(packet: Packet, source: Source) -> str:
     parts = [("The test", [f"`{packet.test}` (in this folder at vLLM's path); "
                            "`python scripts/packets.py test "
                            f"{packet.slug}` runs it.", ""] + render_outcome(packet)
               if packet.test else []),
              ("The fix", render_fix(packet, source)),
+             ("vLLM's own tests", render_gate(packet, source.version)),
              ("Where", render_where(packet, source)),
              ("Settings", render_settings(packet, source)),
              ("Exposure", render_exposure(packet, source)),
