@@ -21,6 +21,8 @@ from vllm.v1.request import RequestStatus
 
 from .utils import create_requests, create_scheduler
 
+pytestmark = pytest.mark.cpu_test
+
 NUM_SPEC = 3
 # Below the padded width 1 + NUM_SPEC, as in a deployment that caps prefill
 # chunks very tightly.
