@@ -370,16 +370,20 @@ class Source:
                           f"in vLLM {self.version}")
 
     def enclosing(self, file: str, line: int) -> str:
-        """The innermost ``Class.function`` of ``file`` holding ``line``."""
-        best, stack = "(module level)", [(self.tree(file).body, "")]
-        while stack:
-            body, prefix = stack.pop()
-            for n in body:
-                if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
-                        and n.lineno <= line <= n.end_lineno:
-                    best = prefix + n.name
-                    stack.append((n.body, best + "."))
-        return best
+        return get_enclosing(self.tree(file), line)
+
+
+def get_enclosing(tree: ast.Module, line: int) -> str:
+    """The innermost ``Class.function`` of ``tree`` holding ``line``."""
+    best, stack = "(module level)", [(tree.body, "")]
+    while stack:
+        body, prefix = stack.pop()
+        for n in body:
+            if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and n.lineno <= line <= n.end_lineno:
+                best = prefix + n.name
+                stack.append((n.body, best + "."))
+    return best
 
 
 def get_source(given: str | None) -> Source:
@@ -391,18 +395,48 @@ def fix_path(fix: str) -> Path:
     return FIXES_DIR / f"{fix}.diff"
 
 
-def get_hunks(fix: str) -> list[tuple[str, int, int]]:
-    """(file, first and last changed line) of each hunk of the fix's base diff
-    (written against the release the packets name, see ``rebase``)."""
+def get_changed_lines(fix: str) -> dict[str, tuple[list[int], list[int]]]:
+    """file -> (lines the fix's base diff removes, numbered in the release;
+    lines it adds, numbered in the patched file). The diff is written against
+    the release the packets name (see ``rebase``)."""
     from unidiff import PatchSet
-    found = []
+    found: dict[str, tuple[list[int], list[int]]] = {}
     for patched in PatchSet(fix_path(fix).read_text()):
         file = patched.target_file[2:] if patched.target_file.startswith("b/") \
             else patched.target_file
+        removed, added = found.setdefault(file, ([], []))
         for hunk in patched:
-            changed = [ln.source_line_no or ln.target_line_no for ln in hunk
-                       if ln.is_removed or ln.is_added]
-            found.append((file, min(changed), max(changed)))
+            # blank lines between methods would name the class itself
+            removed += [ln.source_line_no for ln in hunk if ln.is_removed and ln.value.strip()]
+            added += [ln.target_line_no for ln in hunk if ln.is_added and ln.value.strip()]
+    return found
+
+
+def get_patched_trees(fix: str, source: "Source") -> dict[str, ast.Module]:
+    """The files the fix touches, as ``git apply`` leaves them on the release."""
+    files = list(get_changed_lines(fix))
+    with tempfile.TemporaryDirectory() as tmp:
+        for file in files:
+            (Path(tmp) / file).parent.mkdir(parents=True, exist_ok=True)
+            (Path(tmp) / file).write_text((source.package.parent / file).read_text())
+        out = subprocess.run(["git", "apply", str(fix_path(fix))], cwd=tmp,
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            raise PacketError(f"{fix}.diff does not apply to vLLM {source.version}: "
+                              f"{out.stderr.strip().splitlines()[0]}")
+        return {file: ast.parse((Path(tmp) / file).read_text()) for file in files}
+
+
+def get_changed_functions(fix: str, source: "Source") -> dict[str, dict[str, bool]]:
+    """file -> {``Class.function`` a removed or added line lies in: whether the
+    fix adds it (absent from the release)}."""
+    patched = get_patched_trees(fix, source)
+    found: dict[str, dict[str, bool]] = {}
+    for file, (removed, added) in get_changed_lines(fix).items():
+        names = {get_enclosing(source.tree(file), n) for n in removed}
+        names |= {get_enclosing(patched[file], n) for n in added}
+        found[file] = {name: find_symbol(source.tree(file), name) is None
+                       and name != "(module level)" for name in names}
     return found
 
 
@@ -484,11 +518,10 @@ def render_upstream(packet: Packet) -> list[str]:
 def render_fix(packet: Packet, source: Source) -> list[str]:
     lines = []
     for i, fix in enumerate(packet.fixes):
-        changed: dict[str, set[str]] = {}
-        for file, first, _ in get_hunks(fix):
-            changed.setdefault(file, set()).add(source.enclosing(file, first))
-        where = "; ".join(f"`{file}`: {', '.join(f'`{f}`' for f in sorted(funcs))}"
-                          for file, funcs in sorted(changed.items()))
+        where = "; ".join(
+            f"`{file}`: " + ", ".join(("new " if is_new else "") + f"`{name}`"
+                                      for name, is_new in sorted(funcs.items()))
+            for file, funcs in sorted(get_changed_functions(fix, source).items()))
         role = "the fix" if i == 0 else "needed with it"
         lines.append(f"- {role}: [`{fix}.diff`](../../../../kvspec/harness/patches/fixes/"
                      f"{fix}.diff), changing {where}")
@@ -579,6 +612,8 @@ def render_facts(packet: Packet, source: Source) -> str:
              ("Releases", render_releases(packet))]
     body = [BEGIN, "", f"## Facts (generated by `scripts/packets.py render` from vLLM "
             f"{source.version}'s source and kvspec's measurements; do not edit)", ""]
+    if packet.data.get("not_ready"):
+        body += [f"**Not ready for upstream:** {packet.data['not_ready']}", ""]
     for heading, lines in parts:
         if lines:
             body += [f"### {heading}", "", *[l for l in lines], ""]
@@ -609,18 +644,24 @@ def render_index(packets: list[Packet]) -> str:
         ups = p.entries("upstream")
         upstream = ", ".join(f"{link(u['ref'])} {u['state']}" for u in ups[:3]) + (
             f" (+{len(ups) - 3} more)" if len(ups) > 3 else "")
-        rows.append(f"| [{p.data['title']}]({p.slug}/README.md) | {p.kind} | "
+        ready = f"**not ready**: {p.data['not_ready']}" if p.data.get("not_ready") else "yes"
+        rows.append(f"| [{p.data['title']}]({p.slug}/README.md) | {p.kind} | {ready} | "
                     f"{', '.join(f'`{f}`' for f in p.fixes) or '-'} | "
                     f"{f'`{p.test}`' if p.test else '-'} | {measured} | {upstream or 'none found'} |")
     from kvspec.harness.vllm_patches import FIXES
+    held = {f: p for p in packets if p.data.get("not_ready") for f in p.fixes}
     order = [fid for fid in FIXES if fix_path(fid).is_file()]
-    apply_all = ["", "Every fix at once, in a vLLM 0.33.0 checkout (`git apply` takes them in this "
-                 "order; kvspec applies them in the same order):", "", "```bash",
-                 *[f"git apply kvspec/harness/patches/fixes/{fid}.diff" for fid in order], "```"]
+    apply_all = ["", "Every fix of a ready packet at once, in a vLLM 0.33.0 checkout (`git apply` "
+                 "takes them in this order; kvspec applies them in the same order):", "",
+                 "```bash", *[f"git apply kvspec/harness/patches/fixes/{fid}.diff"
+                              for fid in order if fid not in held], "```"]
+    apply_all += [f"\nNot for upstream yet: `{fid}` (packet {held[fid].slug} is not ready: "
+                  f"{held[fid].data['not_ready']}). kvspec still applies it "
+                  "in its own checks and in the gate (it applies after the list above too)." for fid in order if fid in held]
     return "\n".join([INDEX_BEGIN, "",
-                      "| packet | kind | fixes | test (vLLM path) | as released / with its "
-                      "fixes / with every fix | upstream |",
-                      "| --- | --- | --- | --- | --- | --- |", *rows, *apply_all, "", INDEX_END])
+                      "| packet | kind | ready | fixes | test (vLLM path) | as released / with "
+                      "its fixes / with every fix | upstream |",
+                      "| --- | --- | --- | --- | --- | --- | --- |", *rows, *apply_all, "", INDEX_END])
 
 
 def render_command(args) -> int:

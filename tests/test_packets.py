@@ -178,3 +178,22 @@ def test_a_python_without_vllms_test_dependencies_is_a_one_line_error(tmp_path):
     message = str(stop.value)
     assert "\n" not in message and "lacks kvspec_no_such_module," in message
     assert "[vllm-tests]" in message
+
+
+def test_the_fix_line_names_changed_and_new_functions(tmp_path, monkeypatch):
+    """Audit C (C-1): a method a fix inserts before ``def g`` rendered as
+    "changes g". Added lines are now placed in the patched file, removed ones
+    in the release, and a function the release lacks is called new."""
+    (tmp_path / "vllm" / "x").mkdir(parents=True)
+    (tmp_path / "vllm" / "x" / "m.py").write_text(
+        "class C:\n    def f(self):\n        return 1\n\n    def g(self):\n        return 2\n")
+    fixes = tmp_path / "fixes"
+    fixes.mkdir()
+    (fixes / "x.diff").write_text(
+        "--- a/vllm/x/m.py\n+++ b/vllm/x/m.py\n@@ -1,6 +1,9 @@\n class C:\n"
+        "     def f(self):\n-        return 1\n+        return self.h()\n+\n"
+        "+    def h(self):\n+        return 1\n \n     def g(self):\n         return 2\n")
+    monkeypatch.setattr(packets, "FIXES_DIR", fixes)
+    source = packets.Source(tmp_path / "vllm", "9.9")
+    assert packets.get_changed_functions("x", source) == {
+        "vllm/x/m.py": {"C.f": False, "C.h": True}}

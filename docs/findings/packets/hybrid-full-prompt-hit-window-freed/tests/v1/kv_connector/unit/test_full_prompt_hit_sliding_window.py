@@ -22,6 +22,9 @@ BLOCK_SIZE = 16
 SLIDING_WINDOW = 32
 
 
+pytestmark = pytest.mark.cpu_test
+
+
 class HMAMockKVConnector(MockKVConnector, SupportsHMA):
     """MockKVConnector that also takes the block ids of every KV cache group."""
 

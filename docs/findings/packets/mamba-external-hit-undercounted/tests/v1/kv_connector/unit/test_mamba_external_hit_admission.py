@@ -20,6 +20,9 @@ from .utils import (
 BLOCK_SIZE = 16
 
 
+pytestmark = pytest.mark.cpu_test
+
+
 class HMAMockKVConnector(MockKVConnector, SupportsHMA):
     """MockKVConnector that also takes the block ids of every KV cache group."""
 
