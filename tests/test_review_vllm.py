@@ -47,7 +47,7 @@ REFACTORS = [e for e in EDITS if "expected: pass" in e.read_text()]
 TRACED = [e for e in EDITS if (BATTERY / "traces" / f"{e.stem}.json").is_file()]
 #: edits whose committed trace no longer shows the regression: strict, so a
 #: pass is reported. 06 mishandles only a preemption of a request fenced behind
-#: the step in flight; with the reworked fix forced-reset-evicts-fenced-blocks
+#: the step in flight; with the reworked fix forced-reset-refuses-with-step-in-flight
 #: (issue 27) a forced reset_prefix_cache no longer preempts such a request, and
 #: the allocation retry already stops at a fenced victim (#49675), so with the
 #: fixes on nothing reaches the edited line (bench_review.py: no regression found

@@ -246,7 +246,7 @@ FORCED_RESET_RAISES_UNDER_DEFERRED_FREES = AcceptedFinding(
     "async scheduling with a consumer connector: a forced reset_prefix_cache with a step in "
     "flight preempts every running request, then raises RuntimeError (their blocks are fenced)",
     ("vllm-0.32.0-forced-reset-raises-under-deferred-frees.json",),
-    fix="forced-reset-evicts-fenced-blocks", upstream="not reported")
+    fix="forced-reset-refuses-with-step-in-flight", upstream="not reported")
 
 # Found by the async target on 0.24.0 (issue 10); 0.18.1 and 0.14.1 have it too. From
 # 0.28.0 on a preemption zeroes the placeholders and marks the output stale (#48245).

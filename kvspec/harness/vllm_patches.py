@@ -112,10 +112,11 @@ FIXES: dict[str, Patch] = {p.id: p for p in [
           "in flight (blocks deferred or held for a send), except blocks a running request "
           "holds, which recovery itself evicts or has recomputed",
           "vllm-0.32.0-recovery-misses-requests-ended-mid-step"),
-    Patch("forced-reset-evicts-fenced-blocks", "fix",
+    Patch("forced-reset-refuses-with-step-in-flight", "fix",
           "a forced reset_prefix_cache (reset_running_requests) while a step is in flight "
-          "whose blocks are fenced (deferred frees) returns False and preempts nothing, "
-          "instead of preempting every running request and raising",
+          "whose blocks are fenced (deferred frees) preempts nothing and resets as an "
+          "unforced call does (False while blocks are held, the connector reset "
+          "included), instead of preempting every running request and raising",
           "vllm-0.32.0-forced-reset-raises-under-deferred-frees"),
     Patch("hybrid-full-prompt-hit-keeps-window", "fix",
           "a first allocation skips sliding-window and chunked-local blocks from where "
