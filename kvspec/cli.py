@@ -863,6 +863,8 @@ def _run(argv: list[str] | None) -> int:
             print("kvspec: interrupted", file=sys.stderr)
             return 130
         return _error(f"unexpected {type(exc).__name__}: {exc}", exc)
+    if code == 130:  # typer turns a KeyboardInterrupt outside a run into exit 130
+        print("kvspec: interrupted", file=sys.stderr)
     return code if isinstance(code, int) else 0
 
 

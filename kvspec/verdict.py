@@ -15,13 +15,15 @@ line, and only a run that checked what it set out to check exits 0:
 
 Exit codes: 0 every claim held (known findings aside), 1 a new violation,
 2 bad input (the command line's), 3 incomplete: something was not checked
-that nobody asked to leave out.
+that nobody asked to leave out, 130 interrupted (SIGINT or SIGTERM): a
+partial run, which reports no violation it did not find before the interrupt.
 """
 from __future__ import annotations
 
 import attrs
 
 EXIT_HOLD, EXIT_VIOLATED, EXIT_BAD_INPUT, EXIT_INCOMPLETE = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130
 
 
 @attrs.frozen
@@ -94,6 +96,14 @@ def first_line(result, found: list[Restriction], code_changed=(),
         notes.append("LOST PERFORMANCE (no safety claim broken by it): " + ", ".join(
             f"{key} ({hit.count}x, trace {hit.trace_path})" for key, hit in lost.items()))
     tail = "".join(f" | {note}" for note in notes)
+    if getattr(result, "interrupted", False):
+        found = ""
+        if result.counterexample is not None:
+            claims = sorted({v.invariant for v in result.counterexample.violations})
+            found = (f"; found before it, new: {', '.join(claims)} (trace "
+                     f"{result.trace_path})")
+        return (f"INTERRUPTED after {result.elapsed:.1f}s: a partial run, judged up to the "
+                f"interrupt{found}{tail}", EXIT_INTERRUPTED)
     if result.counterexample is not None:
         claims = sorted({v.invariant for v in result.counterexample.violations})
         return f"VIOLATED, new: {', '.join(claims)}{tail}", EXIT_VIOLATED

@@ -26,6 +26,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvspec.harness.heartbeat import periodic
+from kvspec.harness.interrupt import interruptible, is_interrupted, stop_if_interrupted
 from kvspec.harness.machine import machine_for
 from kvspec.harness.minimize import minimize
 from kvspec.harness.profiles import MODELLED
@@ -57,6 +58,9 @@ class FuzzResult:
     shrink_started: float | None = None
     #: the budget ran out while the counterexample was being shrunk
     shrink_cut: bool = False
+    #: SIGINT or SIGTERM stopped the run: what it shows is partial, and
+    #: nothing after the interrupt was judged (kvspec.harness.interrupt)
+    interrupted: bool = False
 
 
 @attrs.define
@@ -125,6 +129,8 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
         return recogniser.explain(r.config, list(r.actions), exc.violations)
 
     def on_counterexample(exc: Counterexample) -> bool:
+        if is_interrupted():  # a step the interrupt cut short: not a finding
+            return True
         save(exc, pending)  # first: nothing found is lost, whatever follows
         if is_efficiency_only(exc):
             _keep_efficiency(result, exc, pending, out_dir, trace_path.stem, say,
@@ -158,34 +164,41 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
     stop = _start_heartbeat(heartbeat, heartbeat_every, machine, result, start)
     batch = 0
     try:
-        while time.monotonic() < deadline:
-            machine._hypothesis_internal_use_seed = derive_seed(seed, batch)
-            batch += 1
-            try:
-                run_state_machine_as_test(machine, settings=settings(
-                    max_examples=batch_examples, stateful_step_count=step_count,
-                    deadline=None, database=database, suppress_health_check=list(HealthCheck),
-                    verbosity=Verbosity.quiet, print_blob=False,
-                    phases=(Phase.reuse, Phase.generate, Phase.shrink)))
-            except Exception:  # the machine raised: the saved trace holds the shrunk example
-                if state["last"] is None:
-                    raise
-                result.shrink_cut = time.monotonic() > deadline
-                # Minimize Hypothesis' shrunk example at the trace level; the saved
-                # trace is replaced only by a smaller one that still fails (and is
-                # still new), within what is left of the budget.
-                result.counterexample = minimize(
-                    target, state["last"], kinds, design_rules=design_rules,
-                    time_limit=max(0.0, min(20.0, deadline - time.monotonic())),
-                    still_new=lambda found: explain(found) is None)
-                if result.counterexample is not state["last"]:
-                    save(result.counterexample, trace_path)
-                result.trace_path = trace_path
-                break
-            finally:
-                _collect(result, machine, start)
-                if progress:
-                    progress(result)
+        with interruptible():
+            while time.monotonic() < deadline:
+                stop_if_interrupted()
+                machine._hypothesis_internal_use_seed = derive_seed(seed, batch)
+                batch += 1
+                try:
+                    run_state_machine_as_test(machine, settings=settings(
+                        max_examples=batch_examples, stateful_step_count=step_count,
+                        deadline=None, database=database, suppress_health_check=list(HealthCheck),
+                        verbosity=Verbosity.quiet, print_blob=False,
+                        phases=(Phase.reuse, Phase.generate, Phase.shrink)))
+                except Exception:  # the machine raised: the saved trace holds the shrunk example
+                    if state["last"] is None:
+                        raise
+                    result.shrink_cut = time.monotonic() > deadline
+                    # Minimize Hypothesis' shrunk example at the trace level; the saved
+                    # trace is replaced only by a smaller one that still fails (and is
+                    # still new), within what is left of the budget.
+                    result.counterexample = minimize(
+                        target, state["last"], kinds, design_rules=design_rules,
+                        time_limit=max(0.0, min(20.0, deadline - time.monotonic())),
+                        still_new=lambda found: explain(found) is None)
+                    if result.counterexample is not state["last"]:
+                        save(result.counterexample, trace_path)
+                    result.trace_path = trace_path
+                    break
+                finally:
+                    _collect(result, machine, start)
+                    if progress:
+                        progress(result)
+            stop_if_interrupted()
+    except KeyboardInterrupt:
+        result.interrupted = True
+        if state["last"] is not None:  # found and saved before the interrupt: kept
+            result.counterexample, result.trace_path = state["last"], trace_path
     finally:
         stop.set()
         pending.unlink(missing_ok=True)

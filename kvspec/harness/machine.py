@@ -14,6 +14,7 @@ import attrs
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+from kvspec.harness.interrupt import is_interrupted, stop_if_interrupted
 from kvspec.harness.profiles import MODELLED, EnvProfile
 from kvspec.harness.runner import ALL_KINDS, Counterexample, Runner
 from kvspec.harness.target import make_config
@@ -111,6 +112,7 @@ class KVSpecMachine(RuleBasedStateMachine):
         type(self).stats["runs"] += 1
 
     def _apply(self, action: dict) -> None:
+        stop_if_interrupted()
         if self.dead or (self.deadline is not None and time.monotonic() > self.deadline):
             self.dead = True
             return
@@ -315,7 +317,8 @@ class KVSpecMachine(RuleBasedStateMachine):
         self._apply({"op": "reset_prefix_cache", **({"running": True} if running else {})})
 
     def teardown(self):
-        if self.runner is not None and not self.failed:
+        # an interrupt may have left a step half applied: nothing more is judged
+        if self.runner is not None and not self.failed and not is_interrupted():
             self._apply({"op": "drain"})
             for lost in self.runner.lost:  # efficiency: reported, never a failure
                 if self.on_counterexample is not None:

@@ -1,0 +1,61 @@
+"""A run cut short by SIGINT or SIGTERM (issue 28).
+
+An interrupt stops a run; it is not a finding. Hypothesis tears a state
+machine down in a ``finally``, so without care the teardown's healed phase
+(drain every request to the end) would judge a step the interrupt left half
+applied, and report a violation that replays clean: a cancelled CI job gone
+red on correct code. While :func:`interruptible` is active, SIGINT and
+SIGTERM set :data:`INTERRUPTED` before raising ``KeyboardInterrupt``; the
+machine's teardown judges nothing once it is set, and the fuzzer returns the
+partial result (exit 130), keeping every trace it had already saved.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+
+INTERRUPTED = threading.Event()
+
+
+def is_interrupted() -> bool:
+    return INTERRUPTED.is_set()
+
+
+def stop_if_interrupted() -> None:
+    """Raise where the handler's own KeyboardInterrupt may have been lost:
+    one raised inside a gc callback or ``__del__`` (Hypothesis runs one) is
+    printed and dropped by Python, so the run checks the flag between steps."""
+    if INTERRUPTED.is_set():
+        raise KeyboardInterrupt("interrupted")
+
+
+def _stop(signum, frame) -> None:
+    INTERRUPTED.set()
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def interruptible():
+    """SIGINT and SIGTERM mark the run interrupted, then stop it (main thread
+    only: signal handlers cannot be set elsewhere, and there the default
+    KeyboardInterrupt of the main thread is all there is)."""
+    INTERRUPTED.clear()
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    hook = sys.unraisablehook
+
+    def drop_lost_interrupt(unraisable) -> None:
+        # the flag carries it (stop_if_interrupted): no traceback for the log
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            hook(unraisable)
+    sys.unraisablehook = drop_lost_interrupt
+    try:
+        yield
+    finally:
+        sys.unraisablehook = hook
+        for s, handler in previous.items():
+            signal.signal(s, handler)
