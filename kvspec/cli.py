@@ -40,6 +40,32 @@ class UsageError(Exception):
     pass
 
 
+def get_version() -> str:
+    """kvspec's installed version (the project's, when run from a checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("kvspec")
+    except PackageNotFoundError:
+        return "not installed (run from a checkout)"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        try:
+            vllm = installed_vllm_version() or "none"
+        except Exception:  # noqa: BLE001 - a version line must not fail on a broken vLLM
+            vllm = "none importable"
+        print(f"kvspec {get_version()} (Python {sys.version.split()[0]}; vLLM: {vllm})")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", is_eager=True,
+                                          callback=_print_version,
+                                          help="print kvspec's version and exit")) -> None:
+    """kvspec: an executable spec of vLLM's KV-cache request lifecycle."""
+
+
 def parse_budget(text: str) -> float:
     """'60s', '10m', '1h' or a plain number of seconds; at least ``MIN_BUDGET``, at
     most ``MAX_BUDGET``."""

@@ -51,3 +51,4 @@ def test_sigint_stops_the_run_and_reports_nothing(tmp_path, after):
 def test_sigterm_stops_the_run_the_same_way(tmp_path):
     code, out, err, traces = _interrupt(tmp_path, 1.5, signal.SIGTERM)
     assert code == 130 and "INTERRUPTED after" in out and not traces, (code, out[-800:])
+
