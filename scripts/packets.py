@@ -591,9 +591,10 @@ def render_gate(packet: Packet, release: str) -> list[str]:
              f"- broken by a fix (every fix at once): "
              + (", ".join(f"`{t}`" for t in broken) if broken else "none"),
              f"- not run: {sum(unrun.values())} tests fail on the release too here, so the gate "
-             "says nothing about them (multimodal models, whose inspection needs torchvision, "
-             "which does not import beside torch 2.13 here; or a tokenizer, model weights or "
-             "vLLM's compiled CPU kernels, none of which the offline gate has): "
+             "says nothing about them (multimodal models, whose configs the offline cache lacks "
+             "and whose inspection would need torchvision, which does not import beside torch "
+             "2.13 here; or a tokenizer, model weights or vLLM's compiled CPU kernels, none of "
+             "which the offline gate has): "
              + ", ".join(f"`{f}` {n}" for f, n in unrun.most_common())]
     return lines
 
