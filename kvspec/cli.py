@@ -36,6 +36,10 @@ MAX_BUDGET = 7 * 24 * 3600.0
 PROGRESS_EVERY = 10.0
 
 
+JUNIT_HELP = ("also write the run as JUnit XML there: a test case per claim (checked and "
+              "witnessed counts as properties), a failure per violated claim with its trace")
+
+
 class UsageError(Exception):
     pass
 
@@ -417,12 +421,13 @@ def check(target: str = typer.Option(None, help="target to check (default: impl,
           kv: str = typer.Option("symbolic", help=KV_HELP),
           vllm: str = typer.Option(None, "--vllm", help=VLLM_HELP),
           base: str = typer.Option(None, "--base", help=BASE_HELP),
-          as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout")):
+          as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
+          junit: Path = typer.Option(None, "--junit", help=JUNIT_HELP)):
     """Check every invariant on a target within a budget; exit 1 on a new violation."""
     target = default_target(target, vllm)
     fuzz_and_report(resolve_target(target, strict, fixes, plant), budget, seed, out, DEFAULT_DB,
                     design_rules, as_json, db_option="the example database", layouts=layouts,
-                    kv=kv, vllm=vllm, base=base)
+                    kv=kv, vllm=vllm, base=base, junit=junit)
 
 
 @app.command("fuzz")
@@ -440,11 +445,13 @@ def fuzz_cmd(target: str = typer.Option(None, help="target to fuzz (default: imp
              kv: str = typer.Option("symbolic", help=KV_HELP),
              vllm: str = typer.Option(None, "--vllm", help=VLLM_HELP),
              base: str = typer.Option(None, "--base", help=BASE_HELP),
-             as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout")):
+             as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
+             junit: Path = typer.Option(None, "--junit", help=JUNIT_HELP)):
     """Fuzz a target; every failure is saved as a trace and shown as a step table."""
     target = default_target(target, vllm)
     fuzz_and_report(resolve_target(target, strict, fixes, plant), budget, seed, out, db,
-                    design_rules, as_json, layouts=layouts, kv=kv, vllm=vllm, base=base)
+                    design_rules, as_json, layouts=layouts, kv=kv, vllm=vllm, base=base,
+                    junit=junit)
 
 
 def default_target(target: str | None, vllm: str | None) -> str:
@@ -460,7 +467,7 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
                     design_rules: bool = True, as_json: bool = False,
                     db_option: str = "--db", layouts: str | None = None,
                     kv: str = "symbolic", vllm: str | None = None,
-                    base: str | None = None) -> None:
+                    base: str | None = None, junit: Path | None = None) -> None:
     """What ``check`` and ``fuzz`` share: run, report, exit 1 on a new violation
     (2 on bad input, 3 when something was left unchecked that nobody asked to
     leave out). With ``as_json`` the human-readable output goes to stderr and
@@ -470,6 +477,10 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
     if as_json:
         console = Console(stderr=True, width=200)
     prep = None
+    if junit is not None:  # bad input before anything runs
+        if junit.is_dir():
+            fail(f"--junit {shown(junit)}: is a directory, not a file to write")
+        check_writable_dir(junit.parent, "--junit")
     try:
         prep = prepare_vllm_aware(target, budget, out, db, db_option, layouts, kv, vllm, base,
                                   seed)
@@ -484,13 +495,16 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
         code = report(result, design_rules, prep)
     finally:
         console = saved
-    if as_json:
-        import json
-
+    if as_json or junit is not None:
         from kvspec.report import json_summary
-        print(json.dumps(json_summary(result, target_version(target), prep.seconds,
-                                      prep.profile, design_rules, target_patches(target), prep),
-                         indent=1))
+        summary = json_summary(result, target_version(target), prep.seconds, prep.profile,
+                               design_rules, target_patches(target), prep)
+        if junit is not None:
+            from kvspec.junit import write_junit
+            write_junit(junit, summary)
+        if as_json:
+            import json
+            print(json.dumps(summary, indent=1))
     raise typer.Exit(code)
 
 
