@@ -197,7 +197,9 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
             stop_if_interrupted()
     except KeyboardInterrupt:
         result.interrupted = True
-        if state["last"] is not None:  # found and saved before the interrupt: kept
+        # found and saved before the interrupt: kept (minimized already, if the
+        # interrupt came after minimize)
+        if result.counterexample is None and state["last"] is not None:
             result.counterexample, result.trace_path = state["last"], trace_path
     finally:
         stop.set()
