@@ -18,6 +18,7 @@ from rich.console import Console
 
 from kvspec.harness.accepted_findings import installed_vllm_version
 from kvspec.text import clip, printable, shown
+from kvspec.verdict import EXIT_INTERRUPTED
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   help="kvspec: an executable spec of vLLM's KV-cache request lifecycle.")
@@ -644,10 +645,9 @@ def _write_review(review_, path: Path, as_json: bool) -> None:
 
 
 def target_version(target: str) -> str:
-    from importlib.metadata import version
     if target.startswith("vllm"):
         return installed_vllm_version()  # the active source's
-    return f"kvspec-reference {version('kvspec')}"
+    return f"kvspec-reference {get_version()}"
 
 
 @app.command()
@@ -890,8 +890,7 @@ def _run(argv: list[str] | None) -> int:
     try:
         code = app(args=argv, standalone_mode=False, prog_name="kvspec")
     except KeyboardInterrupt:
-        print("kvspec: interrupted", file=sys.stderr)
-        return 130
+        code = EXIT_INTERRUPTED
     except (TraceError, UsageError, OSError) as exc:
         return _error(str(exc) if not isinstance(exc, OSError) else _os_error(exc), exc)
     except Exception as exc:
@@ -899,11 +898,12 @@ def _run(argv: list[str] | None) -> int:
             ctx = getattr(exc, "ctx", None)
             hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
             return _error(exc.format_message().rstrip(".") + hint, exc)
-        if type(exc).__name__ == "Abort":  # click's or typer's, raised on Ctrl-C
-            print("kvspec: interrupted", file=sys.stderr)
-            return 130
-        return _error(f"unexpected {type(exc).__name__}: {exc}", exc)
-    if code == 130:  # typer turns a KeyboardInterrupt outside a run into exit 130
+        if type(exc).__name__ != "Abort":  # click's or typer's Abort is raised on Ctrl-C
+            return _error(f"unexpected {type(exc).__name__}: {exc}", exc)
+        code = EXIT_INTERRUPTED
+    # an interrupted run (its verdict), or a KeyboardInterrupt outside one
+    # (typer turns it into exit 130 itself), or one that reached us
+    if code == EXIT_INTERRUPTED:
         print("kvspec: interrupted", file=sys.stderr)
     return code if isinstance(code, int) else 0
 

@@ -96,16 +96,14 @@ def first_line(result, found: list[Restriction], code_changed=(),
         notes.append("LOST PERFORMANCE (no safety claim broken by it): " + ", ".join(
             f"{key} ({hit.count}x, trace {hit.trace_path})" for key, hit in lost.items()))
     tail = "".join(f" | {note}" for note in notes)
+    ce = result.counterexample
+    claims = sorted({v.invariant for v in ce.violations}) if ce is not None else []
     if getattr(result, "interrupted", False):
-        found = ""
-        if result.counterexample is not None:
-            claims = sorted({v.invariant for v in result.counterexample.violations})
-            found = (f"; found before it, new: {', '.join(claims)} (trace "
-                     f"{result.trace_path})")
+        found = (f"; found before it, new: {', '.join(claims)} (trace {result.trace_path})"
+                 if claims else "")
         return (f"INTERRUPTED after {result.elapsed:.1f}s: a partial run, judged up to the "
                 f"interrupt{found}{tail}", EXIT_INTERRUPTED)
-    if result.counterexample is not None:
-        claims = sorted({v.invariant for v in result.counterexample.violations})
+    if ce is not None:
         return f"VIOLATED, new: {', '.join(claims)}{tail}", EXIT_VIOLATED
     if unasked:
         return f"INCOMPLETE{tail}", EXIT_INCOMPLETE
