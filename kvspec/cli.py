@@ -863,8 +863,10 @@ def targets(vllm: str = typer.Option(None, "--vllm", help=VLLM_HELP)):
             description += (f" [{source_label()}]" if installed or vllm is not None
                             else " [not installed]")
         console.print(f"{name:40s} {description}", markup=False)
-    from kvspec.harness.vllm_patches import FIXES, PLANTED
+    from kvspec.harness.vllm_patches import CONNECTOR_FIXES, FIXES, PLANTED
     for title, patches in (("vllm fixes (--fixes ID,...)", FIXES),
+                           ("vllm connector fixes (for vLLM's own tests; not in --fixes all, "
+                            "kvspec's vllm target runs its own connector)", CONNECTOR_FIXES),
                            ("vllm planted bugs (--plant ID)", PLANTED)):
         console.print(f"\n{title}:", markup=False)
         for pid, patch in patches.items():

@@ -497,6 +497,10 @@ def main(path: str | Path | None = None) -> int:
     the optional first argument."""
     if path is None and __name__ == "__main__" and len(sys.argv) > 1:
         path = sys.argv[1]
+        if path.startswith("-"):  # --help, or an option meant for another command
+            print("usage: python -m kvspec.docgen [PATH]  (default: docs/spec.md and "
+                  "docs/proofs.md)", file=sys.stderr)
+            return 0 if path in ("-h", "--help") else 2
     target = Path(path) if path is not None else DEFAULT_PATH
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(render_spec_md(), encoding="utf-8")

@@ -63,6 +63,17 @@ TEST_FILES = (
     "tests/v1/kv_connector/unit/test_multi_connector.py",
     "tests/v1/streaming_input/test_scheduler_streaming.py",
 )
+#: the gate (--fixes) also runs the tests of the connectors a fix changes
+#: (kvspec/harness/vllm_patches.CONNECTOR_FIXES); test_nixl_connector.py needs ray
+GATE_EXTRA_FILES = (
+    "tests/v1/kv_connector/unit/test_nixl_connector_hma.py",
+    "tests/v1/kv_connector/unit/test_nixl_push_connector.py",
+    "tests/v1/kv_connector/unit/test_nixl_heartbeat.py",
+    "tests/v1/kv_connector/unit/test_mooncake_connector.py",
+    "tests/v1/kv_connector/unit/test_mooncake_connector_hma.py",
+    "tests/v1/kv_connector/unit/test_mooncake_connector_hybrid_mamba.py",
+    "tests/v1/kv_connector/unit/test_hma_auto_config.py",
+)
 CACHE = ROOT / ".kvspec" / "sdist"
 
 
@@ -70,7 +81,7 @@ def get_fix_contradicts() -> dict[str, tuple[str, str]]:
     """vLLM tests a kvspec fix changes on purpose: test id -> (fix, why), from
     the packets that say so (``changes_vllm_tests`` in docs/findings/packets/)."""
     from packets import load_packets  # the packets read this module too
-    return {entry["id"]: (p.fixes[0], f"packet {p.slug}: {entry['why']}")
+    return {entry["id"]: (entry.get("fix", p.fixes[0]), f"packet {p.slug}: {entry['why']}")
             for p in load_packets() for entry in p.get_changed_vllm_tests()}
 
 
@@ -220,7 +231,7 @@ def judge_fixes(counts: Counter, failed: list[str], rerun_result: dict) -> dict:
 def render_fixes(version: str, data: dict, seconds: float) -> str:
     lines = [f"# vLLM {version}'s own tests with every kvspec fix", "",
              f"<!-- written by `python scripts/calibrate_vllm_tests.py {version} --fixes` -->",
-             "", f"{len(TEST_FILES)} test files or folders, run with "
+             "", f"{len(TEST_FILES) + len(GATE_EXTRA_FILES)} test files or folders, run with "
              "`pytest -p kvspec.harness.pytest_vllm_fixes` (every fix installed in vLLM's own "
              f"classes, `AsyncScheduler` and every subclass included) in {seconds:.0f} s: "
              f"{data['tests']} tests ({', '.join(f'{n} {k}' for k, n in sorted(data['outcomes'].items()))}).",
@@ -274,7 +285,7 @@ def write_fixes(version: str, data: dict) -> None:
 
 def get_applied(python: str) -> list[str]:
     code = ("from kvspec.harness.vllm_patches import patched; "
-            "print(','.join(patched('all').applied))")
+            "print(','.join(patched('all', connectors=True).applied))")
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_TARGET_DEVICE="cpu")
     out = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env,
                          timeout=600).stdout.strip().splitlines()
@@ -392,6 +403,7 @@ def main() -> None:
     hf_home = CACHE / "hf_home"
     write_cache(hf_home)
     if args.fixes:
+        files += [f for f in GATE_EXTRA_FILES if (source / f).exists()]
         return calibrate_fixes(args, source, files, hf_home)
     parts, seconds = run_shards(args, source, files, hf_home)
     data = merge(parts)

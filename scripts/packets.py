@@ -102,7 +102,8 @@ class Packet:
         return list(self.data.get(table, []))
 
     def get_changed_vllm_tests(self) -> list[dict]:
-        """vLLM's own tests the packet's fix changes on purpose: {id, why}."""
+        """vLLM's own tests the packet's fix changes on purpose: {id, why[, fix]}
+        (fix: which of the packet's fixes, when not its first)."""
         return [e if isinstance(e, dict) else {"id": e, "why": "see the packet's README"}
                 for e in self.data.get("changes_vllm_tests", [])]
 
@@ -654,9 +655,9 @@ def render_index(packets: list[Packet]) -> str:
         rows.append(f"| [{p.data['title']}]({p.slug}/README.md) | {p.kind} | {ready} | "
                     f"{', '.join(f'`{f}`' for f in p.fixes) or '-'} | "
                     f"{f'`{p.test}`' if p.test else '-'} | {measured} | {upstream or 'none found'} |")
-    from kvspec.harness.vllm_patches import FIXES
+    from kvspec.harness.vllm_patches import CONNECTOR_FIXES, FIXES
     held = {f: p for p in packets if p.not_ready for f in p.fixes}
-    order = [fid for fid in FIXES if fix_path(fid).is_file()]
+    order = [fid for fid in FIXES | CONNECTOR_FIXES if fix_path(fid).is_file()]
     apply_all = ["", "Every fix of a ready packet at once, in a vLLM 0.33.0 checkout (`git apply` "
                  "takes them in this order; kvspec applies them in the same order):", "",
                  "```bash", *[f"git apply kvspec/harness/patches/fixes/{fid}.diff"

@@ -22,7 +22,7 @@ import packets  # noqa: E402
 
 from kvspec.harness import vllm_source  # noqa: E402
 from kvspec.harness.accepted_findings import ACCEPTED  # noqa: E402
-from kvspec.harness.vllm_patches import FIXES  # noqa: E402
+from kvspec.harness.vllm_patches import CONNECTOR_FIXES, FIXES  # noqa: E402
 
 RELEASE = "0.33.0"
 
@@ -131,7 +131,7 @@ def test_every_fix_applies_with_git_apply_in_the_documented_order(tmp_path):
                     "(.ci/run's second phase sets it)")
     tree = tmp_path / "checkout"
     shutil.copytree(source.package, tree / "vllm", ignore=shutil.ignore_patterns("__pycache__"))
-    for fid in FIXES:
+    for fid in FIXES | CONNECTOR_FIXES:
         diff = packets.fix_path(fid)
         if diff.is_file():
             out = subprocess.run(["git", "apply", str(diff)], cwd=tree, capture_output=True,

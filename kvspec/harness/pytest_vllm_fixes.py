@@ -24,7 +24,7 @@ def pytest_configure(config) -> None:
     from kvspec.harness.vllm_patches import patched
 
     fixes = os.environ.get(ENV_VAR, "all").strip() or "all"
-    built = patched(fixes)
+    built = patched(fixes, connectors=True)  # vLLM's tests build connectors too
     plan = InPlace.of(built.modules)
     plan.install()  # for the whole session: nothing else in it wants vLLM unfixed
     config._kvspec_vllm_fixes = (fixes, built.applied, built.skipped, plan.get_names())

@@ -159,6 +159,18 @@ FIXES: dict[str, Patch] = {p.id: p for p in [
           "vllm-0.28.0-preemption-cascades-past-fenced-victims"),
 ]}
 
+#: fixes of a connector's scheduler side (a finding whose remedy is the connector's,
+#: docs/findings/packets/). kvspec's own ``vllm`` target runs kvspec's connector, so
+#: "all" leaves these out there; vLLM's tests run with them (``connectors=True``:
+#: the packets and the gate, kvspec/harness/pytest_vllm_fixes.py).
+CONNECTOR_FIXES: dict[str, Patch] = {p.id: p for p in [
+    Patch("pd-window-groups-back-off-one-token", "fix",
+          "NIXL and Mooncake P/D stop one prompt token short for any sliding-window or "
+          "chunked-local group, as they do for Mamba and bounded replay, so the decode "
+          "node computes the last token with a window laid out for it",
+          "vllm-0.32.0-hybrid-full-prompt-hit-window-freed"),
+]}
+
 PLANTED: dict[str, Patch] = {p.id: p for p in [
     Patch("preempt-keeps-computed-tokens", "planted",
           "a preempted request keeps its num_computed_tokens though its blocks were freed",
@@ -435,18 +447,21 @@ def _rebind(modules: dict[str, types.ModuleType]) -> None:
                     setattr(other, key, replace[id(value)])
 
 
-def select(fixes: str = "all", planted: tuple[str, ...] = ()) -> list[Patch]:
-    """The patches a run asks for: ``fixes`` is "all", "none" or ids joined by commas."""
+def select(fixes: str = "all", planted: tuple[str, ...] = (),
+           connectors: bool = False) -> list[Patch]:
+    """The patches a run asks for: ``fixes`` is "all", "none" or ids joined by
+    commas; "all" takes the connector fixes too only with ``connectors``."""
+    known = FIXES | CONNECTOR_FIXES
     if fixes == "all":
-        chosen = list(FIXES.values())
+        chosen = list((known if connectors else FIXES).values())
     elif fixes == "none":
         chosen = []
     else:
         ids = [i.strip() for i in fixes.split(",") if i.strip()]
-        unknown = [i for i in ids if i not in FIXES]
+        unknown = [i for i in ids if i not in known]
         if unknown:
-            raise ValueError(f"unknown fix {unknown[0]!r}; known: {', '.join(FIXES)}")
-        chosen = [p for pid, p in FIXES.items() if pid in ids]  # in FIXES order: it is
+            raise ValueError(f"unknown fix {unknown[0]!r}; known: {', '.join(known)}")
+        chosen = [p for pid, p in known.items() if pid in ids]  # in this order: it is
         # the order they are staged in, and a later fix may sit beside an earlier one
     edits = []
     for pid in planted:
@@ -470,6 +485,7 @@ def register_edit(diff: Path) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def patched(fixes: str = "all", planted: tuple[str, ...] = ()) -> PatchedVllm:
+def patched(fixes: str = "all", planted: tuple[str, ...] = (),
+            connectors: bool = False) -> PatchedVllm:
     """The installed vLLM with the chosen patches (built once per choice)."""
-    return build(select(fixes, planted))
+    return build(select(fixes, planted, connectors))
