@@ -37,6 +37,11 @@ MAX_BUDGET = 7 * 24 * 3600.0
 PROGRESS_EVERY = 10.0
 
 
+DB_HELP = ("Hypothesis example database, replayed first by every run: a directory, "
+           "redis://HOST:PORT[/N] (shared by machines), or github-artifact:OWNER/REPO[/NAME] "
+           "(a workflow's uploaded database, read beside .kvspec/examples)")
+MARKDOWN_HELP = ("also write the run as Markdown (verdict, counterexample and replay command, "
+                 "known findings, unwitnessed claims): a pull-request comment or CI job summary")
 JUNIT_HELP = ("also write the run as JUnit XML there: a test case per claim (checked and "
               "witnessed counts as properties), a failure per violated claim with its trace")
 
@@ -423,12 +428,13 @@ def check(target: str = typer.Option(None, help="target to check (default: impl,
           vllm: str = typer.Option(None, "--vllm", help=VLLM_HELP),
           base: str = typer.Option(None, "--base", help=BASE_HELP),
           as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
-          junit: Path = typer.Option(None, "--junit", help=JUNIT_HELP)):
+          junit: Path = typer.Option(None, "--junit", help=JUNIT_HELP),
+          markdown: Path = typer.Option(None, "--markdown", help=MARKDOWN_HELP)):
     """Check every invariant on a target within a budget; exit 1 on a new violation."""
     target = default_target(target, vllm)
     fuzz_and_report(resolve_target(target, strict, fixes, plant), budget, seed, out, DEFAULT_DB,
                     design_rules, as_json, db_option="the example database", layouts=layouts,
-                    kv=kv, vllm=vllm, base=base, junit=junit)
+                    kv=kv, vllm=vllm, base=base, junit=junit, markdown=markdown)
 
 
 @app.command("fuzz")
@@ -437,7 +443,7 @@ def fuzz_cmd(target: str = typer.Option(None, help="target to fuzz (default: imp
              budget: str = typer.Option("60s", help="time budget, shrinking included: 60s, 10m"),
              seed: int = typer.Option(0, help="seed; everything derives from it"),
              out: Path = typer.Option(DEFAULT_OUT, help="where failing traces are saved"),
-             db: Path = typer.Option(DEFAULT_DB, help="Hypothesis example database"),
+             db: str = typer.Option(str(DEFAULT_DB), help=DB_HELP),
              strict: bool = typer.Option(False, help=STRICT_HELP),
              fixes: str = typer.Option("all", help=FIXES_HELP),
              plant: list[str] = typer.Option(None, help=PLANT_HELP),
@@ -447,12 +453,13 @@ def fuzz_cmd(target: str = typer.Option(None, help="target to fuzz (default: imp
              vllm: str = typer.Option(None, "--vllm", help=VLLM_HELP),
              base: str = typer.Option(None, "--base", help=BASE_HELP),
              as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
-             junit: Path = typer.Option(None, "--junit", help=JUNIT_HELP)):
+             junit: Path = typer.Option(None, "--junit", help=JUNIT_HELP),
+          markdown: Path = typer.Option(None, "--markdown", help=MARKDOWN_HELP)):
     """Fuzz a target; every failure is saved as a trace and shown as a step table."""
     target = default_target(target, vllm)
     fuzz_and_report(resolve_target(target, strict, fixes, plant), budget, seed, out, db,
                     design_rules, as_json, layouts=layouts, kv=kv, vllm=vllm, base=base,
-                    junit=junit)
+                    junit=junit, markdown=markdown)
 
 
 def default_target(target: str | None, vllm: str | None) -> str:
@@ -468,7 +475,8 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
                     design_rules: bool = True, as_json: bool = False,
                     db_option: str = "--db", layouts: str | None = None,
                     kv: str = "symbolic", vllm: str | None = None,
-                    base: str | None = None, junit: Path | None = None) -> None:
+                    base: str | None = None, junit: Path | None = None,
+                    markdown: Path | None = None) -> None:
     """What ``check`` and ``fuzz`` share: run, report, exit 1 on a new violation
     (2 on bad input, 3 when something was left unchecked that nobody asked to
     leave out). With ``as_json`` the human-readable output goes to stderr and
@@ -478,10 +486,11 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
     if as_json:
         console = Console(stderr=True, width=200)
     prep = None
-    if junit is not None:  # bad input before anything runs
-        if junit.is_dir():
-            fail(f"--junit {shown(junit)}: is a directory, not a file to write")
-        check_writable_dir(junit.parent, "--junit")
+    for option, path in (("--junit", junit), ("--markdown", markdown)):
+        if path is not None:  # bad input before anything runs
+            if path.is_dir():
+                fail(f"{option} {shown(path)}: is a directory, not a file to write")
+            check_writable_dir(path.parent, option)
     try:
         prep = prepare_vllm_aware(target, budget, out, db, db_option, layouts, kv, vllm, base,
                                   seed)
@@ -496,17 +505,33 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
         code = report(result, design_rules, prep)
     finally:
         console = saved
-    if as_json or junit is not None:
+    if as_json or junit is not None or markdown is not None:
         from kvspec.report import json_summary
         summary = json_summary(result, target_version(target), prep.seconds, prep.profile,
                                design_rules, target_patches(target), prep)
         if junit is not None:
             from kvspec.junit import write_junit
             write_junit(junit, summary)
+        if markdown is not None:
+            from kvspec.markdown_summary import write_markdown
+            write_markdown(markdown, summary)
         if as_json:
             import json
             print(json.dumps(summary, indent=1))
     raise typer.Exit(code)
+
+
+def check_database(db: str | Path, db_option: str) -> None:
+    """A directory that can be written, or a shared database that answers
+    (kvspec/harness/example_db.py): one line otherwise, before anything runs."""
+    from kvspec.harness.example_db import DatabaseError, is_remote, open_database
+    if not is_remote(db):
+        check_writable_dir(Path(db), db_option)
+        return
+    try:
+        open_database(db)
+    except DatabaseError as exc:
+        fail(str(exc))
 
 
 def prepare_vllm_aware(target: str, budget: str, out: Path, db: Path | None, db_option: str,
@@ -525,7 +550,7 @@ def prepare_vllm_aware(target: str, budget: str, out: Path, db: Path | None, db_
         fail("--base applies to the vllm target")
     check_writable_dir(out, "--out")
     if db is not None:
-        check_writable_dir(db, db_option)
+        check_database(db, db_option)
     worker = start_base(target, base, out.parent if out.name else None)
     try:
         check_target(target)

@@ -22,9 +22,9 @@ from typing import Callable
 
 import attrs
 from hypothesis import HealthCheck, Phase, Verbosity, settings
-from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.stateful import run_state_machine_as_test
 
+from kvspec.harness.example_db import open_database
 from kvspec.harness.heartbeat import periodic
 from kvspec.harness.interrupt import interruptible, is_interrupted, stop_if_interrupted
 from kvspec.harness.machine import machine_for
@@ -160,7 +160,7 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
             on_run(type(self).stats["runs"] + 1)
             original_init(self)
         machine.__init__ = init
-    database = DirectoryBasedExampleDatabase(str(db_dir)) if db_dir else None
+    database = open_database(db_dir)  # a directory, redis://, github-artifact:
     stop = _start_heartbeat(heartbeat, heartbeat_every, machine, result, start)
     batch = 0
     try:

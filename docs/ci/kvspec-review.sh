@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# kvspec's review of a vLLM pull request, as a plain shell script (docs/ci/README.md).
+#
+#   docs/ci/kvspec-review.sh BASE HEAD
+#
+# BASE and HEAD are the vLLM before and after the change: checkouts, wheels or
+# sdists, or git refs of $KVSPEC_REPO. Runs `kvspec review` within the budget and
+# leaves in $KVSPEC_REPORTS: review.md (the pull-request comment; also appended to
+# $GITHUB_STEP_SUMMARY when that is set), review.json and the traces.
+#
+# Fails only on what the change did: exit 1 for a regression (a counterexample on
+# HEAD that BASE does not have). Findings BASE has too are reported, not failed.
+# An incomplete review (exit 3: a fix stopped fitting, the budget was spent before
+# the check ran, the change was never exercised) fails too, with its reason, since a
+# green there would say nothing; KVSPEC_ALLOW_INCOMPLETE=1 turns it into a warning.
+#
+# Settings (environment): KVSPEC_BUDGET (default 10m), KVSPEC_SEED (0),
+# KVSPEC_REPO, KVSPEC_REPORTS (./kvspec-review), KVSPEC (the kvspec command).
+set -uo pipefail
+
+if [ $# -ne 2 ]; then
+    echo "usage: $0 BASE HEAD" >&2
+    exit 2
+fi
+KVSPEC=${KVSPEC:-kvspec}
+OUT=${KVSPEC_REPORTS:-$PWD/kvspec-review}
+args=(--budget "${KVSPEC_BUDGET:-10m}" --seed "${KVSPEC_SEED:-0}" --out "$OUT"
+      --markdown "$OUT/review.md")
+if [ -n "${KVSPEC_REPO:-}" ]; then
+    args+=(--repo "$KVSPEC_REPO")
+fi
+mkdir -p "$OUT"
+
+status=0
+HF_HUB_OFFLINE=1 $KVSPEC review "$1" "$2" "${args[@]}" --json > "$OUT/review.json" || status=$?
+if [ -n "${GITHUB_STEP_SUMMARY:-}" ] && [ -f "$OUT/review.md" ]; then
+    cat "$OUT/review.md" >> "$GITHUB_STEP_SUMMARY"
+fi
+case "$status" in
+    0) echo "kvspec-review: no regression" >&2 ;;
+    1) echo "kvspec-review: REGRESSION (see $OUT/review.md)" >&2 ;;
+    3) if [ "${KVSPEC_ALLOW_INCOMPLETE:-0}" = 1 ]; then
+           echo "kvspec-review: incomplete, allowed by KVSPEC_ALLOW_INCOMPLETE (see $OUT/review.md)" >&2
+           status=0
+       else
+           echo "kvspec-review: INCOMPLETE: nothing was shown either way (see $OUT/review.md)" >&2
+       fi ;;
+    *) echo "kvspec-review: kvspec exited $status" >&2 ;;
+esac
+exit "$status"

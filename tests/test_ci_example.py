@@ -1,0 +1,107 @@
+"""docs/ci/ (issue 28, items 1, 2 and 5): the example project runs its own tests with
+kvspec's pytest plugin through the shell workflow, and the one planted failure (a
+mutant standing for a scheduler change with a bug) is reported correctly in every
+report CI reads: pytest's exit code, the JUnit file, the Markdown summary, the kept
+trace. The GitHub workflow runs the same review script and is valid YAML."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CI = ROOT / "docs" / "ci"
+PLANTED = "mutant:cache_failed_block"
+
+
+@pytest.fixture(scope="module")
+def ci_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("ci")
+    project = work / "example"
+    shutil.copytree(CI / "example", project)
+    reports = work / "reports"
+    env = dict(os.environ, PYTHON=sys.executable, KVSPEC_TARGETS=f"impl {PLANTED}",
+               KVSPEC_BUDGET="10s", KVSPEC_REPORTS=str(reports), GITHUB_STEP_SUMMARY="",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    done = subprocess.run(["bash", str(CI / "kvspec-ci.sh"), str(project)], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=work)
+    return done, reports
+
+
+def get_cases(reports: Path) -> dict[str, ET.Element]:
+    root = ET.parse(reports / "junit.xml").getroot()
+    return {f"{case.get('classname')}::{case.get('name')}": case
+            for case in root.iter("testcase")}
+
+
+def test_the_planted_failure_fails_the_job_and_nothing_else(ci_run):
+    done, reports = ci_run
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    cases = get_cases(reports)
+    failed = sorted(n for n, c in cases.items() if c.find("failure") is not None)
+    assert failed == [f"kvspec::{PLANTED}[all]"], failed
+    own = [n for n in cases if n.startswith("tests.test_block_math::")]
+    assert len(own) == 6, own  # the example project's own tests ran and passed
+    assert f"kvspec::impl[all]" in cases
+
+
+def test_junit_carries_the_counterexample_and_witnessed_counts(ci_run):
+    _, reports = ci_run
+    case = get_cases(reports)[f"kvspec::{PLANTED}[all]"]
+    failure = case.find("failure")
+    text = (failure.get("message") or "") + (failure.text or "")
+    assert "VIOLATED, new: no_caching_of_invalid_blocks" in text
+    assert f"kvspec replay" in text and "counterexample" in text  # the step table
+    props = {p.get("name"): p.get("value") for p in case.iter("property")}
+    assert int(props["witnessed:no_caching_of_invalid_blocks"]) >= 0
+    assert props["trace"].endswith(".json")
+    held = {p.get("name"): p.get("value")
+            for p in get_cases(reports)["kvspec::impl[all]"].iter("property")}
+    assert held["verdict"].startswith("HOLD")
+    assert int(held["witnessed:cached_le_computed"]) > 0
+
+
+def test_markdown_says_the_same(ci_run):
+    _, reports = ci_run
+    text = (reports / "kvspec.md").read_text()
+    assert "### kvspec on `impl`: held" in text
+    assert f"### kvspec on `{PLANTED}`: VIOLATED" in text
+    assert "`no_caching_of_invalid_blocks`:" in text
+    assert f"kvspec replay {reports / 'traces'}" in text
+
+
+def test_the_kept_trace_replays_failing(ci_run):
+    _, reports = ci_run
+    traces = sorted((reports / "traces").glob("*.json"))
+    assert traces, "no trace kept"
+    replay = subprocess.run([sys.executable, "-m", "kvspec", "replay", str(traces[0]),
+                             "--target", PLANTED], capture_output=True, text=True,
+                            timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert replay.returncode == 1, replay.stdout[-2000:] + replay.stderr[-2000:]
+
+
+def test_the_plugin_is_inert_without_the_option(tmp_path):
+    shutil.copytree(CI / "example", tmp_path / "example")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+                          cwd=tmp_path / "example", capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert "6 passed" in done.stdout and "kvspec" not in done.stdout
+
+
+def test_the_github_workflow_runs_the_review_script():
+    yaml = pytest.importorskip("yaml", reason="PyYAML (installed with vLLM) reads the workflow")
+    flow = yaml.safe_load((CI / "github-workflow.yml").read_text())
+    steps = flow["jobs"]["review"]["steps"]
+    runs = "\n".join(s.get("run", "") for s in steps)
+    assert "bash kvspec/docs/ci/kvspec-review.sh base head" in runs
+    assert "download.pytorch.org/whl/cpu" in runs and "[vllm]" in runs
+    assert (CI / "kvspec-review.sh").is_file()
+    usage = subprocess.run(["bash", str(CI / "kvspec-review.sh")], capture_output=True,
+                           text=True, timeout=60)
+    assert usage.returncode == 2 and "usage:" in usage.stderr
