@@ -1,5 +1,6 @@
 """SIGINT and SIGTERM stop a run cleanly (issue 28, item 6): exit 130, the
-partial summary under an INTERRUPTED verdict, and no violation reported.
+partial summary under an INTERRUPTED verdict, and no violation reported; SIGKILL,
+which nothing can catch, loses no failure already saved.
 
 Before, Hypothesis' teardown drained a step the interrupt had left half
 applied and could report a violation that replays clean (a cancelled CI job
@@ -20,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-MOMENTS = [0.0, 0.3, 0.8, 1.5, 3.0]
+#: 20 moments (issue 28's acceptance): the start, the first runs, steady fuzzing
+MOMENTS = [0.0, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.25,
+           1.5, 1.8, 2.1, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.5]
 
 
 def _interrupt(tmp_path: Path, after: float, sig: int) -> tuple[int, str, str, list[Path]]:
@@ -52,3 +55,34 @@ def test_sigterm_stops_the_run_the_same_way(tmp_path):
     code, out, err, traces = _interrupt(tmp_path, 1.5, signal.SIGTERM)
     assert code == 130 and "INTERRUPTED after" in out and not traces, (code, out[-800:])
 
+
+
+def test_sigkill_loses_no_saved_failure(tmp_path):
+    """A counterexample is saved (atomically) before it is shrunk or reported, so a
+    run killed right after the trace appears leaves a whole trace that replays
+    failing (a shell's ``*.json`` skips the hidden scratch file of a shrink step)."""
+    target, out = "mutant:free_during_send", tmp_path / "failures"
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvspec.cli", "fuzz", "--target", target, "--budget", "60s",
+         "--out", str(out), "--db", str(tmp_path / "db")], cwd=tmp_path,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 120
+    while not _traces(out) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    proc.kill()  # SIGKILL: no handler, no teardown
+    proc.wait(timeout=30)
+    traces = _traces(out)
+    assert len(traces) == 1, list(out.iterdir()) if out.exists() else "no --out"
+    # a shrink step's scratch file may be left (.pending-*, hidden from `*.json`),
+    # never a half-written trace: traces are moved into place whole
+    assert all(p.name.startswith(".pending-") for p in out.iterdir() if p != traces[0])
+    replay = subprocess.run([sys.executable, "-m", "kvspec.cli", "replay", str(traces[0]),
+                             "--target", target], capture_output=True, text=True,
+                            timeout=300, env=env, cwd=tmp_path)
+    assert replay.returncode == 1, (replay.stdout[-1500:], replay.stderr[-1500:])
+    assert list((tmp_path / "db").rglob("*")), "the example database kept nothing"
+
+
+def _traces(out: Path) -> list[Path]:
+    return [p for p in out.glob("*.json") if not p.name.startswith(".")] if out.exists() else []
