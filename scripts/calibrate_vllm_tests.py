@@ -195,8 +195,11 @@ def rerun(python: str, source: Path, failed: list[str], hf_home: Path) -> dict:
     if not failed:
         return {"rerun": 0, "passed_without": []}
     env = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu")
+    # a file that errors at collection (a missing optional import) must not stop the
+    # others: without the flag pytest runs nothing and every failure looks shared
     out = subprocess.run([python, "-m", "pytest", "-q", "-rA", "-c", "pyproject.toml",
-                          "--rootdir", ".", "-p", "no:xdist", "-p", "no:cacheprovider", *failed],
+                          "--rootdir", ".", "-p", "no:xdist", "-p", "no:cacheprovider",
+                          "--continue-on-collection-errors", *failed],
                          cwd=source, env=env, capture_output=True, text=True).stdout
     passed = [line.split()[1] for line in out.splitlines() if line.startswith("PASSED ")]
     return {"rerun": len(failed), "passed_without": passed}
@@ -208,8 +211,10 @@ def read_summaries(parts: list[Path]) -> tuple[Counter, list[str]]:
     counts, failed = Counter(), []
     for part in parts:
         lines = part.read_text().splitlines() if part.exists() else []
+        # "ERROR    vllm.x:file.py:12 ..." is a captured log line, not a test id
         failed += [line.split()[1] for line in lines
-                   if line.startswith(("FAILED ", "ERROR ")) and len(line.split()) > 1]
+                   if line.startswith(("FAILED ", "ERROR ")) and len(line.split()) > 1
+                   and line.split()[1].startswith("tests/")]
         tail = lines[-1] if lines else ""
         for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)",
                                   tail):

@@ -600,7 +600,8 @@ def render_gate(packet: Packet, release: str) -> list[str]:
              "says nothing about them (multimodal models, whose configs the offline cache lacks "
              "and whose inspection would need torchvision, which does not import beside torch "
              "2.13 here; or a tokenizer, model weights or vLLM's compiled CPU kernels, none of "
-             "which the offline gate has): "
+             "which the offline gate has; or an accelerator, which Mooncake's worker-side "
+             "tests ask for): "
              + ", ".join(f"`{f}` {n}" for f, n in unrun.most_common())]
     return lines
 
