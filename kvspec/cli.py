@@ -40,6 +40,9 @@ PROGRESS_EVERY = 10.0
 DB_HELP = ("Hypothesis example database, replayed first by every run: a directory, "
            "redis://HOST:PORT[/N] (shared by machines), or github-artifact:OWNER/REPO[/NAME] "
            "(a workflow's uploaded database, read beside .kvspec/examples)")
+EXAMPLES_HELP = ("a budget in runs instead of --budget: the same seed explores the same way "
+                 "on any machine (no time limit, shrinking included; the example database "
+                 "is written, not replayed first)")
 MARKDOWN_HELP = ("also write the run as Markdown (verdict, counterexample and replay command, "
                  "known findings, unwitnessed claims): a pull-request comment or CI job summary")
 JUNIT_HELP = ("also write the run as JUnit XML there: a test case per claim (checked and "
@@ -325,15 +328,17 @@ def rate(result) -> str:
     return f"{result.actions / result.elapsed if result.elapsed > 0 else 0.0:.1f} actions/s"
 
 
-def progress_line(what: str, seconds: float, named: bool = False):
+def progress_line(what: str, seconds: float, named: bool = False, examples: int | None = None):
     """A heartbeat for fuzz(): ``kvspec: fuzzing 20s/60s: 14 runs, 412 actions, 20.6 actions/s``
-    on stderr (``named``: the target after ``what``)."""
+    on stderr (``named``: the target after ``what``; ``examples``: an examples budget,
+    ``fuzzing 20s, budget 500 runs``)."""
     def line(result) -> None:
         name = f" {result.target}" if named else ""
-        late = " (finishing)" if result.elapsed > seconds else ""  # the last batch
+        late = " (finishing)" if examples is None and result.elapsed > seconds else ""
         if getattr(result, "shrink_started", None) is not None:
             late = f" (shrinking a new counterexample since {result.shrink_started:.0f}s)"
-        print(f"kvspec: {what}{name} {result.elapsed:.0f}s/{seconds:g}s{late}: "
+        budget = f"/{seconds:g}s" if examples is None else f", budget {examples} runs"
+        print(f"kvspec: {what}{name} {result.elapsed:.0f}s{budget}{late}: "
               f"{result.runs} runs, {result.actions} actions, {rate(result)}",
               file=sys.stderr, flush=True)
     return line
@@ -429,12 +434,14 @@ def check(target: str = typer.Option(None, help="target to check (default: impl,
           base: str = typer.Option(None, "--base", help=BASE_HELP),
           as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
           junit: Path = typer.Option(None, "--junit", help=JUNIT_HELP),
-          markdown: Path = typer.Option(None, "--markdown", help=MARKDOWN_HELP)):
+          markdown: Path = typer.Option(None, "--markdown", help=MARKDOWN_HELP),
+          examples: int = typer.Option(None, "--examples", help=EXAMPLES_HELP)):
     """Check every invariant on a target within a budget; exit 1 on a new violation."""
     target = default_target(target, vllm)
     fuzz_and_report(resolve_target(target, strict, fixes, plant), budget, seed, out, DEFAULT_DB,
                     design_rules, as_json, db_option="the example database", layouts=layouts,
-                    kv=kv, vllm=vllm, base=base, junit=junit, markdown=markdown)
+                    kv=kv, vllm=vllm, base=base, junit=junit, markdown=markdown,
+                    examples=examples)
 
 
 @app.command("fuzz")
@@ -454,12 +461,13 @@ def fuzz_cmd(target: str = typer.Option(None, help="target to fuzz (default: imp
              base: str = typer.Option(None, "--base", help=BASE_HELP),
              as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
              junit: Path = typer.Option(None, "--junit", help=JUNIT_HELP),
-          markdown: Path = typer.Option(None, "--markdown", help=MARKDOWN_HELP)):
+          markdown: Path = typer.Option(None, "--markdown", help=MARKDOWN_HELP),
+          examples: int = typer.Option(None, "--examples", help=EXAMPLES_HELP)):
     """Fuzz a target; every failure is saved as a trace and shown as a step table."""
     target = default_target(target, vllm)
     fuzz_and_report(resolve_target(target, strict, fixes, plant), budget, seed, out, db,
                     design_rules, as_json, layouts=layouts, kv=kv, vllm=vllm, base=base,
-                    junit=junit, markdown=markdown)
+                    junit=junit, markdown=markdown, examples=examples)
 
 
 def default_target(target: str | None, vllm: str | None) -> str:
@@ -476,7 +484,7 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
                     db_option: str = "--db", layouts: str | None = None,
                     kv: str = "symbolic", vllm: str | None = None,
                     base: str | None = None, junit: Path | None = None,
-                    markdown: Path | None = None) -> None:
+                    markdown: Path | None = None, examples: int | None = None) -> None:
     """What ``check`` and ``fuzz`` share: run, report, exit 1 on a new violation
     (2 on bad input, 3 when something was left unchecked that nobody asked to
     leave out). With ``as_json`` the human-readable output goes to stderr and
@@ -491,11 +499,13 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
             if path.is_dir():
                 fail(f"{option} {shown(path)}: is a directory, not a file to write")
             check_writable_dir(path.parent, option)
+    if examples is not None and examples < 1:
+        fail(f"--examples {examples}: a number of runs, at least 1")
     try:
         prep = prepare_vllm_aware(target, budget, out, db, db_option, layouts, kv, vllm, base,
-                                  seed)
+                                  seed, examples)
         from kvspec.run import execute
-        result = execute(prep, seed, out, db, design_rules, kv, console)
+        result = execute(prep, seed, out, db, design_rules, kv, console, max_examples=examples)
     except UsageError as exc:
         fail(str(exc))
     finally:
@@ -509,6 +519,7 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
         from kvspec.report import json_summary
         summary = json_summary(result, target_version(target), prep.seconds, prep.profile,
                                design_rules, target_patches(target), prep)
+        summary["examples_budget"] = examples
         if junit is not None:
             from kvspec.junit import write_junit
             write_junit(junit, summary)
@@ -536,7 +547,7 @@ def check_database(db: str | Path, db_option: str) -> None:
 
 def prepare_vllm_aware(target: str, budget: str, out: Path, db: Path | None, db_option: str,
                        layouts: str | None, kv: str, vllm: str | None, base: str | None,
-                       seed: int = 0):
+                       seed: int = 0, examples: int | None = None):
     """Everything a run settles before fuzzing: the budget, the source (and
     the base, started first so that the two imports overlap), the target, the
     output directories, the environment, the fixes and known findings."""
@@ -563,7 +574,10 @@ def prepare_vllm_aware(target: str, budget: str, out: Path, db: Path | None, db_
         raise
     console.print(f"kvspec: target {target}"
                   + (f" on {source_label()}" if target.startswith("vllm") else "")
-                  + f", seed {seed}, budget {seconds:g}s (shrinking included)"
+                  + f", seed {seed}, "
+                  + (f"budget {seconds:g}s (shrinking included)" if examples is None else
+                     f"budget {examples} runs (--examples: no time limit; the same seed "
+                     "explores the same way on any machine)")
                   + (f", layouts {', '.join(profile.layouts)}" if layouts else "")
                   + (f", KV in torch tensors ({', '.join(profile.layouts)})"
                      if kv == "torch" else ""), markup=False)

@@ -44,6 +44,9 @@ def pytest_addoption(parser) -> None:
                     help="time budget of each item, shrinking included (default: 60s)")
     group.addoption("--kvspec-seed", default=0, type=int, metavar="SEED",
                     help="seed of every item (default: 0)")
+    group.addoption("--kvspec-examples", default=None, type=int, metavar="N",
+                    help="a budget of N runs instead of --kvspec-budget: the same "
+                         "exploration on any machine")
     group.addoption("--kvspec-layouts", default=None, metavar="LAYOUTS",
                     help="KV cache group layouts joined by commas, one item each "
                          "(default: one item drawing every layout the target maps)")
@@ -141,6 +144,8 @@ class KvspecItem(pytest.Item):
         command = [sys.executable, "-m", "kvspec", "check", "--target", self.target,
                    "--budget", opt("--kvspec-budget"), "--seed", str(opt("--kvspec-seed")),
                    "--out", opt("--kvspec-out"), "--json"]
+        if opt("--kvspec-examples") is not None:
+            command += ["--examples", str(opt("--kvspec-examples"))]
         if self.layout:
             command += ["--layouts", self.layout]
         if opt("--kvspec-vllm"):

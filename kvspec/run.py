@@ -89,7 +89,8 @@ def prepare(target: str, seconds: float, profile, asked: dict[str, str], gaps: d
 
 
 def execute(prep: Prepared, seed: int, out: Path, db: Path | None, design_rules: bool, kv: str,
-            console, on_run: Callable[[int], None] | None = None, trace_name=None):
+            console, on_run: Callable[[int], None] | None = None, trace_name=None,
+            max_examples: int | None = None):
     """Fuzz within the budget; progress as a bar on a terminal, as lines in a log."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -99,11 +100,11 @@ def execute(prep: Prepared, seed: int, out: Path, db: Path | None, design_rules:
         print(f"kvspec: {line}", file=sys.stderr, flush=True)
     common = dict(profile=prep.profile, design_rules=design_rules, kv=kv,
                   recogniser=prep.recogniser, on_event=event, on_run=on_run,
-                  trace_name=trace_name)
+                  trace_name=trace_name, max_examples=max_examples)
     if not console.is_terminal:  # a log: a plain line at a steady interval
         from kvspec.cli import PROGRESS_EVERY, progress_line
         return fuzz(prep.target, prep.seconds, seed, out, db,
-                    heartbeat=progress_line("fuzzing", prep.seconds),
+                    heartbeat=progress_line("fuzzing", prep.seconds, examples=max_examples),
                     heartbeat_every=PROGRESS_EVERY, **common)
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:

@@ -13,7 +13,9 @@
 # Settings (environment):
 #   KVSPEC_TARGETS   targets, space-separated (default: impl; e.g. "vllm")
 #   KVSPEC_BUDGET    time budget of each kvspec item (default: 60s)
-#   KVSPEC_SEED      seed (default: 0): the same seed explores the same way
+#   KVSPEC_SEED      seed (default: 0)
+#   KVSPEC_EXAMPLES  a budget of N runs instead of KVSPEC_BUDGET: the same seed
+#                    explores the same way on any machine, however loaded
 #   KVSPEC_VLLM      the vLLM to check on a vllm target (checkout, wheel, sdist)
 #   KVSPEC_REPORTS   where reports go (default: ./kvspec-reports)
 #   KVSPEC_INSTALL=1 install kvspec and the vLLM CPU runtime first, from
@@ -45,6 +47,9 @@ args=(--kvspec --kvspec-budget "${KVSPEC_BUDGET:-60s}" --kvspec-seed "${KVSPEC_S
 for target in ${KVSPEC_TARGETS:-impl}; do
     args+=(--kvspec-target "$target")
 done
+if [ -n "${KVSPEC_EXAMPLES:-}" ]; then
+    args+=(--kvspec-examples "$KVSPEC_EXAMPLES")
+fi
 if [ -n "${KVSPEC_VLLM:-}" ]; then
     args+=(--kvspec-vllm "$KVSPEC_VLLM")
 fi

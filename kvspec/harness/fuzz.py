@@ -13,6 +13,7 @@ goes on: the environment is never narrowed around a known finding.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import threading
@@ -32,6 +33,11 @@ from kvspec.harness.minimize import minimize
 from kvspec.harness.profiles import MODELLED
 from kvspec.harness.runner import ALL_KINDS, Counterexample, is_lost_performance
 from kvspec.harness.trace import save_trace
+
+PHASES = (Phase.reuse, Phase.generate, Phase.shrink)
+#: an examples budget does not replay the database first: what earlier runs found
+#: must not change what this seed explores
+PHASES_BY_EXAMPLES = (Phase.generate, Phase.shrink)
 
 
 @attrs.define
@@ -101,16 +107,21 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
          heartbeat_every: float = 10.0, design_rules: bool = True,
          kv: str = "symbolic", recogniser=None,
          on_event: Callable[[str], None] | None = None,
-         on_run: Callable[[int], None] | None = None) -> FuzzResult:
+         on_run: Callable[[int], None] | None = None,
+         max_examples: int | None = None) -> FuzzResult:
     """Fuzz ``target`` for ``budget`` seconds, shrinking included. ``progress``
     is called after each batch; ``kv``: the worker's KV, symbolic or torch (real
     tensors); ``heartbeat``, if given, every ``heartbeat_every`` seconds from a
     background thread with the counts so far (runs, actions), however long a
     batch takes. ``recogniser``: a ``known.Recogniser`` (None: every
     counterexample is new); ``on_event``: one-line news (a known finding met,
-    shrinking begun); ``on_run``: called as each run starts (coverage contexts)."""
+    shrinking begun); ``on_run``: called as each run starts (coverage contexts).
+    ``max_examples``: a budget in runs instead of seconds, so that a seed explores
+    the same way on any machine: no time limit applies (to shrinking neither), and
+    the example database is written but not replayed first."""
     start = time.monotonic()
-    deadline = start + budget
+    by_examples = max_examples is not None
+    deadline = math.inf if by_examples else start + budget
     trace_path = out_dir / (trace_name or f"{safe_file_stem(target)}-seed{seed}.json")
     pending = trace_path.with_name(f".pending-{trace_path.name}")
     result = FuzzResult(target, seed, 0.0, 0, 0, {})
@@ -144,15 +155,17 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
             result.first_seen = time.monotonic() - start
             result.shrink_started = result.first_seen
             left = max(0.0, deadline - time.monotonic())
+            limit = ("to the end (an examples budget)" if by_examples else
+                     f"for at most {left:.0f}s (the rest of the budget)")
             say(f"new counterexample ({', '.join(sorted({v.invariant for v in exc.violations}))}"
-                f") at {result.first_seen:.1f}s; shrinking it for at most {left:.0f}s "
-                f"(the rest of the budget)")
+                f") at {result.first_seen:.1f}s; shrinking it {limit}")
         os.replace(pending, trace_path)
         state["last"] = exc
         return False
 
     machine = machine_for(target, on_counterexample=on_counterexample, kinds=kinds,
-                          profile=profile, design_rules=design_rules, kv=kv, deadline=deadline)
+                          profile=profile, design_rules=design_rules, kv=kv,
+                          deadline=None if by_examples else deadline)
     if on_run is not None:
         original_init = machine.__init__
 
@@ -165,16 +178,19 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
     batch = 0
     try:
         with interruptible():
-            while time.monotonic() < deadline:
+            while (batch * batch_examples < max_examples if by_examples
+                   else time.monotonic() < deadline):
                 stop_if_interrupted()
                 machine._hypothesis_internal_use_seed = derive_seed(seed, batch)
+                examples = (min(batch_examples, max_examples - batch * batch_examples)
+                            if by_examples else batch_examples)
                 batch += 1
                 try:
                     run_state_machine_as_test(machine, settings=settings(
-                        max_examples=batch_examples, stateful_step_count=step_count,
+                        max_examples=examples, stateful_step_count=step_count,
                         deadline=None, database=database, suppress_health_check=list(HealthCheck),
                         verbosity=Verbosity.quiet, print_blob=False,
-                        phases=(Phase.reuse, Phase.generate, Phase.shrink)))
+                        phases=PHASES_BY_EXAMPLES if by_examples else PHASES))
                 except Exception:  # the machine raised: the saved trace holds the shrunk example
                     if state["last"] is None:
                         raise
@@ -184,7 +200,8 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
                     # still new), within what is left of the budget.
                     result.counterexample = minimize(
                         target, state["last"], kinds, design_rules=design_rules,
-                        time_limit=max(0.0, min(20.0, deadline - time.monotonic())),
+                        time_limit=(math.inf if by_examples else
+                                    max(0.0, min(20.0, deadline - time.monotonic()))),
                         still_new=lambda found: explain(found) is None)
                     if result.counterexample is not state["last"]:
                         save(result.counterexample, trace_path)
