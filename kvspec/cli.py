@@ -5,6 +5,7 @@ trace) are one line on stderr and exit code 2; a violated invariant is exit 1.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -43,6 +44,9 @@ DB_HELP = ("Hypothesis example database, replayed first by every run: a director
 EXAMPLES_HELP = ("a budget in runs instead of --budget: the same seed explores the same way "
                  "on any machine (no time limit, shrinking included; the example database "
                  "is written, not replayed first)")
+WORKERS_HELP = ("fuzz over N processes sharing one example database: worker i uses seed "
+                "SEED+i, a failure any worker saves is replayed first by the others; the "
+                "summary sums them and the verdict is the worst")
 MARKDOWN_HELP = ("also write the run as Markdown (verdict, counterexample and replay command, "
                  "known findings, unwitnessed claims): a pull-request comment or CI job summary")
 JUNIT_HELP = ("also write the run as JUnit XML there: a test case per claim (checked and "
@@ -462,12 +466,48 @@ def fuzz_cmd(target: str = typer.Option(None, help="target to fuzz (default: imp
              as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
              junit: Path = typer.Option(None, "--junit", help=JUNIT_HELP),
           markdown: Path = typer.Option(None, "--markdown", help=MARKDOWN_HELP),
-          examples: int = typer.Option(None, "--examples", help=EXAMPLES_HELP)):
+          examples: int = typer.Option(None, "--examples", help=EXAMPLES_HELP),
+          workers: int = typer.Option(1, "--workers", help=WORKERS_HELP)):
     """Fuzz a target; every failure is saved as a trace and shown as a step table."""
-    target = default_target(target, vllm)
-    fuzz_and_report(resolve_target(target, strict, fixes, plant), budget, seed, out, db,
+    target = resolve_target(default_target(target, vllm), strict, fixes, plant)
+    if workers != 1:
+        argv = ["--target", target, "--budget", budget, "--out", str(out), "--db", db,
+                "--kv", kv] + ([] if design_rules else ["--no-design-rules"])
+        argv += [x for opt, v in (("--layouts", layouts), ("--vllm", vllm), ("--base", base))
+                 if v is not None for x in (opt, v)]
+        fuzz_in_parallel(argv, workers, seed, out, db, as_json, junit, markdown, examples)
+    fuzz_and_report(target, budget, seed, out, db,
                     design_rules, as_json, layouts=layouts, kv=kv, vllm=vllm, base=base,
                     junit=junit, markdown=markdown, examples=examples)
+
+
+def fuzz_in_parallel(argv: list[str], workers: int, seed: int, out: Path, db: str,
+                     as_json: bool, junit: Path | None, markdown: Path | None,
+                     examples: int | None) -> None:
+    """``fuzz --workers N`` (kvspec/parallel.py): N processes, one database."""
+    from kvspec import parallel
+    if not 2 <= workers <= 64:
+        fail(f"--workers {workers}: between 1 and 64")
+    check_writable_dir(out, "--out")
+    check_database(db, "--db")
+    for option, path in (("--junit", junit), ("--markdown", markdown)):
+        if path is not None:
+            check_writable_dir(path.parent, option)
+    print(f"kvspec: {workers} workers, seeds {seed}..{seed + workers - 1}, one database ({db})",
+          file=sys.stderr, flush=True)
+    results = parallel.run_workers(parallel.get_worker_commands(argv, seed, workers, examples))
+    print("\n".join(parallel.report_workers(results, seed)), file=sys.stderr, flush=True)
+    code = parallel.get_worst_code([c for c, _, _ in results])
+    summaries = [s for _, s, _ in results if s is not None]
+    if summaries:
+        summary = dict(parallel.combine(summaries), examples_budget=examples)
+        print(f"kvspec: campaign: {summary['runs']} runs, {summary['actions']} actions in "
+              f"{summary['elapsed_s']:.1f}s ({summary['actions_per_s']} actions/s over "
+              f"{len(summaries)} workers)", file=sys.stderr, flush=True)
+        parallel.write_reports(summary, junit, markdown)
+        if as_json:
+            print(json.dumps(summary, indent=1))
+    raise typer.Exit(code)
 
 
 def default_target(target: str | None, vllm: str | None) -> str:

@@ -1,0 +1,114 @@
+"""``kvspec fuzz --workers N``: one campaign over N processes (issue 28, item 4).
+
+Worker ``i`` is an ordinary ``kvspec fuzz`` with seed ``seed + i`` (so worker 0 is
+the single-process run of that seed), the same budget, and the same example
+database, which every worker writes and replays first: a failure one worker saved
+is tried by the others' next batches. Each worker saves its own trace
+(``<target>-seed<seed+i>.json``). The campaign's summary is the workers' summed
+(runs, actions, checked and witnessed counts per claim) and its verdict the
+worst of theirs: a violation in any worker fails the campaign, and its
+counterexample (step table and replay command) is printed as the worker printed
+it. An interrupt reaches every worker; the campaign then exits 130 like one run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from kvspec.verdict import EXIT_INTERRUPTED
+
+#: exit codes from best to worst: a campaign reports the worst of its workers'
+SEVERITY = (0, 3, 1, EXIT_INTERRUPTED, 2)
+
+
+def get_worker_commands(argv: list[str], seed: int, workers: int,
+                        examples: int | None) -> list[list[str]]:
+    """``argv`` (the fuzz options but --seed, --workers, --examples, --json,
+    --junit, --markdown) once per worker, with its seed and share of runs."""
+    commands = []
+    for i in range(workers):
+        command = [sys.executable, "-m", "kvspec", "fuzz", *argv, "--seed", str(seed + i),
+                   "--json"]
+        if examples is not None:
+            command += ["--examples", str(-(-examples // workers))]
+        commands.append(command)
+    return commands
+
+
+def run_workers(commands: list[list[str]]) -> list[tuple[int, dict | None, str]]:
+    """Each worker's exit code, JSON summary (None if it printed none) and stderr."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ)) for c in commands]
+    from kvspec.harness.interrupt import interruptible
+    try:
+        with interruptible():  # SIGTERM too: a cancelled CI job stops every worker
+            outputs = [p.communicate() for p in procs]
+    except KeyboardInterrupt:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        outputs = [p.communicate() for p in procs]
+    return [(p.returncode, read_json(out), err) for p, (out, err) in zip(procs, outputs)]
+
+
+def read_json(stdout: str) -> dict | None:
+    try:
+        return json.loads(stdout[stdout.index("{"):])
+    except ValueError:
+        return None
+
+
+def get_worst_code(codes: list[int]) -> int:
+    known = [c if c in SEVERITY else 2 for c in codes]
+    return max(known, key=SEVERITY.index)
+
+
+def combine(summaries: list[dict]) -> dict:
+    """One campaign summary from the workers' (their claims summed)."""
+    first = summaries[0]
+    claims = []
+    for i, claim in enumerate(first["claims"]):
+        rows = [s["claims"][i] for s in summaries]
+        claims.append(dict(claim, **{k: (None if any(r[k] is None for r in rows)
+                                          else sum(r[k] for r in rows))
+                                     for k in ("checked", "witnessed", "violations")}))
+    elapsed = max(s["elapsed_s"] for s in summaries)
+    actions = sum(s["actions"] for s in summaries)
+    failing = [s for s in summaries if s["violations"]]
+    shown = failing[0] if failing else first
+    return dict(first, claims=claims, runs=sum(s["runs"] for s in summaries), actions=actions,
+                elapsed_s=elapsed, actions_per_s=round(actions / elapsed, 1) if elapsed else 0.0,
+                verdict=shown["verdict"], verdict_line=shown["verdict_line"],
+                violations=shown["violations"], trace=shown["trace"],
+                exit_code=get_worst_code([s["exit_code"] for s in summaries]),
+                seeds=[s["seed"] for s in summaries], workers=len(summaries),
+                traces=[s["trace"] for s in failing],
+                known_findings=[k for s in summaries for k in s.get("known_findings", [])],
+                unwitnessed=sorted(set.intersection(*(set(s["unwitnessed"])
+                                                      for s in summaries))))
+
+
+def report_workers(results: list[tuple[int, dict | None, str]], seed: int) -> list[str]:
+    """One line per worker, and the full output of the first that failed."""
+    lines = []
+    for i, (code, summary, _) in enumerate(results):
+        what = summary["verdict_line"] if summary else "printed no summary (it crashed)"
+        lines.append(f"kvspec: worker {i} (seed {seed + i}): exit {code}: {what}")
+    for i, (code, summary, err) in enumerate(results):
+        if code not in (0, EXIT_INTERRUPTED):
+            lines += ["", f"kvspec: worker {i}'s output:", err.rstrip()]
+            break
+    return lines
+
+
+def write_reports(summary: dict, junit: Path | None, markdown: Path | None) -> None:
+    if junit is not None:
+        from kvspec.junit import write_junit
+        write_junit(junit, summary)
+    if markdown is not None:
+        from kvspec.markdown_summary import write_markdown
+        write_markdown(markdown, summary)

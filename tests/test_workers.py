@@ -1,0 +1,51 @@
+"""``kvspec fuzz --workers N`` (issue 28, item 4): N processes, one example
+database, seeds SEED..SEED+N-1, a summed summary and the worst verdict; the
+throughput figure is bench/bench_workers.py's, not a test's."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+
+
+def fuzz(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.run([sys.executable, "-m", "kvspec", "fuzz", "--json", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=600, env=ENV)
+
+
+def test_a_violation_in_a_worker_fails_the_campaign(tmp_path):
+    done = fuzz(tmp_path, "--target", "mutant:abort_marks_stopped", "--workers", "2",
+                "--budget", "8s", "--junit", str(tmp_path / "j.xml"))
+    assert done.returncode == 1, done.stderr[-2000:]
+    summary = json.loads(done.stdout)
+    assert summary["workers"] == 2 and summary["seeds"] == [0, 1]
+    assert summary["verdict"] == "violated" and summary["violations"]
+    assert summary["traces"] and all(Path(tmp_path, t).is_file() for t in summary["traces"])
+    assert "worker 0 (seed 0): exit 1" in done.stderr and "counterexample" in done.stderr
+    assert "kvspec replay" in done.stderr
+    assert "<failure" in (tmp_path / "j.xml").read_text()
+    # one database for both workers
+    assert [p.name for p in (tmp_path / ".kvspec").iterdir() if p.is_dir()] \
+        .count("examples") == 1
+
+
+def test_an_examples_budget_is_split_and_sums_the_same_every_time(tmp_path):
+    first = fuzz(tmp_path / "a", "--workers", "2", "--examples", "20", "--seed", "5")
+    second = fuzz(tmp_path / "b", "--workers", "2", "--examples", "20", "--seed", "5")
+    assert first.returncode == second.returncode == 0, first.stderr[-2000:]
+    a, b = json.loads(first.stdout), json.loads(second.stdout)
+    assert a["seeds"] == [5, 6]
+    assert (a["runs"], a["actions"]) == (b["runs"], b["actions"])
+    assert [c["witnessed"] for c in a["claims"]] == [c["witnessed"] for c in b["claims"]]
+
+
+def test_a_bad_worker_count_is_one_line(tmp_path):
+    done = fuzz(tmp_path, "--workers", "0")
+    assert done.returncode == 2
+    assert done.stderr.strip() == "kvspec: error: --workers 0: between 1 and 64"
