@@ -150,6 +150,9 @@ def json_summary(result, version: str, budget_s: float, profile, design_rules: b
         "violations": [] if ce is None else [{"claim": v.invariant, "message": v.message}
                                              for v in ce.violations],
         "trace": str(result.trace_path) if result.trace_path else None,
+        "replays": None if getattr(result, "replays", None) is None else {
+            "failed": result.replays[0], "of": result.replays[1],
+            "flaky": result.replays[0] < result.replays[1]},
     }
 
 

@@ -104,7 +104,10 @@ def first_line(result, found: list[Restriction], code_changed=(),
         return (f"INTERRUPTED after {result.elapsed:.1f}s: a partial run, judged up to the "
                 f"interrupt{found}{tail}", EXIT_INTERRUPTED)
     if ce is not None:
-        return f"VIOLATED, new: {', '.join(claims)}{tail}", EXIT_VIOLATED
+        replays = getattr(result, "replays", None)
+        flaky = (f" (FLAKY: the saved trace broke it in {replays[0]} of {replays[1]} replays)"
+                 if replays is not None and replays[0] < replays[1] else "")
+        return f"VIOLATED{flaky}, new: {', '.join(claims)}{tail}", EXIT_VIOLATED
     if unasked:
         return f"INCOMPLETE{tail}", EXIT_INCOMPLETE
     return f"HOLD: every claim held{tail}", EXIT_HOLD

@@ -67,6 +67,9 @@ class FuzzResult:
     #: SIGINT or SIGTERM stopped the run: what it shows is partial, and
     #: nothing after the interrupt was judged (kvspec.harness.interrupt)
     interrupted: bool = False
+    #: the saved trace replayed again: (how many replays broke one of its claims,
+    #: how many replays); fewer than all is a flaky verdict
+    replays: tuple[int, int] | None = None
 
 
 @attrs.define
@@ -206,6 +209,8 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
                     if result.counterexample is not state["last"]:
                         save(result.counterexample, trace_path)
                     result.trace_path = trace_path
+                    result.replays = count_failing_replays(
+                        trace_path, target, {v.invariant for v in result.counterexample.violations})
                     break
                 finally:
                     _collect(result, machine, start)
@@ -222,6 +227,28 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
         stop.set()
         pending.unlink(missing_ok=True)
     return result
+
+
+#: how often a new counterexample's saved trace is replayed before it is reported
+REPLAYS = 3
+
+
+def count_failing_replays(path: Path, target: str, claims: set[str], times: int = REPLAYS,
+                          replay=None) -> tuple[int, int]:
+    """How many of ``times`` replays of the saved trace break one of ``claims``:
+    a verdict that does not reproduce every time is reported as flaky (a data
+    race, an unseeded random choice, a dependence on the wall clock), not as a
+    plain violation. A replay that cannot run at all counts as not failing."""
+    if replay is None:
+        from kvspec.harness.replay import replay_trace as replay
+    failed = 0
+    for _ in range(times):
+        try:
+            outcome = replay(path, target)
+        except Exception:  # noqa: BLE001 (reported by the count, and by `kvspec replay`)
+            continue
+        failed += bool(claims & {v.invariant for v in outcome.violations})
+    return failed, times
 
 
 def _keep_known(result: FuzzResult, why, exc: Counterexample, pending: Path, out_dir: Path,
