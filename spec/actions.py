@@ -251,7 +251,8 @@ def schedule_relation(t: Transition):
     design rules ``preemption_victim_follows_policy`` and ``long_prefill_cap``.
     Unchanged:
     tokens of every request, and ``num_computed_tokens`` of requests neither
-    scheduled, preempted, nor moving through an external load."""
+    scheduled, preempted, moving through an external load, nor resuming after a
+    load failure cut them back (over blocks another request recomputed)."""
     if t.action != "schedule":
         return
     step, cfg = t.step, t.after.config
@@ -292,7 +293,11 @@ def schedule_relation(t: Transition):
             yield f"{rid}: schedule changed its tokens"
         elif (rid not in step.num_scheduled_tokens and rid not in step.preempted_req_ids
               and old.status == new.status == RequestStatus.RUNNING
-              and old.num_computed_tokens < new.num_computed_tokens):
+              and old.num_computed_tokens < new.num_computed_tokens
+              # a request a load failure cut back resumes over the blocks another
+              # request recomputed as soon as it is ready, in a step whose budget or
+              # pool may then leave it unscheduled (found by HypoFuzz, 2026-11-26)
+              and rid not in t.recovered):
             yield f"{rid}: num_computed grew without being scheduled"
 
 
