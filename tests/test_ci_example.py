@@ -105,3 +105,15 @@ def test_the_github_workflow_runs_the_review_script():
     usage = subprocess.run(["bash", str(CI / "kvspec-review.sh")], capture_output=True,
                            text=True, timeout=60)
     assert usage.returncode == 2 and "usage:" in usage.stderr
+
+
+def test_the_hypofuzz_targets_run_as_plain_hypothesis_tests():
+    """docs/ci/hypofuzz/: what HypoFuzz fuzzes for hours is a working Hypothesis test
+    (HypoFuzz itself is not installed here; docs/ci/README.md says how it was tried)."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-p", "no:xdist", "-o", "addopts=", "-o", "testpaths=",
+                           str(CI / "hypofuzz")], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1", KVSPEC_HYPOFUZZ_EXAMPLES="5"),
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert "passed" in done.stdout
