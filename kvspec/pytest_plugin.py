@@ -148,8 +148,8 @@ class KvspecItem(pytest.Item):
             command += ["--examples", str(opt("--kvspec-examples"))]
         if self.layout:
             command += ["--layouts", self.layout]
-        if opt("--kvspec-vllm"):
-            command += ["--vllm", opt("--kvspec-vllm")]
+        if opt("--kvspec-vllm") and self.target.startswith("vllm"):
+            command += ["--vllm", opt("--kvspec-vllm")]  # the vllm targets' source only
         return command
 
     def runtest(self) -> None:

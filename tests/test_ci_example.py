@@ -25,7 +25,8 @@ def ci_run(tmp_path_factory):
     project = work / "example"
     shutil.copytree(CI / "example", project)
     reports = work / "reports"
-    env = dict(os.environ, PYTHON=sys.executable, KVSPEC_TARGETS=f"impl {PLANTED}",
+    env = {k: v for k, v in os.environ.items() if k != "KVSPEC_VLLM"}  # the suite's own
+    env = dict(env, PYTHON=sys.executable, KVSPEC_TARGETS=f"impl {PLANTED}",
                KVSPEC_BUDGET="10s", KVSPEC_REPORTS=str(reports), GITHUB_STEP_SUMMARY="",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     done = subprocess.run(["bash", str(CI / "kvspec-ci.sh"), str(project)], env=env,
