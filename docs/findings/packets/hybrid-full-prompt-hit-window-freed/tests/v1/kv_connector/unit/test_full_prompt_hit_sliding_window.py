@@ -22,11 +22,11 @@ from .utils import (
     make_kv_cache_config,
 )
 
+pytestmark = pytest.mark.cpu_test
+
 BLOCK_SIZE = 16
 SLIDING_WINDOW = 32
 
-
-pytestmark = pytest.mark.cpu_test
 
 
 class HMAMockKVConnector(MockKVConnector, SupportsHMA):
@@ -116,7 +116,8 @@ def test_pd_prefill_node_stops_one_token_short_for_window_groups(kv_connector):
     assert request.num_prompt_tokens == 46
     assert request.kv_transfer_params["_p_side_truncated"] is True
 
-    # A preempted request is added again: it must not lose another token.
+    # The connector is told of the request again (as by a second add_request):
+    # it must not lose another token.
     scheduler.connector.on_new_request(request)
     assert request.num_prompt_tokens == 46
 
