@@ -490,9 +490,7 @@ def fuzz_in_parallel(argv: list[str], workers: int, seed: int, out: Path, db: st
         fail(f"--workers {workers}: between 1 and 64")
     check_writable_dir(out, "--out")
     check_database(db, "--db")
-    for option, path in (("--junit", junit), ("--markdown", markdown)):
-        if path is not None:
-            check_writable_dir(path.parent, option)
+    check_report_options(junit, markdown, examples)
     print(f"kvspec: {workers} workers, seeds {seed}..{seed + workers - 1}, one database ({db})",
           file=sys.stderr, flush=True)
     results = parallel.run_workers(parallel.get_worker_commands(argv, seed, workers, examples))
@@ -504,9 +502,7 @@ def fuzz_in_parallel(argv: list[str], workers: int, seed: int, out: Path, db: st
         print(f"kvspec: campaign: {summary['runs']} runs, {summary['actions']} actions in "
               f"{summary['elapsed_s']:.1f}s ({summary['actions_per_s']} actions/s over "
               f"{len(summaries)} workers)", file=sys.stderr, flush=True)
-        parallel.write_reports(summary, junit, markdown)
-        if as_json:
-            print(json.dumps(summary, indent=1))
+        write_reports(summary, as_json, junit, markdown)
     raise typer.Exit(code)
 
 
@@ -534,13 +530,7 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
     if as_json:
         console = Console(stderr=True, width=200)
     prep = None
-    for option, path in (("--junit", junit), ("--markdown", markdown)):
-        if path is not None:  # bad input before anything runs
-            if path.is_dir():
-                fail(f"{option} {shown(path)}: is a directory, not a file to write")
-            check_writable_dir(path.parent, option)
-    if examples is not None and examples < 1:
-        fail(f"--examples {examples}: a number of runs, at least 1")
+    check_report_options(junit, markdown, examples)
     try:
         prep = prepare_vllm_aware(target, budget, out, db, db_option, layouts, kv, vllm, base,
                                   seed, examples)
@@ -560,16 +550,33 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
         summary = json_summary(result, target_version(target), prep.seconds, prep.profile,
                                design_rules, target_patches(target), prep)
         summary["examples_budget"] = examples
-        if junit is not None:
-            from kvspec.junit import write_junit
-            write_junit(junit, summary)
-        if markdown is not None:
-            from kvspec.markdown_summary import write_markdown
-            write_markdown(markdown, summary)
-        if as_json:
-            import json
-            print(json.dumps(summary, indent=1))
+        write_reports(summary, as_json, junit, markdown)
     raise typer.Exit(code)
+
+
+def check_report_options(junit: Path | None, markdown: Path | None,
+                         examples: int | None) -> None:
+    """Bad report paths or run counts are one line before anything runs."""
+    for option, path in (("--junit", junit), ("--markdown", markdown)):
+        if path is not None:
+            if path.is_dir():
+                fail(f"{option} {shown(path)}: is a directory, not a file to write")
+            check_writable_dir(path.parent, option)
+    if examples is not None and examples < 1:
+        fail(f"--examples {examples}: a number of runs, at least 1")
+
+
+def write_reports(summary: dict, as_json: bool, junit: Path | None,
+                  markdown: Path | None) -> None:
+    """A run's (or a campaign's) ``json_summary`` as every report asked for."""
+    if junit is not None:
+        from kvspec.junit import write_junit
+        write_junit(junit, summary)
+    if markdown is not None:
+        from kvspec.markdown_summary import write_markdown
+        write_markdown(markdown, summary)
+    if as_json:
+        print(json.dumps(summary, indent=1))
 
 
 def check_database(db: str | Path, db_option: str) -> None:

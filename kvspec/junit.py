@@ -24,7 +24,8 @@ def _properties(parent: ET.Element, values: dict) -> None:
         ET.SubElement(props, "property", name=name, value="" if value is None else str(value))
 
 
-def _replay(summary: dict) -> str:
+def get_replay_command(summary: dict) -> str:
+    """The command that replays a run's saved trace (every report prints it)."""
     return f"kvspec replay {summary['trace']} --target '{summary['target']}'"
 
 
@@ -38,7 +39,7 @@ def _claim_case(suite: ET.Element, summary: dict, claim: dict) -> str:
         failure = ET.SubElement(case, "failure", type="violation",
                                 message=(messages[0] if messages else claim["name"])[:500])
         failure.text = "\n".join(messages + [f"trace: {summary['trace']}",
-                                             f"replay: {_replay(summary)}"])
+                                             f"replay: {get_replay_command(summary)}"])
         return "failure"
     if claim["checked"] is None and claim["kind"] != "outcome":
         ET.SubElement(case, "skipped", message="not checked in this run (a design rule "

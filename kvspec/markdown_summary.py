@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvspec.junit import get_replay_command
+
 HEADINGS = {"hold": "held", "violated": "VIOLATED", "incomplete": "incomplete"}
 
 
@@ -25,8 +27,7 @@ def get_violation_lines(summary: dict) -> list[str]:
     lines = ["**New counterexample.**", ""]
     lines += [f"- `{v['claim']}`: {v['message']}" for v in summary["violations"]]
     if summary.get("trace"):
-        lines += ["", "```bash", f"kvspec replay {summary['trace']} --target "
-                  f"'{summary['target']}'", "```"]
+        lines += ["", "```bash", get_replay_command(summary), "```"]
     return lines + [""]
 
 

@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 from kvspec.verdict import EXIT_INTERRUPTED
 
@@ -52,10 +51,12 @@ def run_workers(commands: list[list[str]]) -> list[tuple[int, dict | None, str]]
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
         outputs = [p.communicate() for p in procs]
-    return [(p.returncode, read_json(out), err) for p, (out, err) in zip(procs, outputs)]
+    return [(p.returncode, read_summary(out), err) for p, (out, err) in zip(procs, outputs)]
 
 
-def read_json(stdout: str) -> dict | None:
+def read_summary(stdout: str) -> dict | None:
+    """The ``--json`` summary a ``kvspec check``/``fuzz`` printed (None when it
+    printed none: it crashed)."""
     try:
         return json.loads(stdout[stdout.index("{"):])
     except ValueError:
@@ -103,12 +104,3 @@ def report_workers(results: list[tuple[int, dict | None, str]], seed: int) -> li
             lines += ["", f"kvspec: worker {i}'s output:", err.rstrip()]
             break
     return lines
-
-
-def write_reports(summary: dict, junit: Path | None, markdown: Path | None) -> None:
-    if junit is not None:
-        from kvspec.junit import write_junit
-        write_junit(junit, summary)
-    if markdown is not None:
-        from kvspec.markdown_summary import write_markdown
-        write_markdown(markdown, summary)

@@ -21,7 +21,6 @@ the item's ``user_properties``, so ``--junitxml`` carries them.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -31,7 +30,8 @@ from pathlib import Path
 
 import pytest
 
-EXIT_HOLD, EXIT_VIOLATED, EXIT_INTERRUPTED = 0, 1, 130
+from kvspec.parallel import read_summary
+from kvspec.verdict import EXIT_HOLD, EXIT_INTERRUPTED
 
 
 def pytest_addoption(parser) -> None:
@@ -160,7 +160,7 @@ class KvspecItem(pytest.Item):
         summary = read_summary(done.stdout)
         self.record(summary)
         self.config.stash.setdefault(MARKDOWN_KEY, []).append(
-            get_markdown(self.name, command, done, summary))
+            get_markdown(self.name, done, summary))
         if done.returncode == EXIT_INTERRUPTED:
             pytest.exit(f"kvspec: {self.name} was interrupted", returncode=EXIT_INTERRUPTED)
         if done.returncode != EXIT_HOLD or summary is None:
@@ -188,23 +188,12 @@ class KvspecItem(pytest.Item):
         return self.config.rootpath, None, self.name
 
 
-def get_markdown(name: str, command: list[str], done, summary: dict | None) -> str:
+def get_markdown(name: str, done, summary: dict | None) -> str:
     if summary is None:
         return (f"### {name}: the check crashed (exit {done.returncode})\n\n```\n"
                 + "\n".join(done.stderr.strip().splitlines()[-15:]) + "\n```\n")
     from kvspec.markdown_summary import markdown_summary
     return markdown_summary(summary)
-
-
-def read_summary(stdout: str) -> dict | None:
-    """The check's JSON summary (None when it printed none: it crashed)."""
-    start = stdout.find("{")
-    if start < 0:
-        return None
-    try:
-        return json.loads(stdout[start:])
-    except ValueError:
-        return None
 
 
 def get_counterexample_text(stderr: str) -> str:
@@ -222,6 +211,6 @@ def render_failure(command: list[str], done, summary: dict | None) -> str:
         return f"kvspec check crashed (exit {done.returncode}): {shown}\n{tail}"
     lines = [f"{summary['verdict_line']} (exit {done.returncode})", f"ran: {shown}"]
     if summary.get("trace"):
-        lines.append(f"replay: kvspec replay {summary['trace']} "
-                     f"--target {shlex.quote(summary['target'])}")
+        from kvspec.junit import get_replay_command
+        lines.append(f"replay: {get_replay_command(summary)}")
     return "\n".join(lines + ["", get_counterexample_text(done.stderr)])

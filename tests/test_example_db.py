@@ -5,15 +5,15 @@ a server that does not answer is a one-line error before anything runs."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from cli_run import run_kvspec
 
 MUTANT = "mutant:free_during_send"
 
@@ -59,12 +59,8 @@ def redis_url(tmp_path):
 
 
 def run_fuzz(cwd: Path, db: str, budget: str = "8s") -> subprocess.CompletedProcess:
-    cwd.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([sys.executable, "-m", "kvspec", "fuzz", "--target", MUTANT,
-                           "--budget", budget, "--db", db, "--json"], cwd=cwd,
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1",
-                                   PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    return run_kvspec(cwd, "fuzz", "--target", MUTANT, "--budget", budget, "--db", db,
+                      "--json", timeout=300)
 
 
 def test_a_failure_found_on_one_machine_is_replayed_first_on_another(redis_url, tmp_path):

@@ -5,19 +5,15 @@ for a failure."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+from cli_run import run_kvspec
 
 
 def run_check(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    cwd.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([sys.executable, "-m", "kvspec", "check", "--json", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=600, env=ENV)
+    return run_kvspec(cwd, "check", "--json", *args)
 
 
 def get_exploration(done: subprocess.CompletedProcess) -> dict:

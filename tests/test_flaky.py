@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from cli_run import run_kvspec
+
 from kvspec.harness.fuzz import FuzzResult, count_failing_replays
 from kvspec.verdict import EXIT_VIOLATED, first_line
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _outcome(claims):
@@ -47,10 +44,8 @@ def test_the_verdict_line_says_flaky_and_still_fails():
 
 
 def test_a_deterministic_violation_is_replayed_and_not_flaky(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "kvspec", "check", "--target",
-                           "mutant:abort_marks_stopped", "--budget", "6s", "--json"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT)))
+    done = run_kvspec(tmp_path, "check", "--target", "mutant:abort_marks_stopped",
+                      "--budget", "6s", "--json", timeout=300)
     assert done.returncode == 1, done.stderr[-1500:]
     summary = json.loads(done.stdout)
     assert summary["replays"] == {"failed": 3, "of": 3, "flaky": False}

@@ -4,19 +4,14 @@ throughput figure is bench/bench_workers.py's, not a test's."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+from cli_run import run_kvspec
 
 
 def fuzz(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    cwd.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([sys.executable, "-m", "kvspec", "fuzz", "--json", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=600, env=ENV)
+    return run_kvspec(cwd, "fuzz", "--json", *args)
 
 
 def test_a_violation_in_a_worker_fails_the_campaign(tmp_path):
