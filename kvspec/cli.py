@@ -974,6 +974,7 @@ def _run(argv: list[str] | None) -> int:
     """Run the command line on ``argv``; the exit code. Bad input (an argument
     click rejects, a file that cannot be read or written) is one line on stderr
     and exit code 2, never a traceback (``KVSPEC_DEBUG=1`` shows it)."""
+    from kvspec.harness.interrupt import is_interrupted
     from kvspec.harness.trace import TraceError
     try:
         code = app(args=argv, standalone_mode=False, prog_name="kvspec")
@@ -982,11 +983,13 @@ def _run(argv: list[str] | None) -> int:
     except (TraceError, UsageError, OSError) as exc:
         return _error(str(exc) if not isinstance(exc, OSError) else _os_error(exc), exc)
     except Exception as exc:
-        if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):  # click's errors
+        if is_interrupted():  # an interrupt some library turned into its own error
+            code = EXIT_INTERRUPTED
+        elif hasattr(exc, "format_message") and hasattr(exc, "exit_code"):  # click's errors
             ctx = getattr(exc, "ctx", None)
             hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
             return _error(exc.format_message().rstrip(".") + hint, exc)
-        if type(exc).__name__ != "Abort":  # click's or typer's Abort is raised on Ctrl-C
+        elif type(exc).__name__ != "Abort":  # click's or typer's Abort is raised on Ctrl-C
             return _error(f"unexpected {type(exc).__name__}: {exc}", exc)
         code = EXIT_INTERRUPTED
     # an interrupted run (its verdict), or a KeyboardInterrupt outside one

@@ -195,6 +195,9 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
                         verbosity=Verbosity.quiet, print_blob=False,
                         phases=PHASES_BY_EXAMPLES if by_examples else PHASES))
                 except Exception:  # the machine raised: the saved trace holds the shrunk example
+                    # an interrupt Hypothesis' engine turned into its own error (one
+                    # landing before its runner exists trips `assert state._runner`)
+                    stop_if_interrupted()
                     if state["last"] is None:
                         raise
                     result.shrink_cut = time.monotonic() > deadline
