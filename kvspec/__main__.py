@@ -1,7 +1,23 @@
-from kvspec.hashseed import pin_hash_seed
+"""``python -m kvspec`` and the ``kvspec`` console script.
 
-pin_hash_seed()  # before anything heavy is imported: the process may start again
+The hash seed is pinned before anything heavy is imported (the process may
+start again, see kvspec/hashseed.py). Importing the command line takes a
+second or more (typer, rich, Hypothesis); an interrupt in that second is an
+interrupt like any other: "kvspec: interrupted", exit 130, no traceback.
+"""
+import sys
 
-from kvspec.cli import main  # noqa: E402
 
-main()
+def main() -> None:
+    try:
+        from kvspec.hashseed import pin_hash_seed
+        pin_hash_seed()
+        from kvspec.cli import main as run_command_line
+    except KeyboardInterrupt:
+        print("kvspec: interrupted", file=sys.stderr)
+        sys.exit(130)
+    run_command_line()
+
+
+if __name__ == "__main__":
+    main()

@@ -1047,10 +1047,15 @@ def _error(message: str, exc: BaseException) -> int:
 
 def main() -> None:
     from kvspec.hashseed import pin_hash_seed
-    pin_hash_seed()  # the console script's way in (``python -m kvspec`` pins it first)
-    from hypothesis.configuration import set_hypothesis_home_dir
-    set_hypothesis_home_dir(HYPOTHESIS_HOME)  # keep Hypothesis' files under .kvspec/ too
-    sys.exit(run())
+    pin_hash_seed()  # ``python -m kvspec.cli``'s way in (kvspec/__main__.py pins it first)
+    try:
+        from hypothesis.configuration import set_hypothesis_home_dir
+        set_hypothesis_home_dir(HYPOTHESIS_HOME)  # keep Hypothesis' files under .kvspec/ too
+        code = run()
+    except KeyboardInterrupt:  # outside a command's run (its imports): nothing to report
+        print("kvspec: interrupted", file=sys.stderr)
+        code = EXIT_INTERRUPTED
+    sys.exit(code)
 
 
 if __name__ == "__main__":

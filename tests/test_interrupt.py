@@ -7,8 +7,10 @@ applied and could report a violation that replays clean (a cancelled CI job
 gone red on correct code); an interrupt landing in a gc callback was dropped
 by Python and the run went on to its budget. The moments below count from the
 run's first line (so a loaded machine's slow imports do not shift them) and
-span preparing, the first runs and steady fuzzing. An interrupt during
-Python's own start-up, before kvspec runs, is Python's (a traceback).
+span preparing, the first runs and steady fuzzing. An interrupt while kvspec's
+command line is still being imported (a second or more) is one too: exit 130
+and one line, no traceback (only the interpreter's own first milliseconds,
+before any kvspec code, are Python's).
 """
 from __future__ import annotations
 
@@ -49,6 +51,23 @@ def test_sigint_stops_the_run_and_reports_nothing(tmp_path, after):
     assert "Exception ignored" not in err, err[-800:]
     if "fuzzing" in err or "INTERRUPTED" in out:  # the run had begun: its partial summary
         assert "INTERRUPTED after" in out and "runs," in out, out[-800:]
+
+
+@pytest.mark.parametrize("after", [0.15, 0.35, 0.6, 0.9, 1.3])
+def test_sigint_while_kvspec_starts_is_one_line(tmp_path, after):
+    """Counted from the process' start: the imports of the command line (typer,
+    rich, Hypothesis, jsonschema), the restart that pins the hash seed."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvspec", "check", "--target", "impl", "--budget", "30s"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(after)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (proc.returncode, err[-800:])
+    assert "kvspec: interrupted" in err and "Traceback" not in err, err[-800:]
+    assert "VIOLATED" not in out
 
 
 def test_sigterm_stops_the_run_the_same_way(tmp_path):
