@@ -37,6 +37,7 @@ EXPRESSIBLE = {
     "send_source_intact": "no write to a block held for a send",
     "computed_within_tokens": "0 <= num_computed_tokens - placeholders <= num_tokens",
     "every_request_finishes": "a drain that finishes every load and send",
+    "every_group_serves_computed": "each group's table holds the blocks a step reads",
 }
 #: claims that the ledger cannot judge with several KV cache groups
 SINGLE_GROUP_ONLY = {"no_caching_of_invalid_blocks", "send_source_intact"}
@@ -216,6 +217,7 @@ worker (the tokens it sampled, the loads it finished, the blocks whose load
 failed), and a ledger of what each KV block holds checks after every output
 that the prefix cache serves only KV that was written, that no block held for
 a send is overwritten and that num_computed_tokens stays within the tokens.
+Every KV cache group must hold the blocks a request's next step reads.
 The run ends with a drain that finishes every load and send; every request
 must then have finished. Put the file in tests/v1/kv_connector/unit/; on vLLM
 {rec.version} it {how}.
@@ -433,6 +435,7 @@ class Ledger:
                     f"block {cached[0].block_id} is in the prefix cache under the hash "
                     f"of {rid}'s block {i} (tokens {want}), but it holds {got} "
                     "(None: never written; 'garbage': a failed load)")
+        self.check_groups()
         if self.in_flight:  # placeholders of steps in flight count as computed
             return
         for rid, request in self.scheduler.requests.items():
@@ -441,6 +444,30 @@ class Ledger:
                 f"{rid}: num_computed_tokens={request.num_computed_tokens} "
                 f"(placeholders {request.num_output_placeholders}) of "
                 f"{request.num_tokens} tokens")
+
+
+    def check_groups(self):
+        """In every KV cache group the blocks a request's next step reads hold a
+        block, not the null block: full attention every block of its computed
+        prefix, a sliding window of w tokens those of its last w - 1 positions,
+        a Mamba group the block of the state after its last computed token."""
+        manager = self.scheduler.kv_cache_manager
+        null = manager.block_pool.null_block.block_id
+        specs = [g.kv_cache_spec for g in manager.kv_cache_config.kv_cache_groups]
+        for rid, request in self.scheduler.requests.items():
+            if request.is_finished():
+                continue
+            real = request.num_computed_tokens - request.num_output_placeholders
+            for g, table in enumerate(manager.get_block_ids(rid)):
+                window = getattr(specs[g], "sliding_window", None)
+                first = (real - (window - 1) if window
+                         else real - 1 if "Mamba" in type(specs[g]).__name__ else 0)
+                read = sorted({p // specs[g].block_size for p in range(max(0, first), real)})
+                missing = [i for i in read if i >= len(table) or table[i] == null]
+                assert not missing, (
+                    f"{rid}: group {g} ({type(specs[g]).__name__}) reads block {missing[0]} "
+                    f"from {real} computed tokens, but its table holds no block there: "
+                    f"{list(table)}")
 
 
 def _request(request_id, prompt, max_tokens, priority=0, arrival_time=0.0,
