@@ -439,13 +439,15 @@ def check(target: str = typer.Option(None, help="target to check (default: impl,
           as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
           junit: Path = typer.Option(None, "--junit", help=JUNIT_HELP),
           markdown: Path = typer.Option(None, "--markdown", help=MARKDOWN_HELP),
-          examples: int = typer.Option(None, "--examples", help=EXAMPLES_HELP)):
+          examples: int = typer.Option(None, "--examples", help=EXAMPLES_HELP),
+          profile_claims: bool = typer.Option(False, "--profile-claims",
+                                              help="time every claim; print the costliest")):
     """Check every invariant on a target within a budget; exit 1 on a new violation."""
     target = default_target(target, vllm)
     fuzz_and_report(resolve_target(target, strict, fixes, plant), budget, seed, out, DEFAULT_DB,
                     design_rules, as_json, db_option="the example database", layouts=layouts,
                     kv=kv, vllm=vllm, base=base, junit=junit, markdown=markdown,
-                    examples=examples)
+                    examples=examples, profile_claims=profile_claims)
 
 
 @app.command("fuzz")
@@ -520,7 +522,8 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
                     db_option: str = "--db", layouts: str | None = None,
                     kv: str = "symbolic", vllm: str | None = None,
                     base: str | None = None, junit: Path | None = None,
-                    markdown: Path | None = None, examples: int | None = None) -> None:
+                    markdown: Path | None = None, examples: int | None = None,
+                    profile_claims: bool = False) -> None:
     """What ``check`` and ``fuzz`` share: run, report, exit 1 on a new violation
     (2 on bad input, 3 when something was left unchecked that nobody asked to
     leave out). With ``as_json`` the human-readable output goes to stderr and
@@ -534,15 +537,21 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
     try:
         prep = prepare_vllm_aware(target, budget, out, db, db_option, layouts, kv, vllm, base,
                                   seed, examples)
+        from kvspec.harness import checker
         from kvspec.run import execute
+        if profile_claims:
+            checker.start_profile()
         result = execute(prep, seed, out, db, design_rules, kv, console, max_examples=examples)
     except UsageError as exc:
         fail(str(exc))
     finally:
+        costs = checker.stop_profile() if profile_claims else None
         if prep is not None and prep.base is not None:
             prep.base.close()
     try:
         code = report(result, design_rules, prep)
+        if costs is not None:
+            console.print(claim_cost_table(costs, result.elapsed, result.actions))
     finally:
         console = saved
     if as_json or junit is not None or markdown is not None:
@@ -550,8 +559,34 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
         summary = json_summary(result, target_version(target), prep.seconds, prep.profile,
                                design_rules, target_patches(target), prep)
         summary["examples_budget"] = examples
+        if costs is not None:
+            summary["claim_costs"] = get_claim_costs(costs, result.actions)
         write_reports(summary, as_json, junit, markdown)
     raise typer.Exit(code)
+
+
+def get_claim_costs(costs: dict[str, list], actions: int) -> list[dict]:
+    """Claims by the time their evaluations took, costliest first."""
+    rows = sorted(costs.items(), key=lambda kv: -kv[1][1])
+    return [{"claim": name, "evaluations": n, "seconds": round(t, 4),
+             "us_per_action": round(t / max(actions, 1) * 1e6, 1)} for name, (n, t) in rows]
+
+
+def claim_cost_table(costs: dict[str, list], elapsed: float, actions: int, top: int = 10):
+    """``--profile-claims``: the costliest claims and their share of the run."""
+    from rich.table import Table
+    rows = get_claim_costs(costs, actions)
+    total = sum(r["seconds"] for r in rows)
+    table = Table(title=f"claim costs: {total:.2f}s of {elapsed:.1f}s in claims "
+                        f"({total / elapsed:.0%}), {actions} actions" if elapsed else
+                        "claim costs")
+    for col in ("claim", "evaluations", "seconds", "us/action", "share of run"):
+        table.add_column(col, justify="left" if col == "claim" else "right")
+    for r in rows[:top]:
+        table.add_row(r["claim"], str(r["evaluations"]), f"{r['seconds']:.3f}",
+                      f"{r['us_per_action']:.0f}",
+                      f"{r['seconds'] / elapsed:.1%}" if elapsed else "")
+    return table
 
 
 def check_report_options(junit: Path | None, markdown: Path | None,

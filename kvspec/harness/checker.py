@@ -3,12 +3,30 @@ data claims on a ``Context``, the relations on a ``Transition``, the
 conformance claim on a ``ModelStep``. Claims are pure; this only counts."""
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 from kvspec.spec.invariants import Context
 from kvspec.spec.registry import REGISTRY, Violation, evaluate
 
 ALL_KINDS = ("state", "data", "relation", "model", "liveness")
+
+#: claim name -> [evaluations, seconds] while profiling (``--profile-claims``,
+#: bench/bench_claims.py); None: not profiling (no clock read per claim)
+PROFILE: dict[str, list] | None = None
+
+
+def start_profile() -> dict[str, list]:
+    """Time every claim evaluation in this process from now on."""
+    global PROFILE
+    PROFILE = {}
+    return PROFILE
+
+
+def stop_profile() -> dict[str, list]:
+    global PROFILE
+    found, PROFILE = PROFILE or {}, None
+    return found
 
 
 class Checker:
@@ -44,7 +62,14 @@ class Checker:
         return found
 
     def judge(self, inv, subject) -> list[Violation]:
-        messages, witnessed = evaluate(inv, subject)
+        if PROFILE is None:
+            messages, witnessed = evaluate(inv, subject)
+        else:
+            start = time.perf_counter()
+            messages, witnessed = evaluate(inv, subject)
+            cost = PROFILE.setdefault(inv.name, [0, 0.0])
+            cost[0] += 1
+            cost[1] += time.perf_counter() - start
         self.checks[inv.name] += 1
         self.witnessed[inv.name] += witnessed
         return [Violation(inv.name, m, inv.doc) for m in messages]
