@@ -534,10 +534,10 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
         console = Console(stderr=True, width=200)
     prep = None
     check_report_options(junit, markdown, examples)
+    from kvspec.harness import checker
     try:
         prep = prepare_vllm_aware(target, budget, out, db, db_option, layouts, kv, vllm, base,
                                   seed, examples)
-        from kvspec.harness import checker
         from kvspec.run import execute
         if profile_claims:
             checker.start_profile()

@@ -22,6 +22,12 @@ def test_profile_claims_reports_the_costliest_first(tmp_path: Path):
     assert "claim costs:" in out.stderr and "share of run" in out.stderr
 
 
+def test_bad_input_with_profile_claims_is_one_line(tmp_path: Path):
+    out = run_kvspec(tmp_path, "check", "--profile-claims", "--budget", "xyz")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("kvspec: error: invalid budget") and out.stderr.count("\n") == 1
+
+
 def test_profiling_times_each_evaluation_and_stops():
     profile = checker.start_profile()
     try:
