@@ -36,10 +36,16 @@ def run_for(driver: CheckedDriver, seconds: float) -> tuple[int, float]:
     return steps, time.perf_counter() - start
 
 
-def measure_claims(n: int, seconds: float) -> dict:
+def warmed_up(n: int) -> CheckedDriver:
+    """A checked driver past its first steps (all prefill), untimed."""
     driver = CheckedDriver("impl", n, (1, 999))
     for _ in range(WARMUP_STEPS):
         driver.step()
+    return driver
+
+
+def measure_claims(n: int, seconds: float) -> dict:
+    driver = warmed_up(n)
     checker.start_profile()
     steps, elapsed = run_for(driver, seconds)
     costs = checker.stop_profile()
@@ -60,9 +66,7 @@ def measure_claims(n: int, seconds: float) -> dict:
 def profile_functions(n: int, seconds: float) -> list[dict]:
     """kvspec's functions by own time under cProfile (the claims' helpers, the
     observation, the data oracle, the worker model), as a share of all time."""
-    driver = CheckedDriver("impl", n, (1, 999))
-    for _ in range(WARMUP_STEPS):
-        driver.step()
+    driver = warmed_up(n)
     profiler = cProfile.Profile()
     profiler.enable()
     run_for(driver, seconds)

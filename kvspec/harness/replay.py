@@ -44,12 +44,15 @@ class ReplayProgress:
 
 def replay_trace(path: Path, target: str | None = None,
                  heartbeat: Callable[[ReplayProgress], None] | None = None,
-                 heartbeat_every: float = 10.0, ignore=frozenset()) -> ReplayOutcome:
+                 heartbeat_every: float = 10.0, ignore=frozenset(),
+                 on_start: Callable[[Runner], None] | None = None) -> ReplayOutcome:
     """Replay the trace at ``path`` on its own target or on ``target``;
     ``heartbeat``, if given, is called every ``heartbeat_every`` seconds from a
     background thread while the replay runs. ``ignore``: claims left unchecked,
     to see what a known violation leads to (a finding's "harm" continuation,
-    whose recorded verdict the outcome is then compared with)."""
+    whose recorded verdict the outcome is then compared with). ``on_start``, if
+    given, sees the runner before the first action (``kvspec export-test``
+    records the calls into the target through it)."""
     start = time.monotonic()
     data = load_trace(path)
     name = target or data.get("target", "impl")
@@ -62,6 +65,8 @@ def replay_trace(path: Path, target: str | None = None,
         # built at all (vLLM not installed): the trace's problem, not a finding
         raise TraceError(f"{shown(path)}: target {name!r} cannot run this trace: "
                          f"{clip(str(exc), 200)}") from None
+    if on_start is not None:
+        on_start(runner)
     total = len(data["actions"])
     beat = heartbeat and (lambda: heartbeat(ReplayProgress(
         time.monotonic() - start, len(runner.actions), total, len(runner.log))))
