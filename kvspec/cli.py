@@ -133,9 +133,11 @@ def check_at_least(value: int, least: int, option: str, most: int | None = None)
 def check_target_name(name: str, origin: str = "") -> None:
     """A target name that parses (its fixes and planted bugs known), before
     anything is imported."""
-    from kvspec.harness.targets import available_targets, parse_vllm_target
+    from kvspec.harness.targets import (available_targets, parse_connector_choice,
+                                        parse_vllm_target)
     try:
         options = parse_vllm_target(name)
+        parse_connector_choice(name)
     except ValueError as exc:
         fail(f"{exc}{origin}")
     if options is None and name not in available_targets():
@@ -212,7 +214,7 @@ def target_profile(target: str, quiet: bool = False):
         fail(f"planted bug {unplanted[0]!r} does not fit {source_label()}"
              f"{' with these fixes' if fixes != 'all' else ''}: "
              f"{applied.skipped[unplanted[0]].split(': ', 1)[-1][:200]}")
-    return _mapped_layouts(MODELLED)
+    return connector_profile(_mapped_layouts(MODELLED), target)
 
 
 def _mapped_layouts(profile):
@@ -237,12 +239,52 @@ def target_gaps(target: str) -> dict[str, str]:
     from kvspec.harness.targets import parse_vllm_target
     if parse_vllm_target(target) is None:
         return dict(UNMODELLED)
+    connector = connector_gaps(target)
+    if connector:
+        return {**UNMODELLED, **connector}
     return {**UNMODELLED, "layouts": f"{source_label()} has no align-mode Mamba admission that tells a "
                        "connector hit from a local one (0.28.0 on): no last-state group; or "
                        "no hash_block_size (hashes finer than blocks): one block size",
             "connectors": f"{source_label()} has no connector opting out of KV delivery "
                           "(requires_kv_delivery): every connector's preemption drops the "
                           "output in flight"}
+
+
+def connector_gaps(target: str) -> dict[str, str]:
+    """What a run with a real connector (``--connector``) leaves to the
+    connector: its role, its KV delivery, the layouts it supports."""
+    from kvspec.harness.targets import parse_connector_choice
+    choice = parse_connector_choice(target)
+    if choice is None:
+        return {}
+    name = choice.class_name
+    return {"kv_roles": f"{name} runs in the role its world gives it "
+                        "(kvspec/harness/connector_worlds.py)",
+            "connectors": f"the connector is {name}, with its own KV delivery",
+            "layouts": f"{name}'s layouts: several KV cache groups only for a connector "
+                       "declaring SupportsHMA, on a release that maps them",
+            "load_failures_with_groups": f"{name}'s failure reports"}
+
+
+def connector_profile(profile, target: str):
+    """The environment around a real connector: one connector (its own),
+    the role its world plays it in, one group unless it supports HMA."""
+    from kvspec.harness.connector_worlds import get_world, supports_hma
+    from kvspec.harness.targets import parse_connector_choice
+    choice = parse_connector_choice(target)
+    if choice is None:
+        return profile
+    from kvspec.harness.connector_worlds import ConnectorChoiceError
+    try:
+        hma = supports_hma(choice)
+        role = get_world(choice).role
+    except ConnectorChoiceError as exc:
+        fail(str(exc))
+    except Exception as exc:  # the user's module: any import error is theirs
+        fail(f"--connector {choice.name}: cannot be imported: {type(exc).__name__}: "
+             f"{' '.join(str(exc).split())[:200]}")
+    layouts = profile.layouts if hma else tuple(x for x in profile.layouts if x == "full")
+    return attrs.evolve(profile, layouts=layouts, connectors=("default",), kv_roles=(role,))
 
 
 def source_label() -> str:
@@ -275,15 +317,40 @@ def use_source(vllm: str | None, repo: Path | None = None):
         fail(str(exc))
 
 
-def resolve_target(target: str, strict: bool, fixes: str, plant: list[str] | None) -> str:
-    """The target name a run uses: ``vllm`` with the chosen fixes and planted bugs."""
+def resolve_target(target: str, strict: bool, fixes: str, plant: list[str] | None,
+                   connector: str | None = None, connector_config: str | None = None) -> str:
+    """The target name a run uses: ``vllm`` with the chosen fixes, planted
+    bugs and connector."""
     from kvspec.harness.targets import vllm_target_name
+    choice = get_connector_choice(connector, connector_config)
     if target != "vllm":
-        if strict or fixes != "all" or plant:
+        if strict or fixes != "all" or plant or choice:
             if not target.startswith("vllm?"):
-                fail(f"--strict, --fixes and --plant apply to the vllm target, not {target[:60]!r}")
+                fail(f"--strict, --fixes, --plant and --connector apply to the vllm target, "
+                     f"not {target[:60]!r}")
+            if choice:
+                fail("--connector: give it with --target vllm, not inside a target name")
         return target
-    return vllm_target_name("none" if strict else fixes, tuple(plant or ()))
+    return vllm_target_name("none" if strict else fixes, tuple(plant or ()), choice)
+
+
+def get_connector_choice(connector: str | None, connector_config: str | None):
+    """``--connector`` and ``--connector-config``, checked (one line if bad)."""
+    if connector is None:
+        if connector_config is not None:
+            fail("--connector-config applies with --connector")
+        return None
+    from kvspec.harness.connector_worlds import ConnectorChoiceError, parse_choice
+    try:
+        return parse_choice(connector, connector_config or "")
+    except ConnectorChoiceError as exc:
+        fail(str(exc))
+
+
+CONNECTOR_HELP = ("vllm: run vLLM's scheduler with this KV connector's scheduler side: a name "
+                  "vLLM registers (ExampleConnector, OffloadingConnector, ...) or "
+                  "module.path:ClassName of one installed beside kvspec (docs/connectors.md)")
+CONNECTOR_CONFIG_HELP = "vllm --connector: its kv_connector_extra_config, as a JSON object"
 
 
 KV_HELP = ("the worker's KV: symbolic (the data oracle alone) or torch (real K/V tensors of a "
@@ -441,10 +508,14 @@ def check(target: str = typer.Option(None, help="target to check (default: impl,
           markdown: Path = typer.Option(None, "--markdown", help=MARKDOWN_HELP),
           examples: int = typer.Option(None, "--examples", help=EXAMPLES_HELP),
           profile_claims: bool = typer.Option(False, "--profile-claims",
-                                              help="time every claim; print the costliest")):
+                                              help="time every claim; print the costliest"),
+          connector: str = typer.Option(None, "--connector", help=CONNECTOR_HELP),
+          connector_config: str = typer.Option(None, "--connector-config",
+                                               help=CONNECTOR_CONFIG_HELP)):
     """Check every invariant on a target within a budget; exit 1 on a new violation."""
-    target = default_target(target, vllm)
-    fuzz_and_report(resolve_target(target, strict, fixes, plant), budget, seed, out, DEFAULT_DB,
+    target = default_target(target, vllm, connector)
+    fuzz_and_report(resolve_target(target, strict, fixes, plant, connector, connector_config),
+                    budget, seed, out, DEFAULT_DB,
                     design_rules, as_json, db_option="the example database", layouts=layouts,
                     kv=kv, vllm=vllm, base=base, junit=junit, markdown=markdown,
                     examples=examples, profile_claims=profile_claims)
@@ -469,9 +540,13 @@ def fuzz_cmd(target: str = typer.Option(None, help="target to fuzz (default: imp
              junit: Path = typer.Option(None, "--junit", help=JUNIT_HELP),
           markdown: Path = typer.Option(None, "--markdown", help=MARKDOWN_HELP),
           examples: int = typer.Option(None, "--examples", help=EXAMPLES_HELP),
-          workers: int = typer.Option(1, "--workers", help=WORKERS_HELP)):
+          workers: int = typer.Option(1, "--workers", help=WORKERS_HELP),
+          connector: str = typer.Option(None, "--connector", help=CONNECTOR_HELP),
+          connector_config: str = typer.Option(None, "--connector-config",
+                                               help=CONNECTOR_CONFIG_HELP)):
     """Fuzz a target; every failure is saved as a trace and shown as a step table."""
-    target = resolve_target(default_target(target, vllm), strict, fixes, plant)
+    target = resolve_target(default_target(target, vllm, connector), strict, fixes, plant,
+                            connector, connector_config)
     if workers != 1:
         argv = ["--target", target, "--budget", budget, "--out", str(out), "--db", db,
                 "--kv", kv] + ([] if design_rules else ["--no-design-rules"])
@@ -508,10 +583,11 @@ def fuzz_in_parallel(argv: list[str], workers: int, seed: int, out: Path, db: st
     raise typer.Exit(code)
 
 
-def default_target(target: str | None, vllm: str | None) -> str:
-    """``--target`` as given; without one, vllm when a vLLM source is named, else impl."""
+def default_target(target: str | None, vllm: str | None, connector: str | None = None) -> str:
+    """``--target`` as given; without one, vllm when a vLLM source or a
+    connector is named, else impl."""
     if target is None:
-        return "vllm" if vllm is not None else "impl"
+        return "vllm" if vllm is not None or connector is not None else "impl"
     if vllm is not None and not target.startswith("vllm"):
         fail(f"--vllm names the vLLM of the vllm target, not of {target[:60]!r}")
     return target

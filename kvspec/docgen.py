@@ -25,6 +25,7 @@ KIND_HEADINGS: dict[str, str] = {
     "relation": "Action relations",
     "model": "Conformance to the Z3 model",
     "liveness": "Liveness",
+    "connector": "The connector contract",
 }
 
 INTRO = """\
@@ -110,7 +111,11 @@ break: one writer per recomputed block after a shared load failure, and the
 long-prefill cap. `kvspec check --no-design-rules` checks an alternative
 design against the safety claims alone; `alt:conservative_recovery` (every
 request a failure touches recomputes from block 0) passes it, and a test keeps
-it passing.
+it passing. A **contract** claim judges the KV connector, not the scheduler:
+what the scheduler relies on a connector's answers to be (a hit within the
+uncomputed tokens, a sync hit leaving a token, a delayed free while a
+transfer reads). kvspec's own connector keeps them by construction; with
+`--connector` they judge a real one (docs/connectors.md).
 
 Where a correct scheduler may choose, the spec admits every correct choice:
 how recovery lowers the stats (`is_admissible_lowering`: both counts, the
@@ -165,11 +170,13 @@ def render_generated() -> str:
     kinds += sorted(k for k in by_kind if k not in KIND_HEADINGS)
     design = [n for n, inv in registry.items() if inv.role == "design"]
     lost = [n for n, inv in registry.items() if inv.role == "efficiency"]
-    safety = len(registry) - len(design) - len(lost)
+    contract = [n for n, inv in registry.items() if inv.role == "contract"]
+    safety = len(registry) - len(design) - len(lost) - len(contract)
     lines = [BEGIN_MARKER, "",
              f"The catalogue: {len(registry)} claims ({safety} safety, "
              f"{len(design)} design rules: {', '.join(design)}; {len(lost)} efficiency, "
-             f"reported as lost performance, never as a failure: {', '.join(lost)}), "
+             f"reported as lost performance, never as a failure: {', '.join(lost)}; "
+             f"{len(contract)} connector contract claims), "
              "generated from the registry "
              "(`kvspec.spec.registry.REGISTRY`). \"Established by\" is derived from the Z3 "
              "obligations that name a claim (`kvspec prove --json`, `claims_established`), "

@@ -126,4 +126,31 @@ CONSTRAINS: dict[str, str] = {
                                     "`marked_invalid_block_ids`, the first running request to "
                                     "meet a failed block owns the recompute; "
                                     "`_waits_for_recompute` holds the others.",
+    # the connector contract: what the scheduler relies on a connector to answer
+    "hit_within_uncomputed_tokens": f"`Scheduler.schedule` ({S}): "
+                                    "`get_num_new_matched_tokens` feeds `allocate_slots` "
+                                    "(`num_new_computed_tokens + num_external_computed_tokens`) "
+                                    "and the request's `num_computed_tokens`.",
+    "sync_hit_leaves_a_token": f"`Scheduler.schedule` ({S}): a sync hit's tokens are counted "
+                               "computed in the same step; `num_new_tokens` must stay positive.",
+    "hit_with_last_state_leaves_last_token": "`MambaManager` (v1/core/single_type_kv_cache_manager"
+                                             ".py, align mode): the state block of position "
+                                             "`n - 1`; `NixlConnectorScheduler._prefill_backoff`.",
+    "finished_load_not_offered_again": f"`Scheduler._update_waiting_for_remote_kv` ({S}): a "
+                                       "landed load sends the request back to WAITING, where "
+                                       "`get_num_new_matched_tokens` is asked again.",
+    "hit_within_stored": "The connector's own lookup (`OffloadingManager.lookup`, "
+                         "`ExampleConnector._found_match_for_prompt`); the scheduler trusts it.",
+    "load_lands_in_given_blocks": f"`Scheduler.schedule` ({S}): `update_state_after_alloc(request, "
+                                  "new_computed_blocks + new_blocks, num_external_tokens)`; the "
+                                  "connector's metadata names the blocks its worker loads into.",
+    "delay_covers_reads_in_flight": f"`Scheduler._free_request`, `_connector_finished` ({S}): "
+                                    "`delay_free_blocks` keeps the blocks until "
+                                    "`finished_sending`.",
+    "store_reads_computed_kv": "The connector's `build_connector_meta` (what its worker saves "
+                               f"in `save_kv_layer`) against `num_computed_tokens` after "
+                               f"`_update_after_schedule` ({S}).",
+    "load_reads_what_was_stored": "The connector's `build_connector_meta` (what its worker "
+                                  "loads) against what its store holds; the scheduler counts "
+                                  "the hit computed from `get_num_new_matched_tokens`.",
 }

@@ -104,6 +104,9 @@ class LoadJob:
     num_tokens: int
     is_async: bool
     keys: list[int]
+    #: what a real connector's store held for each position it loads (group 0;
+    #: a position missing holds garbage); None: the valid content (kvspec's store)
+    values: dict | None = None
 
 
 @attrs.define
@@ -226,11 +229,11 @@ class KVContent:
 
     # -- the connector's jobs (registered by the environment) ----------------
     def add_load(self, request: RequestView, block_ids, start: int, num_tokens: int,
-                 is_async: bool) -> None:
+                 is_async: bool, values: dict | None = None) -> None:
         keys = self.book.keys(request.request_id, request.all_token_ids)
         self.loads[request.request_id] = LoadJob(
             request.request_id, tuple(tuple(t) for t in block_ids), start, num_tokens,
-            is_async, keys)
+            is_async, keys, values)
 
     def cancel_load(self, request_id: str) -> None:
         job = self.loads.pop(request_id, None)
@@ -311,10 +314,22 @@ class KVContent:
                 bad = set(written[start:start + max(fail_blocks, 1)])
             for pos in positions:  # in order: a last-state block keeps the last one's state
                 ok = pos // group.block_size not in bad
-                self._write(g, table, pos, get_content(g, job.keys, pos) if ok else GARBAGE)
+                self._write(g, table, pos, self._loaded(job, g, pos) if ok else GARBAGE)
             for index in sorted(bad):
                 report.invalid_block_ids.add(table[index])
                 self.failed_blocks.add(table[index])
+
+    @staticmethod
+    def _loaded(job: LoadJob, g: int, pos: int):
+        """What a load brings for one position: what the store held."""
+        if job.values is None or g:
+            return get_content(g, job.keys, pos)
+        return job.values.get(pos, GARBAGE)
+
+    def read_stored(self, block_ids, num_tokens: int) -> dict:
+        """What a store reading group 0's ``block_ids`` takes now, per position."""
+        return {p: self._read(0, block_ids, p) for p in range(num_tokens)
+                if p // self._size(0) < len(block_ids)}
 
     def _load_positions(self, group: GroupSpec, table, job: LoadJob) -> list[int]:
         """Positions a load writes in one group: those the group holds blocks

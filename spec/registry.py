@@ -4,7 +4,7 @@ the generated docs. A claim yields a message per violation it sees, and calls
 actually in the state the claim speaks about), so a summary can tell a claim
 that held from one that was never put to the test.
 
-Three roles:
+Four roles:
 - ``safety``: what protects users (corrupt KV read or cached, a crash, wrong
   stats, a lost or leaked request or block). Every correct scheduler keeps them.
 - ``design``: a rule of vLLM's current design (one writer per recomputed block,
@@ -14,6 +14,9 @@ Three roles:
   prefix cache cannot offer). Breaking one corrupts nothing: a run reports it
   apart, as lost performance, keeps its trace, and goes on; the verdict on
   safety stays as it is.
+- ``contract``: a rule of the connector API the scheduler relies on
+  (``spec/contract.py``). A breach is the connector's finding, not the
+  scheduler's; it stops a run like a safety claim.
 """
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ from typing import Callable, Iterator
 import attrs
 
 #: what a claim needs to be evaluated, in the order the docs list them
-KINDS = ("state", "data", "relation", "model", "liveness")
-ROLES = ("safety", "design", "efficiency")
+KINDS = ("state", "data", "relation", "model", "liveness", "connector")
+ROLES = ("safety", "design", "efficiency", "contract")
 
 
 @attrs.frozen
@@ -34,12 +37,14 @@ class Invariant:
     cites: str
     #: "state": the observation and ghost history; "data": the data oracle's
     #: model of the KV content; "relation": one action's before and after;
-    #: "model": the transition model Z3 reasons about; "liveness": the healed phase
+    #: "model": the transition model Z3 reasons about; "liveness": the healed phase;
+    #: "connector": one connector call (spec/contract.py)
     kind: str
     role: str = "safety"
     #: why the claim may go unwitnessed in a default check (empty: it must be witnessed)
     unwitnessed_because: str = ""
-    #: for a relation: the action it relates before and after of
+    #: for a relation: the action it relates before and after of; for a
+    #: connector claim: the call it judges (lookup, load, finish)
     action: str = ""
 
     def applies_to(self, action: str) -> bool:
@@ -76,10 +81,11 @@ def invariant(cites: str, kind: str = "state", role: str = "safety",
         name = fn.__name__
         if kind == "relation" and not action:
             assert name.endswith("_relation"), name
+        assert kind != "connector" or action, name
         REGISTRY[name] = Invariant(name, fn, cites, kind, role,
                                    " ".join(unwitnessed_because.split()),
                                    action or name.removesuffix("_relation") if kind == "relation"
-                                   else "")
+                                   else action)
         return fn
     return register
 

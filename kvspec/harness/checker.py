@@ -9,7 +9,7 @@ from collections import Counter
 from kvspec.spec.invariants import Context
 from kvspec.spec.registry import REGISTRY, Violation, evaluate
 
-ALL_KINDS = ("state", "data", "relation", "model", "liveness")
+ALL_KINDS = ("state", "data", "relation", "model", "liveness", "connector")
 
 #: claim name -> [evaluations, seconds] while profiling (``--profile-claims``,
 #: bench/bench_claims.py); None: not profiling (no clock read per claim)
@@ -59,6 +59,15 @@ class Checker:
             subject = self.get_subject(inv, ctx, kinds, transition, model_step)
             if subject is not None and self.is_checked(inv):
                 found += self.judge(inv, subject)
+        return found
+
+    def check_calls(self, calls) -> list[Violation]:
+        """The connector contract (spec/contract.py) on each connector call."""
+        found = []
+        for call in calls:
+            for inv in REGISTRY.values():
+                if inv.kind == "connector" and inv.action == call.op and self.is_checked(inv):
+                    found += self.judge(inv, call)
         return found
 
     def judge(self, inv, subject) -> list[Violation]:

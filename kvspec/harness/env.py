@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import attrs
 
+from kvspec.spec.contract import ConnectorCall
 from kvspec.spec.oracle import KVContent
 
 EOS_TOKEN_ID = 0
@@ -110,6 +111,32 @@ class EnvConnector:
         self.delivered: dict[str, int] = {}
         #: P/D requests whose remote prefill was allocated: never offered again
         self.remote_prefill_taken: set[str] = set()
+        #: connector calls not judged yet by the contract (spec/contract.py)
+        self.calls: list[ConnectorCall] = []
+
+    def take_calls(self) -> list[ConnectorCall]:
+        calls, self.calls = self.calls, []
+        return calls
+
+    def is_judged(self, request_id: str) -> bool:
+        """The contract judges the answers about this request (not an arrival
+        that steps outside it on purpose)."""
+        plan = self.plans.get(request_id)
+        return plan is None or not plan.beyond_contract
+
+    def record_lookup(self, request, num_computed: int, answer, stored: int | None) -> None:
+        """A lookup's answer: the latest per request (a load starts at
+        ``num_computed``), the log, and the call the contract judges."""
+        num_external, is_async = answer
+        rid = request.request_id
+        if num_external is not None:
+            self.answers[rid] = (num_computed, num_external)
+            self.answer_log.append((rid, num_computed, num_external))
+        if self.is_judged(rid):
+            self.calls.append(ConnectorCall(
+                "lookup", rid, request.num_tokens, num_computed, num_external, bool(is_async),
+                self.has_last_state, self.delivered.get(rid) == request.num_preemptions,
+                stored))
 
     def note_computed(self, request_id: str, num_computed: int, num_tokens: int) -> None:
         """An offloading store saves a running request's computed prefix."""
@@ -133,9 +160,9 @@ class EnvConnector:
         num_external = max(0, stored - num_computed_tokens)
         if not plan.beyond_contract:
             num_external = self._within_contract(request, num_computed_tokens, num_external)
-        self.answers[rid] = (num_computed_tokens, num_external)
-        self.answer_log.append((rid, num_computed_tokens, num_external))
-        return num_external, plan.load_async and num_external > 0
+        answer = num_external, plan.load_async and num_external > 0
+        self.record_lookup(request, num_computed_tokens, answer, stored)
+        return answer
 
     def _within_contract(self, request, num_local: int, num_external: int) -> int:
         """The answer an in-tree connector would give (see the module doc)."""
@@ -179,6 +206,23 @@ class EnvConnector:
         start, _ = self.answers.get(request.request_id, (0, 0))
         self.content.add_load(view, block_ids, start, num_external_tokens,
                               self.plans[request.request_id].load_async)
+        self.record_load(request.request_id, block_ids, block_ids, num_external_tokens, 0)
+
+    def record_load(self, request_id: str, given, loaded, num_loaded: int = 0,
+                    num_unstored: int | None = None) -> None:
+        """A load: the blocks the scheduler gave, those it writes (None:
+        unknown), and how many of its positions the store lacks."""
+        if self.is_judged(request_id):
+            flat = (lambda tables: frozenset(b for t in tables for b in t))
+            self.calls.append(ConnectorCall(
+                "load", request_id, given_blocks=flat(given),
+                load_blocks=None if loaded is None else flat(loaded), num_loaded=num_loaded,
+                num_unstored=num_unstored))
+
+    def record_finish(self, request_id: str, delay: bool, reads_in_flight: bool | None) -> None:
+        if self.is_judged(request_id):
+            self.calls.append(ConnectorCall("finish", request_id, delay=bool(delay),
+                                            reads_in_flight=reads_in_flight))
 
     def build_connector_meta(self, scheduler_output):
         return None
@@ -187,7 +231,10 @@ class EnvConnector:
         rid = request.request_id
         self.content.cancel_load(rid)  # an in-flight load of a finished request is dropped
         plan = self.plans.get(rid)
-        if plan is None or not plan.send or not any(block_ids):
+        sends = plan is not None and plan.send and any(block_ids)
+        # kvspec's world reads the blocks exactly when its connector sends
+        self.record_finish(rid, sends, sends)
+        if not sends:
             return False, None
         # #27644: the real boundary excludes placeholders (async scheduling); like
         # vLLM's in-tree connectors, never past the known tokens

@@ -83,6 +83,9 @@ class Runner:
         except Exception as exc:  # the target crashed: a finding, not a harness error
             violations = [Violation("target_crashed", f"{type(exc).__name__}: {exc}",
                                     "The target raised while handling a legal call.")]
+        # the connector's answers first: a breach of its contract is the cause
+        # of whatever the scheduler then did with them (a crash included)
+        violations = self.checker.check_calls(self.env.take_calls()) + violations
         violations = list({(v.invariant, v.message): v for v in violations}.values())
         record_step(self.log, self.violation_counts, action, self.obs, violations)
         lost = [v for v in violations if is_lost_performance(v)]

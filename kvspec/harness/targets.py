@@ -34,11 +34,12 @@ def parse_vllm_target(name: str) -> tuple[str, tuple[str, ...]] | None:
     base, _, query = name.partition("?")
     if base != "vllm":
         return None
-    options = {"fixes": "all", "plant": ""}
+    options = {"fixes": "all", "plant": "", "connector": "", "connector_config": ""}
     for part in filter(None, query.split("&")):
         key, sep, value = part.partition("=")
         if not sep or key not in options:
-            raise ValueError(f"target {name!r}: unknown option {part!r} (fixes=..., plant=...)")
+            raise ValueError(f"target {name!r}: unknown option {part!r} (fixes=..., plant=..., "
+                             "connector=..., connector_config=...)")
         options[key] = value
     planted = tuple(p for p in options["plant"].split(",") if p)
     from kvspec.harness.vllm_patches import select
@@ -46,11 +47,28 @@ def parse_vllm_target(name: str) -> tuple[str, tuple[str, ...]] | None:
     return options["fixes"], planted
 
 
-def vllm_target_name(fixes: str = "all", planted: tuple[str, ...] = ()) -> str:
-    """The target name for a choice of fixes and planted bugs."""
+def parse_connector_choice(name: str):
+    """The real connector a vllm target name asks for (``connector=``), or None.
+    ValueError (``ConnectorChoiceError``) for a malformed one."""
+    base, _, query = name.partition("?")
+    if base != "vllm":
+        return None
+    fields = dict(part.partition("=")[::2] for part in filter(None, query.split("&")))
+    if not fields.get("connector"):
+        if fields.get("connector_config"):
+            raise ValueError(f"target {name!r}: connector_config without connector")
+        return None
+    from kvspec.harness.connector_worlds import parse_choice
+    return parse_choice(fields["connector"], fields.get("connector_config", ""))
+
+
+def vllm_target_name(fixes: str = "all", planted: tuple[str, ...] = (), choice=None) -> str:
+    """The target name for a choice of fixes, planted bugs and connector."""
     parts = [] if fixes == "all" else [f"fixes={fixes}"]
     if planted:
         parts.append("plant=" + ",".join(planted))
+    if choice is not None:
+        parts.append(choice.to_query())
     return "vllm" + ("?" + "&".join(parts) if parts else "")
 
 
@@ -73,11 +91,12 @@ def make_target(name: str, config: Config, connector):
             return target
     try:
         vllm_options = parse_vllm_target(name)
+        choice = parse_connector_choice(name)
     except ValueError as exc:
         raise UnknownTarget(str(exc)) from None
     if vllm_options is not None:
         from kvspec.harness.vllm_target import VllmTarget  # imports vLLM: only when asked
-        target = VllmTarget(config, connector, *vllm_options)
+        target = VllmTarget(config, connector, *vllm_options, choice=choice)
         target.name = name
         return target
     raise UnknownTarget(f"unknown target {name!r}; known: {', '.join(available_targets())}")

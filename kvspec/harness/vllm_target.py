@@ -237,7 +237,7 @@ class VllmTarget(VllmObserver):
     name = "vllm"
 
     def __init__(self, config: Config, connector, fixes: str = "all",
-                 planted: tuple[str, ...] = ()) -> None:
+                 planted: tuple[str, ...] = (), choice=None) -> None:
         m = modules()  # imports vLLM, or raises RuntimeError("vLLM is not installed: ...")
         from kvspec.harness import vllm_connector
         from kvspec.harness.vllm_patches import patched
@@ -247,6 +247,19 @@ class VllmTarget(VllmObserver):
         self.patches = patched(fixes, planted)
         self.config = config
         self.env = connector
+        #: a real connector's scheduler side (``--connector``) and the world
+        #: kvspec plays around it (kvspec/harness/connector_worlds.py), or None
+        self.choice = choice
+        self.world = None
+        if choice is not None:
+            from kvspec.harness.connector_worlds import ConnectorChoiceError, get_world
+            if not config.kv_connector:
+                raise TargetCannotMap(f"--connector {choice.name}: a configuration without a "
+                                      "connector")
+            try:
+                self.world = get_world(choice)
+            except (ConnectorChoiceError, ImportError, ValueError) as exc:
+                raise TargetCannotMap(str(exc)) from None
         # groups of two block sizes: hashes per hash block (their greatest
         # common divisor), hits and the scheduler's rounding per scheduler block
         # (their least common multiple), as vLLM's engine resolves them
@@ -303,8 +316,18 @@ class VllmTarget(VllmObserver):
         try:
             with self.patches.managers():
                 self.scheduler = self._scheduler_class()(**kwargs)
+        except Exception as exc:
+            if choice is None:
+                raise
+            detail = " ".join(str(exc).split())[:300]
+            raise TargetCannotMap(f"connector {choice.name} cannot be built on vLLM "
+                                  f"{m.version}: {type(exc).__name__}: {detail}") from None
         finally:
             vllm_connector.CURRENT_BINDING = None
+        if choice is not None:
+            from kvspec.harness.connector_worlds import ConnectorProbe
+            self.world.bind(self.scheduler.connector, self)
+            self.probe = ConnectorProbe(self.scheduler.connector, self, self.world)
         global RUNNER
         RUNNER = "V2" if getattr(self.scheduler, "use_v2_model_runner", False) else "V1"
 
@@ -335,6 +358,13 @@ class VllmTarget(VllmObserver):
             kv_connector="KVSpecHMAConnector" if self.is_hybrid else "KVSpecConnector",
             kv_connector_module_path="kvspec.harness.vllm_connector", kv_role=config.kv_role,
             kv_load_failure_policy=config.kv_load_failure_policy)
+        if kv_transfer_config is not None and self.choice is not None:
+            kv_transfer_config = _only_known(
+                c.KVTransferConfig, kv_connector=self.choice.class_name,
+                kv_connector_module_path=self.choice.module_path, kv_role=config.kv_role,
+                kv_load_failure_policy=config.kv_load_failure_policy,
+                kv_connector_extra_config=self.world.configure(
+                    self.choice.get_extra_config()))
         if kv_transfer_config is not None and getattr(
                 kv_transfer_config, "kv_load_failure_policy",
                 config.kv_load_failure_policy) != config.kv_load_failure_policy:
@@ -402,6 +432,8 @@ class VllmTarget(VllmObserver):
         request_class = self.patches.get("vllm.v1.request", "Request")
         request = request_class(**{k: v for k, v in kwargs.items() if k in accepted})
         self.note_request(request)
+        if self.world is not None:
+            self.world.seed(spec)
         with _LocateAsserts():
             self.scheduler.add_request(request)
 
@@ -416,6 +448,8 @@ class VllmTarget(VllmObserver):
     def update_from_output(self, outcome: WorkerOutcome) -> None:
         m = self.m
         out = self._outputs.pop(0)
+        if self.world is not None:
+            self.world.before_output()
         req_ids = list(out.num_scheduled_tokens)
         recving = set(outcome.finished_recving)
         recving |= {rid for rid in self._cancelled_loads if rid in self.scheduler.requests}

@@ -1,0 +1,360 @@
+"""A real connector's scheduler side inside the vllm target (``--connector``).
+
+vLLM builds the connector named in ``kv_transfer_config`` itself; kvspec plays
+everything around it: the worker side (loads land or fail, sends and stores
+finish), and the outside world (what a store holds). The connector's answers
+are its own. A probe wraps the scheduler-side calls vLLM makes on that one
+instance, records each for the connector contract (``spec/contract.py``) and
+tells the data oracle what the connector asked its worker to do.
+
+A *world* is what kvspec knows of one connector's transfers:
+
+- ``GenericWorld`` (any connector, in-tree or not): a load writes the blocks
+  ``update_state_after_alloc`` gave, from the position the lookup started at,
+  and brings the KV the hit claims (kvspec cannot see the store, so it takes
+  the connector's word); a delayed free is a send kvspec finishes later. The
+  claims that need the store's contents or the connector's metadata are not
+  evaluated (and say so: not witnessed).
+- ``ExampleWorld`` (vLLM's ``ExampleConnector``): the store is the folder
+  tree the connector looks up; kvspec's worker reads the connector's
+  metadata (``ExampleConnectorMetadata``: per request, token ids, slot mapping,
+  load or store), saves what the named blocks hold when the step's output
+  returns (the connector's worker saves during the forward) and loads it back
+  as it was saved. An arrival with ``ext`` tokens in the plan finds the
+  prompt already saved by another instance (its valid KV).
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import urllib.parse
+
+import attrs
+
+from kvspec.spec.groups import NULL_BLOCK
+from kvspec.spec.oracle import extend_prefix_keys, get_content
+
+
+class ConnectorChoiceError(ValueError):
+    """A malformed --connector or --connector-config (one line)."""
+
+
+@attrs.frozen
+class ConnectorChoice:
+    """The connector a vllm target runs: a name vLLM registers, or
+    ``module:Class`` of one installed beside kvspec, and its extra config."""
+
+    name: str
+    extra_config: str = ""  # JSON text of kv_connector_extra_config
+
+    @property
+    def class_name(self) -> str:
+        return self.name.rpartition(":")[2]
+
+    @property
+    def module_path(self) -> str | None:
+        return self.name.rpartition(":")[0] or None
+
+    def get_extra_config(self) -> dict:
+        return json.loads(self.extra_config) if self.extra_config else {}
+
+    def to_query(self) -> str:
+        """The target-name options that name this choice."""
+        query = "connector=" + urllib.parse.quote(self.name, safe=":._")
+        if self.extra_config:
+            query += "&connector_config=" + urllib.parse.quote(self.extra_config, safe="")
+        return query
+
+
+def parse_choice(name: str, extra_config: str = "") -> ConnectorChoice:
+    """``--connector NAME|module:Class [--connector-config JSON]``, checked."""
+    name = urllib.parse.unquote(name).strip()
+    module, _, cls = name.rpartition(":")
+    if not cls.isidentifier() or (module and not all(p.isidentifier()
+                                                     for p in module.split("."))):
+        raise ConnectorChoiceError(f"--connector {name!r}: a connector name vLLM registers "
+                                   "(e.g. ExampleConnector) or module.path:ClassName")
+    text = urllib.parse.unquote(extra_config).strip()
+    if text:
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConnectorChoiceError(f"--connector-config: not JSON ({exc.msg} at "
+                                       f"character {exc.pos})") from None
+        if not isinstance(parsed, dict):
+            raise ConnectorChoiceError("--connector-config: a JSON object "
+                                       "(kv_connector_extra_config), not "
+                                       f"{type(parsed).__name__}")
+        text = json.dumps(parsed, sort_keys=True, separators=(",", ":"))
+    return ConnectorChoice(name, text)
+
+
+def get_connector_class(choice: ConnectorChoice):
+    """The connector class, as vLLM's factory would find it (imports vLLM and
+    the connector's module)."""
+    from kvspec.harness.vllm_target import modules
+    modules()  # the vLLM source this process checks, activated first
+    if choice.module_path:
+        import importlib
+        module = importlib.import_module(choice.module_path)
+        if not hasattr(module, choice.class_name):
+            raise ConnectorChoiceError(f"{choice.module_path} has no {choice.class_name}")
+        return getattr(module, choice.class_name)
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    return KVConnectorFactory.get_connector_class_by_name(choice.class_name)
+
+
+def supports_hma(choice: ConnectorChoice) -> bool:
+    """The connector declares support for several KV cache groups."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import base
+    supports = getattr(base, "SupportsHMA", None)
+    return supports is not None and issubclass(get_connector_class(choice), supports)
+
+
+#: in-tree connectors whose worker protocol kvspec does not play yet, and why:
+#: with the generic world their scheduler side would wait for ever on
+#: completions only their own worker metadata carries (a harness gap, never a
+#: finding), or they take over the process
+NOT_PLAYED = {
+    "OffloadingConnector": "its transfers complete through OffloadingWorkerMetadata."
+                           "completed_jobs and jobs_to_flush",
+    "SimpleCPUOffloadConnector": "its stores complete through SimpleCPUOffloadWorkerMetadata "
+                                 "and need_flush",
+    "MooncakeStoreConnector": "its saves complete through MooncakeStoreWorkerMetadata and its "
+                              "lookup asks a server",
+    "MultiConnector": "its children's worker metadata travel in MultiKVConnectorWorkerMetadata",
+    "HF3FSKVConnector": "it replaces the process's SIGINT and SIGTERM handlers and asks a "
+                        "metadata server",
+}
+
+
+def get_world(choice: ConnectorChoice):
+    """The world kvspec plays around this connector: by the in-tree class it
+    is or derives from (a copy with a change keeps its world). A connector
+    whose worker protocol kvspec does not play is refused (one line)."""
+    lineage = [c.__name__ for c in get_connector_class(choice).__mro__]
+    unplayed = [name for name in lineage if name in NOT_PLAYED]
+    if unplayed:
+        raise ConnectorChoiceError(
+            f"--connector {choice.name}: kvspec does not play {unplayed[0]}'s worker side yet: "
+            f"{NOT_PLAYED[unplayed[0]]} (docs/connectors.md)")
+    return ExampleWorld() if "ExampleConnector" in lineage else GenericWorld()
+
+
+def get_valid_values(tokens, num_tokens: int) -> dict:
+    """The valid KV of the first ``num_tokens`` positions of a token sequence
+    (what another instance that computed the prefix would have saved)."""
+    keys: list = []
+    extend_prefix_keys(keys, list(tokens), 0)
+    return {p: get_content(0, keys, p) for p in range(num_tokens)}
+
+
+class GenericWorld:
+    """Any connector: the scheduler-side calls are all kvspec sees."""
+
+    #: the role it runs in (kvspec's Config.kv_role)
+    role = "kv_both"
+
+    def configure(self, extra: dict) -> dict:
+        return extra
+
+    def bind(self, connector, target) -> None:
+        self.connector, self.target = connector, target
+
+    def seed(self, spec) -> None:
+        """The outside world before the request arrives (nothing kvspec can set)."""
+
+    def get_stored(self, request) -> int | None:
+        return None
+
+    def takes_loads_from_meta(self) -> bool:
+        return False
+
+    def on_meta(self, meta, scheduler_output) -> None:
+        pass
+
+    def before_output(self) -> None:
+        pass
+
+    def get_reads_in_flight(self, request_id: str) -> bool | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class ExampleWorld(GenericWorld):
+    """vLLM's ExampleConnector: a folder per saved prefix, saved and loaded
+    synchronously by its worker."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="kvspec-example-connector-")
+        #: folder -> (token ids saved, what each position held when saved)
+        self.saved: dict[str, tuple[tuple[int, ...], dict]] = {}
+        #: stores the step in flight asked for: (request id, folder, tokens, table)
+        self.pending_stores: list = []
+
+    def configure(self, extra: dict) -> dict:
+        return {**extra, "shared_storage_path": self._dir.name}
+
+    def close(self) -> None:
+        self._dir.cleanup()
+
+    def _folder(self, tokens) -> str:
+        import torch
+        return self.connector._generate_foldername_debug(
+            torch.tensor(list(tokens), dtype=torch.long), [], create_folder=False)
+
+    def _save(self, folder: str, tokens, values: dict) -> None:
+        os.makedirs(folder, exist_ok=True)
+        self.saved[folder] = (tuple(tokens), values)
+
+    def seed(self, spec) -> None:
+        """Another instance saved this prompt's prefix (``ext`` tokens) the
+        way this connector does: whole blocks, short of the last token."""
+        size = self.connector._block_size
+        n = (len(spec.prompt) - 1) // size * size
+        if spec.ext and n and spec.ext >= n:
+            tokens = spec.prompt[:n]
+            self._save(self._folder(tokens), tokens, get_valid_values(tokens, n))
+
+    def get_stored(self, request) -> int:
+        """The longest saved prefix of the request's tokens."""
+        tokens = tuple(request.all_token_ids)
+        return max((len(t) for t, _ in self.saved.values() if tokens[:len(t)] == t),
+                   default=0)
+
+    def takes_loads_from_meta(self) -> bool:
+        return True
+
+    def on_meta(self, meta, scheduler_output) -> None:
+        """Each request the metadata names: a load (run by the worker in this
+        step) or a store (saved when the step's output returns)."""
+        for req in getattr(meta, "requests", ()):
+            rid = self._request_of(req, scheduler_output)
+            tokens = tuple(int(t) for t in req.token_ids.tolist())
+            table = self._table(req)
+            if req.is_store:
+                self.pending_stores.append((rid, self._folder(tokens), tokens, table))
+            elif rid is not None:
+                self._load(rid, tokens, table)
+
+    def _request_of(self, req, scheduler_output) -> str | None:
+        """The request a ReqMeta is for (it carries no id): the scheduled one
+        whose tokens start with its tokens and whose blocks hold its slots."""
+        tokens = [int(t) for t in req.token_ids.tolist()]
+        blocks = set(self._table(req))
+        for rid in scheduler_output.num_scheduled_tokens:
+            r = self.target.scheduler.requests.get(rid)
+            if r is None or list(r.all_token_ids[:len(tokens)]) != tokens:
+                continue
+            held = {b for t in self.target.observe_request(rid).block_ids for b in t}
+            if blocks <= held:
+                return rid
+        return None
+
+    def _table(self, req) -> tuple[int, ...]:
+        """kvspec block ids of the slots a ReqMeta names, one per block."""
+        size = self.connector._block_size
+        slots = [int(s) for s in req.slot_mapping.tolist()]
+        vllm_ids = [slots[i] // size for i in range(0, len(slots), size)]
+        return self.target._to_spec_ids(vllm_ids, 0)
+
+    def _load(self, rid: str, tokens, table) -> None:
+        saved = self._find_saved(tokens)
+        values = saved[1] if saved else {}
+        view = self.target.observe_request(rid)
+        given = self.target.env.content.loads.pop(rid, None)  # the env's guess, replaced
+        self.target.env.content.add_load(view, (table,), 0, len(tokens), False,
+                                         {p: values.get(p) for p in range(len(tokens))})
+        self.target.env.record_load(rid, given.block_ids if given else (), (table,),
+                                    len(tokens), sum(p not in values for p in range(len(tokens))))
+
+    def _find_saved(self, tokens):
+        saved = self.saved.get(self._folder(tokens))
+        return saved if saved and saved[0] == tuple(tokens) else None
+
+    def before_output(self) -> None:
+        """The step's stores, as the worker saved them during its forward."""
+        content, env = self.target.env.content, self.target.env
+        for rid, folder, tokens, table in self.pending_stores:
+            values = content.read_stored(table, len(tokens))
+            valid = get_valid_values(tokens, len(tokens))
+            bad = tuple(p for p in range(len(tokens)) if values.get(p) != valid[p])
+            self._save(folder, tokens, values)
+            if env.is_judged(rid or ""):
+                from kvspec.spec.contract import ConnectorCall
+                env.calls.append(ConnectorCall("store", rid or "?", num_stored=len(tokens),
+                                               bad_positions=bad))
+        self.pending_stores = []
+
+
+class ConnectorProbe:
+    """Wraps one connector instance's scheduler-side methods (instance
+    attributes shadow the class's, so ``isinstance`` checks vLLM makes, such
+    as ``SupportsHMA``, still see the connector's own class)."""
+
+    def __init__(self, connector, target, world) -> None:
+        self.connector, self.target, self.world, self.env = connector, target, world, target.env
+        #: request id -> whether its latest hit loads asynchronously
+        self.is_async: dict[str, bool] = {}
+        for name in ("get_num_new_matched_tokens", "update_state_after_alloc",
+                     "build_connector_meta", "request_finished",
+                     "request_finished_all_groups"):
+            inner = getattr(connector, name, None)
+            if inner is not None:
+                setattr(connector, name, self._wrap(name, inner))
+
+    def _wrap(self, name, inner):
+        after = getattr(self, "_after_" + name)
+
+        def probed(*args, **kwargs):
+            result = inner(*args, **kwargs)
+            after(result, *args, **kwargs)
+            return result
+        probed.__name__ = name
+        return probed
+
+    def _after_get_num_new_matched_tokens(self, answer, request, num_computed_tokens):
+        if not (isinstance(answer, tuple) and len(answer) == 2):
+            raise ConnectorAnswerError(f"get_num_new_matched_tokens answered {answer!r}, "
+                                       "not (num_tokens or None, load_async)")
+        self.is_async[request.request_id] = bool(answer[1])
+        self.env.record_lookup(request, num_computed_tokens, answer,
+                               self.world.get_stored(request))
+
+    def _after_update_state_after_alloc(self, _, request, blocks, num_external_tokens):
+        if num_external_tokens <= 0:
+            return
+        rid = request.request_id
+        ids = tuple(self.target._to_spec_ids(list(t), g)
+                    for g, t in enumerate(blocks.get_block_ids()))
+        self.target._note_load(rid, ids)
+        start, _ = self.env.answers.get(rid, (request.num_computed_tokens, 0))
+        self.env.content.add_load(self.target.observe_request(rid), ids, start,
+                                  num_external_tokens, self.is_async.get(rid, False))
+        if not self.world.takes_loads_from_meta():
+            self.env.record_load(rid, ids, None)
+
+    def _after_build_connector_meta(self, meta, scheduler_output):
+        self.world.on_meta(meta, scheduler_output)
+
+    def _after_request_finished(self, answer, request, block_ids):
+        delay = bool(answer[0]) if isinstance(answer, tuple) and answer else False
+        rid = request.request_id
+        self.env.content.cancel_load(rid)
+        groups = block_ids if block_ids and isinstance(block_ids[0], (list, tuple)) \
+            else [block_ids]
+        tables = tuple(self.target._to_spec_ids(list(t), g) for g, t in enumerate(groups))
+        if delay and any(b != NULL_BLOCK for t in tables for b in t):
+            real = request.num_computed_tokens - getattr(request, "num_output_placeholders", 0)
+            self.env.content.start_send(rid, tables[0], min(real, request.num_tokens))
+        self.env.record_finish(rid, delay, self.world.get_reads_in_flight(rid))
+
+    _after_request_finished_all_groups = _after_request_finished
+
+
+class ConnectorAnswerError(ValueError):
+    """A connector answered outside the API's types (a contract breach kvspec
+    cannot even record)."""

@@ -1,0 +1,237 @@
+"""The connector contract: what vLLM's scheduler relies on a KV connector's
+scheduler side to answer. These claims judge the connector, not the scheduler
+(role ``contract``): a breach is the connector's finding.
+
+Each claim is evaluated on one connector call (a ``ConnectorCall``), recorded
+as the scheduler makes it: a lookup (``get_num_new_matched_tokens``), a load
+(``update_state_after_alloc`` with external tokens, and the blocks the
+connector's own metadata then names), a store (what the connector's metadata
+asked its worker to save, as the worker read it), a finish
+(``request_finished``). What
+the outside world knows beside the answer (what a store holds, whether a
+transfer still reads a request's blocks) comes from kvspec's environment, or,
+for a real connector, from the world kvspec plays around it
+(``kvspec/harness/connector_worlds.py``); where nothing is known, the claim is
+not evaluated on that call and not witnessed.
+
+kvspec's own connector (``kvspec/harness/env.py``) keeps every claim by
+construction, except on an arrival marked ``beyond_contract``, which steps
+outside on purpose and is not judged here.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import attrs
+
+from kvspec.spec.registry import Witnessing, invariant
+
+
+@attrs.define
+class ConnectorCall(Witnessing):
+    """One scheduler-side connector call and what was known when it was made."""
+
+    #: "lookup", "load", "store" or "finish"
+    op: str
+    request_id: str
+    #: the request's tokens (prompt and output) and prompt length at the call
+    num_tokens: int = 0
+    #: lookup: the locally computed tokens the scheduler asked from
+    num_computed: int = 0
+    #: lookup: the answer, ``num_external`` None for "not known yet"
+    num_external: int | None = 0
+    is_async: bool = False
+    #: lookup: the layout has a last-state (Mamba) group
+    has_last_state: bool = False
+    #: lookup: an async load of this request finished since its last preemption
+    load_delivered: bool = False
+    #: lookup: tokens of this request's prefix the store holds (None: unknown)
+    stored: int | None = None
+    #: load: the blocks the scheduler gave (``update_state_after_alloc``) and
+    #: those the connector's metadata loads into (None: unknown)
+    given_blocks: frozenset = frozenset()
+    load_blocks: frozenset | None = None
+    #: load: how many positions it loads, and how many of them the store does
+    #: not hold (None: unknown)
+    num_loaded: int = 0
+    num_unstored: int | None = None
+    #: store: positions a store took, and those of them that did not hold their
+    #: valid KV when it read them
+    num_stored: int = 0
+    bad_positions: tuple[int, ...] = ()
+    #: finish: the connector's answer, and whether a transfer kvspec's world
+    #: runs still reads the request's blocks (None: unknown)
+    delay: bool = False
+    reads_in_flight: bool | None = None
+
+    witnessed: int = 0
+
+    @property
+    def hit_end(self) -> int:
+        return self.num_computed + (self.num_external or 0)
+
+    @property
+    def is_hit(self) -> bool:
+        return bool(self.num_external)
+
+
+@invariant(cites="KVConnectorBase_V1.get_num_new_matched_tokens (base.py): tokens 'beyond "
+                 "what is already computed'; impl/connector.py", kind="connector",
+           role="contract", action="lookup")
+def hit_within_uncomputed_tokens(c: ConnectorCall) -> Iterator[str]:
+    """A hit never claims more tokens than the request has left to compute.
+
+    The scheduler allocates ``num_computed + num_external`` slots and sets the
+    request's computed count to that sum: a larger answer makes it count KV
+    for positions that do not exist (``computed_within_tokens``)."""
+    if c.num_external is None:
+        return
+    c.witness()
+    if not 0 <= c.num_external <= c.num_tokens - c.num_computed:
+        yield (f"{c.request_id}: the connector claimed {c.num_external} external tokens with "
+               f"{c.num_computed} of {c.num_tokens} computed")
+
+
+@invariant(cites="finding sync-full-prompt-hit-crash (docs/findings); ExampleConnector and "
+                 "LMCacheConnectorV1 leave the last prompt token (align_to_block_size(n - 1))",
+           kind="connector", role="contract", action="lookup")
+def sync_hit_leaves_a_token(c: ConnectorCall) -> Iterator[str]:
+    """A synchronous hit leaves at least one token for the step to compute.
+
+    A step must compute a token to sample the next one; a sync hit of every
+    token leaves the scheduler a request with nothing to schedule (vLLM 0.32
+    raises or stalls on it: the finding). Every in-tree sync connector backs
+    off one token; an async hit may cover the whole prompt (the scheduler
+    recomputes the last token when the load lands)."""
+    if not c.is_hit or c.is_async:
+        return
+    c.witness()
+    if c.hit_end >= c.num_tokens:
+        yield (f"{c.request_id}: a synchronous hit of {c.num_external} tokens from "
+               f"{c.num_computed} covers all {c.num_tokens} tokens")
+
+
+@invariant(cites="NixlConnector _prefill_backoff (Mamba); the offloading connectors cap hits "
+                 "at n - 1 with a Mamba group; finding hybrid-full-prompt-hit-window-freed",
+           kind="connector", role="contract", action="lookup")
+def hit_with_last_state_leaves_last_token(c: ConnectorCall) -> Iterator[str]:
+    """With a last-state (Mamba) group, any hit, async too, leaves the last token.
+
+    An align-mode Mamba block keeps the state after its last position only: a
+    recompute from ``n - 1`` would read the state after ``n`` as if it were
+    the state after ``n - 1``. So the scheduler needs the hit to end before
+    the last token."""
+    if not c.is_hit or not c.has_last_state:
+        return
+    c.witness()
+    if c.hit_end >= c.num_tokens:
+        yield (f"{c.request_id}: a hit of {c.num_external} tokens from {c.num_computed} covers "
+               f"all {c.num_tokens} tokens beside a last-state group")
+
+
+@invariant(cites="finding one-token-async-hit-livelock; NixlConnector clears "
+                 "do_remote_prefill in update_state_after_alloc", kind="connector",
+           role="contract", action="lookup",
+           unwitnessed_because="""the reference scheduler keeps a landed load's tokens and
+           does not ask its connector again; vLLM does (the vllm target witnesses it)""")
+def finished_load_not_offered_again(c: ConnectorCall) -> Iterator[str]:
+    """A load that landed is not offered again until the request is preempted.
+
+    After an async load lands the scheduler looks the request up again; a
+    connector that offers the same tokens again sends it back to
+    WAITING_FOR_REMOTE_KVS for ever (a one-token prompt livelocks)."""
+    if c.num_external is None or not c.load_delivered:
+        return
+    c.witness()
+    if c.num_external:
+        yield (f"{c.request_id}: its load landed, and the connector offered "
+               f"{c.num_external} tokens again before any preemption")
+
+
+@invariant(cites="issue 29 (a hit counted past what was stored); OffloadingManager.lookup, "
+                 "ExampleConnector._found_match_for_prompt", kind="connector", role="contract",
+           action="lookup")
+def hit_within_stored(c: ConnectorCall) -> Iterator[str]:
+    """A hit ends within what the store holds of the request's prefix.
+
+    A load of tokens nobody stored writes whatever the store's slots hold into
+    blocks the scheduler then counts as computed, and the prefix cache offers
+    them to every request sharing the prefix."""
+    if not c.is_hit or c.stored is None:
+        return
+    c.witness()
+    if c.hit_end > c.stored:
+        yield (f"{c.request_id}: a hit up to token {c.hit_end}, but the store holds "
+               f"{c.stored} tokens of its prefix")
+
+
+@invariant(cites="KVConnectorBase_V1.update_state_after_alloc (base.py): the blocks given "
+                 "receive the external tokens", kind="connector", role="contract",
+           action="load")
+def load_lands_in_given_blocks(c: ConnectorCall) -> Iterator[str]:
+    """A load writes only into the blocks the scheduler gave the connector.
+
+    Any other block belongs to another request or to the prefix cache: a load
+    there overwrites KV someone else reads."""
+    if c.load_blocks is None:
+        return
+    c.witness()
+    stray = sorted(c.load_blocks - c.given_blocks)
+    if stray:
+        yield (f"{c.request_id}: its load writes blocks {stray}, not among the blocks "
+               f"the scheduler gave ({sorted(c.given_blocks)})")
+
+
+@invariant(cites="ExampleConnector: its lookup keys a prompt by (n - 2) // block * block "
+                 "tokens, its load by (n - 1) // block * block", kind="connector",
+           role="contract", action="load")
+def load_reads_what_was_stored(c: ConnectorCall) -> Iterator[str]:
+    """A load asks the store only for KV it holds.
+
+    The lookup promised the hit; a load of another key finds nothing (the
+    worker fails, or brings whatever it reads) while the scheduler already
+    counts the tokens as computed."""
+    if c.num_unstored is None or not c.num_loaded:
+        return
+    c.witness()
+    if c.num_unstored:
+        yield (f"{c.request_id}: its load asks for {c.num_loaded} positions, {c.num_unstored} "
+               "of them never stored")
+
+
+@invariant(cites="KVConnectorBase_V1.request_finished (base.py): delay the free while blocks "
+                 "are sent or saved asynchronously; RFC #57187", kind="connector",
+           role="contract", action="finish")
+def delay_covers_reads_in_flight(c: ConnectorCall) -> Iterator[str]:
+    """A finished request's free is delayed while a transfer still reads its blocks.
+
+    Without the delay the scheduler frees the blocks at once and may hand them
+    to another request in the next step, while the send or store still reads
+    them: the far side receives the new request's KV."""
+    if c.reads_in_flight is None or not c.reads_in_flight:
+        return
+    c.witness()
+    if not c.delay:
+        yield (f"{c.request_id}: a transfer still reads its blocks, and the connector "
+               "let the scheduler free them at once")
+
+
+@invariant(cites="KVConnectorBase_V1.save_kv_layer / build_connector_meta (base.py); "
+                 "ExampleConnector saves the whole prompt at its first chunk", kind="connector",
+           role="contract", action="store",
+           unwitnessed_because="""kvspec's own offloading store keeps the computed prefix by
+           construction and is not judged; the claim judges a real connector's stores
+           (--connector, ExampleConnector's world)""")
+def store_reads_computed_kv(c: ConnectorCall) -> Iterator[str]:
+    """A store saves only positions whose KV the scheduler has computed.
+
+    Under chunked prefill a request's later positions are computed in later
+    steps; a store that reads them earlier saves whatever the blocks held, and
+    every later hit on that prefix loads it as if it were the prompt's KV."""
+    if not c.num_stored:
+        return
+    c.witness()
+    if c.bad_positions:
+        shown = list(c.bad_positions[:6]) + (["..."] if len(c.bad_positions) > 6 else [])
+        yield (f"{c.request_id}: the connector stored {c.num_stored} positions, of which "
+               f"{len(c.bad_positions)} were not computed yet (positions {shown})")
