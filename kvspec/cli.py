@@ -258,33 +258,60 @@ def connector_gaps(target: str) -> dict[str, str]:
     if choice is None:
         return {}
     name = choice.class_name
-    return {"kv_roles": f"{name} runs in the role its world gives it "
+    return {"kv_roles": f"{name} runs in the roles its world plays it in "
                         "(kvspec/harness/connector_worlds.py)",
             "connectors": f"the connector is {name}, with its own KV delivery",
             "layouts": f"{name}'s layouts: several KV cache groups only for a connector "
-                       "declaring SupportsHMA, on a release that maps them",
+                       "declaring SupportsHMA whose hybrid hits kvspec models, on a release "
+                       "that maps them (docs/connectors.md)",
             "load_failures_with_groups": f"{name}'s failure reports"}
 
 
 def connector_profile(profile, target: str):
     """The environment around a real connector: one connector (its own),
-    the role its world plays it in, one group unless it supports HMA."""
-    from kvspec.harness.connector_worlds import get_world, supports_hma
+    the roles its world plays it in, one group unless it supports HMA and
+    kvspec models its hybrid hits."""
+    from kvspec.harness.connector_worlds import (ConnectorChoiceError, get_world,
+                                                 supports_hma)
     from kvspec.harness.targets import parse_connector_choice
     choice = parse_connector_choice(target)
     if choice is None:
         return profile
-    from kvspec.harness.connector_worlds import ConnectorChoiceError
     try:
+        world = get_world(choice)
         hma = supports_hma(choice)
-        role = get_world(choice).role
     except ConnectorChoiceError as exc:
         fail(str(exc))
     except Exception as exc:  # the user's module: any import error is theirs
         fail(f"--connector {choice.name}: cannot be imported: {type(exc).__name__}: "
              f"{' '.join(str(exc).split())[:200]}")
-    layouts = profile.layouts if hma else tuple(x for x in profile.layouts if x == "full")
-    return attrs.evolve(profile, layouts=layouts, connectors=("default",), kv_roles=(role,))
+    built = [build_connector(target, role, choice.name) for role in world.roles]
+    if hma and not world.single_group and not any(
+            getattr(c, "supports_divergent_local_hybrid_hits", False) for c in built):
+        layouts = profile.layouts
+    else:
+        layouts = tuple(x for x in profile.layouts if x == "full")
+    return attrs.evolve(profile, layouts=layouts, connectors=("default",),
+                        kv_roles=world.roles)
+
+
+def build_connector(target: str, role: str, name: str):
+    """Build the scheduler with the connector once before fuzzing (its
+    instance is returned): one that cannot be built here (a missing library,
+    a configuration vLLM refuses) is one line, not a failure of every run.
+    A connector that takes a local hit differing between groups
+    (``supports_divergent_local_hybrid_hits``: vLLM asks it with the deepest
+    group's hit and, with no external tokens, starts the request where every
+    group agrees) runs on one group: kvspec's model does not admit that yet."""
+    from kvspec.harness.runner import Runner
+    from kvspec.harness.target import make_config
+    from kvspec.harness.targets import TargetCannotMap
+    try:
+        return Runner(target, make_config(kv_role=role)).target.scheduler.connector
+    except (TargetCannotMap, ValueError, RuntimeError, ImportError) as exc:
+        detail = " ".join(str(exc).split())
+        fail(detail if detail.startswith(("connector ", "--connector")) else
+             f"--connector {name} cannot be built: {detail[:300]}")
 
 
 def source_label() -> str:
@@ -757,7 +784,10 @@ def review(base: str = typer.Argument(..., help="the vLLM before the change: a s
                                                                 "review are written"),
            markdown: Path = typer.Option(None, help="the Markdown review (default: "
                                                     "OUT/review.md)"),
-           as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout")):
+           as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
+           connector: str = typer.Option(None, "--connector", help=CONNECTOR_HELP),
+           connector_config: str = typer.Option(None, "--connector-config",
+                                                help=CONNECTOR_CONFIG_HELP)):
     """Review a change to vLLM: the default check on HEAD; a counterexample that
     fails on BASE too is pre-existing; only HEAD-only failures are regressions.
     Says how often each changed hunk ran. Exit 0 pass, 1 regression, 3 incomplete."""
@@ -778,6 +808,8 @@ def review(base: str = typer.Argument(..., help="the vLLM before the change: a s
     check_writable_dir(markdown.parent, "--markdown")  # before anything runs
     if markdown.is_dir():
         fail(f"--markdown {shown(markdown)}: is a directory")
+    from kvspec.harness.targets import vllm_target_name
+    target = vllm_target_name("all", (), get_connector_choice(connector, connector_config))
     review_ = Review(base_src, head_src, changed_hunks(base_src, head_src), seconds)
     attach_statements(review_.hunks, head_src)
     saved = console
@@ -785,7 +817,7 @@ def review(base: str = typer.Argument(..., help="the vLLM before the change: a s
         console = Console(stderr=True, width=200)
     try:
         if review_.hunks:
-            _check_head(review_, base_src, head_src, seed, out)
+            _check_head(review_, base_src, head_src, seed, out, target)
         else:  # nothing changed: nothing to run
             from kvspec.review import review_verdict
             review_.verdict = review_verdict(None, [], [], [])
@@ -803,7 +835,8 @@ def parse_budget_or_fail(budget: str) -> float:
         fail(str(exc))
 
 
-def _check_head(review_, base_src, head_src, seed: int, out: Path) -> None:
+def _check_head(review_, base_src, head_src, seed: int, out: Path,
+                target: str = "vllm") -> None:
     """The check on HEAD here, BASE in a second process (its import overlaps ours)."""
     from kvspec.harness import vllm_source
     from kvspec.harness.base_worker import BaseWorker
@@ -815,7 +848,7 @@ def _check_head(review_, base_src, head_src, seed: int, out: Path) -> None:
             vllm_source.activate(head_src)
         except vllm_source.SourceError as exc:
             fail(str(exc))
-        check_head(review_, worker, seed, out, console)
+        check_head(review_, worker, seed, out, console, target)
     finally:
         worker.close()
 

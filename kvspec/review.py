@@ -277,15 +277,18 @@ class Review:
     base_import_s: float | None = None
 
 
-def check_head(review: Review, worker, seed: int, out: Path, console) -> None:
+def check_head(review: Review, worker, seed: int, out: Path, console,
+               target: str = "vllm") -> None:
     """The default check on HEAD (this process must have activated it), every
-    counterexample asked of the base, coverage of HEAD's package."""
+    counterexample asked of the base, coverage of HEAD's package. ``target``:
+    ``vllm``, or with a connector (``vllm?connector=...``)."""
     from kvspec.cli import check_target, drawn_profile, target_gaps
+    from kvspec.harness.targets import with_connector
     from kvspec.harness.vllm_patches import patched
     from kvspec.run import describe_source, execute, prepare, print_statuses
-    check_target("vllm")
-    prep = prepare("vllm", review.seconds, drawn_profile("vllm", None, "symbolic"), {},
-                   target_gaps("vllm"), worker, review=True)
+    check_target(target)
+    prep = prepare(target, review.seconds, drawn_profile(target, None, "symbolic"), {},
+                   target_gaps(target), worker, review=True)
     review.prep, review.base_label = prep, worker.label
     from rich.text import Text
     console.print(Text(f"kvspec review: base {review.base.label()}, head {review.head.label()}; "
@@ -303,8 +306,8 @@ def check_head(review: Review, worker, seed: int, out: Path, console) -> None:
                                                  patched("all").files))
     ce = review.result.counterexample
     if ce is not None:  # what BASE does with it when nothing of kvspec's is applied
-        review.base_as_released = worker.replay("vllm?fixes=none", ce.runner.config,
-                                                list(ce.runner.actions))
+        review.base_as_released = worker.replay(with_connector("vllm?fixes=none", target),
+                                                ce.runner.config, list(ce.runner.actions))
     review.base_import_s = worker.import_seconds
     changed = [s for s in prep.statuses if s.status == "code-changed"]
     review.verdict = review_verdict(review.result, review.hunks,

@@ -133,7 +133,8 @@ def hit_with_last_state_leaves_last_token(c: ConnectorCall) -> Iterator[str]:
                  "do_remote_prefill in update_state_after_alloc", kind="connector",
            role="contract", action="lookup",
            unwitnessed_because="""the reference scheduler keeps a landed load's tokens and
-           does not ask its connector again; vLLM does (the vllm target witnesses it)""")
+           does not ask its connector again; vLLM asks again only when the landed load leaves
+           nothing computed (a one-token prompt)""")
 def finished_load_not_offered_again(c: ConnectorCall) -> Iterator[str]:
     """A load that landed is not offered again until the request is preempted.
 
@@ -223,15 +224,18 @@ def delay_covers_reads_in_flight(c: ConnectorCall) -> Iterator[str]:
            construction and is not judged; the claim judges a real connector's stores
            (--connector, ExampleConnector's world)""")
 def store_reads_computed_kv(c: ConnectorCall) -> Iterator[str]:
-    """A store saves only positions whose KV the scheduler has computed.
+    """A store saves only positions holding their computed KV when it reads them.
 
     Under chunked prefill a request's later positions are computed in later
-    steps; a store that reads them earlier saves whatever the blocks held, and
-    every later hit on that prefix loads it as if it were the prompt's KV."""
+    steps; a store that reads them earlier saves whatever the blocks held. A
+    store still reading after the scheduler reused its blocks (a delayed free
+    or fence the connector did not ask for) saves another request's KV.
+    Either way every later hit on that prefix loads it as the prompt's KV."""
     if not c.num_stored:
         return
     c.witness()
     if c.bad_positions:
         shown = list(c.bad_positions[:6]) + (["..."] if len(c.bad_positions) > 6 else [])
         yield (f"{c.request_id}: the connector stored {c.num_stored} positions, of which "
-               f"{len(c.bad_positions)} were not computed yet (positions {shown})")
+               f"{len(c.bad_positions)} did not hold their computed KV when read "
+               f"(positions {shown})")

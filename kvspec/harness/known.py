@@ -359,6 +359,11 @@ class Recogniser:
     def is_active(self) -> bool:
         return bool(self.toggles or self.unfixed or self.base)
 
+    def _target(self, name: str) -> str:
+        """A replay target with the run's connector (``--connector``), if any."""
+        from kvspec.harness.targets import with_connector
+        return with_connector(name, self.target)
+
     def explain(self, config, actions: list[dict], violations) -> Explanation | None:
         pairs = tuple((v.invariant, v.message) for v in violations)
         key = hashlib.sha256(json.dumps([repr(config), actions, pairs], sort_keys=True,
@@ -405,7 +410,8 @@ class Recogniser:
         id of the one known finding with no fix here that it then fails as (a
         trace can meet two findings, the second hidden behind the first), None
         when it still fails some other way."""
-        got = replay(fixes_target(self.applied | fixes, self.planted), config, actions)
+        got = replay(self._target(fixes_target(self.applied | fixes, self.planted)), config,
+                     actions)
         if got.error is not None:
             return None
         if not got.fails:
@@ -436,7 +442,8 @@ class Recogniser:
 
     def _on_base(self, config, actions, pairs) -> Explanation | None:
         try:
-            got = self.base.replay(self.base.target_for(self.applied), config, actions)
+            got = self.base.replay(self._target(self.base.target_for(self.applied)), config,
+                                   actions)
         except Exception as exc:  # noqa: BLE001 - a base that cannot answer explains nothing
             self.base_errors.append(f"{type(exc).__name__}: {exc}")
             return None
@@ -447,7 +454,8 @@ class Recogniser:
             return None
         how = f"fails on the base ({self.base.label}) too"
         for fix in self._likely_first(self.base_toggles, pairs):
-            closed = self.base.replay(self.base.target_for(self.applied | {fix}), config, actions)
+            closed = self.base.replay(self._target(self.base.target_for(self.applied | {fix})),
+                                      config, actions)
             if closed.error is None and not closed.fails:
                 named = self._by_fix(fix, pairs)
                 return attrs.evolve(named, how=f"{how}; passes there with {fix}")

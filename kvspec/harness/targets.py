@@ -62,6 +62,15 @@ def parse_connector_choice(name: str):
     return parse_choice(fields["connector"], fields.get("connector_config", ""))
 
 
+def with_connector(name: str, like: str) -> str:
+    """``name`` (a vllm target) with the connector ``like`` runs, if any: a
+    replay that explains a counterexample must face the same connector."""
+    choice = parse_connector_choice(like)
+    if choice is None or parse_connector_choice(name) is not None:
+        return name
+    return name + ("&" if "?" in name else "?") + choice.to_query()
+
+
 def vllm_target_name(fixes: str = "all", planted: tuple[str, ...] = (), choice=None) -> str:
     """The target name for a choice of fixes, planted bugs and connector."""
     parts = [] if fixes == "all" else [f"fixes={fixes}"]

@@ -412,8 +412,9 @@ class VllmTarget(VllmObserver):
     # -- the Target protocol ----------------------------------------------------
     def add_request(self, spec: RequestSpec) -> None:
         m = self.m
-        params = m.SamplingParams(max_tokens=spec.max_tokens, ignore_eos=False,
-                                  extra_args=get_transfer_args(spec, self.config))
+        args = (get_transfer_args(spec, self.config) if self.world is None
+                else self.world.get_transfer_args(spec, self.config))
+        params = m.SamplingParams(max_tokens=spec.max_tokens, ignore_eos=False, extra_args=args)
         # The model's EOS: the second parameter, named ``eos_token_id`` or
         # ``model_eos_token_id`` depending on the release.
         if m.generation_config_takes_eos:
@@ -455,11 +456,13 @@ class VllmTarget(VllmObserver):
         recving |= {rid for rid in self._cancelled_loads if rid in self.scheduler.requests}
         self._cancelled_loads.clear()
         invalid, failed = self._failure_report(outcome, recving)
+        worker_meta = None if self.world is None else self.world.get_worker_meta(recving)
         kv = m.KVConnectorOutput(
             finished_sending=set(outcome.finished_sending) or None,
             finished_recving=recving or None,
             invalid_block_ids={b + NULL_BLOCKS for b in invalid},
-            **({"failed_recving": failed} if failed else {}))
+            **({"failed_recving": failed} if failed else {}),
+            **({"kv_connector_worker_meta": worker_meta} if worker_meta is not None else {}))
         kwargs = dict(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                       sampled_token_ids=[list(outcome.sampled_token_ids.get(rid, ()))
                                          for rid in req_ids],
