@@ -56,21 +56,28 @@ def check_one(name: str, budget: str, vllm: str | None, out: Path) -> dict:
             "actions": summary["actions"],
             "witnessed": sorted(n for n in contract if claims[n]["witnessed"]),
             "violated": sorted(n for n, c in claims.items() if c.get("violations")),
-            "traces": summary.get("traces", [])}
+            "base": summary.get("base"),
+            "known": sorted({f"{k['label']} ({', '.join(k['claims'])})"
+                             for k in summary.get("known_findings", [])})}
 
 
 def render(version: str, rows: list[dict], budget: str) -> str:
     lines = [f"Default check, `--budget {budget}`, vLLM {version} "
              "(`python scripts/connector_table.py`):", "",
-             "| connector | ran | runs | contract claims witnessed | violated |",
-             "| --- | --- | --- | --- | --- |"]
+             "| connector | ran | runs | contract claims witnessed | violated | met, also failing "
+             "on the base (the run went on) |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if not r["ran"]:
             why = r["why"].removeprefix("kvspec: error: ").replace("|", "/")
-            lines.append(f"| {r['connector']} | no: {why} | | | |")
+            lines.append(f"| {r['connector']} | no: {why} | | | | |")
             continue
+        known = "; ".join(r.get("known") or ()) or "-"
+        if r.get("base") and known != "-":
+            known = f"base {r['base']}: {known}"
         lines.append(f"| {r['connector']} | yes ({r['verdict']}) | {r['runs']} | "
-                     f"{', '.join(r['witnessed']) or '-'} | {', '.join(r['violated']) or '-'} |")
+                     f"{', '.join(r['witnessed']) or '-'} | {', '.join(r['violated']) or '-'} "
+                     f"| {known} |")
     return "\n".join(lines) + "\n"
 
 
@@ -96,6 +103,10 @@ def main() -> int:
         print(f"connector_table: {name}: {rows[-1].get('verdict') or rows[-1].get('why')}",
               file=sys.stderr, flush=True)
     path = ROOT / "docs" / f"connectors-results-{version}.json"
+    if args.only and path.is_file():  # keep the other connectors' rows
+        kept = {r["connector"]: r for r in json.loads(path.read_text())["rows"]}
+        rows = list({**kept, **{r["connector"]: r for r in rows}}.values())
+        rows.sort(key=lambda r: r["connector"])
     path.write_text(json.dumps({"vllm": version, "budget": args.budget, "rows": rows},
                                indent=1) + "\n")
     write_table()
