@@ -171,3 +171,23 @@ def test_a_review_of_a_connector_change_reports_its_regression(tmp_path):
     assert report["verdict"] == "regression", report["verdict"]
     assert "sync_hit_leaves_a_token" in report["regression"]["claims"]
     assert report["regression"]["fails_on_base_as_released"] is False
+
+
+@needs_vllm
+@pytest.mark.parametrize("connector", ["NixlConnector", "MooncakeConnector"])
+@pytest.mark.parametrize("role", ["kv_consumer", "kv_producer"])
+def test_a_pd_world_drives_the_real_connector(connector, role):
+    """A decode node's request loads the remote prefill through the real
+    connector (its own answer, its metadata's blocks); a prefill node's
+    request hands its blocks over and the connector delays their free."""
+    runner = Runner("vllm?connector=" + connector, make_config(kv_role=role, num_blocks=20))
+    consumer = role == "kv_consumer"
+    found = runner.run([
+        {"op": "add", "id": "r0", "prompt": [1, 2, 3, 4, 5, 6, 7], "max_tokens": 2 if consumer
+         else 1, "ext": 7 if consumer else 0, "async": True, "pd": True, "send": not consumer},
+        {"op": "step"}, {"op": "step", "finish_loads": ["r0"]}, {"op": "step"},
+        {"op": "step", "finish_sends": ["r0"]}, {"op": "drain"}])
+    assert found is None, [str(v) for v in found.violations]
+    witnessed = ({"hit_within_stored", "load_lands_in_given_blocks"} if consumer
+                 else {"delay_covers_reads_in_flight"})
+    assert all(runner.witnessed[n] for n in witnessed), dict(runner.witnessed)

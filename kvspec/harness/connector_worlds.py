@@ -143,6 +143,8 @@ def get_world(choice: ConnectorChoice):
         return NixlWorld()
     if "OffloadingConnector" in lineage:
         return OffloadingWorld()
+    if "MooncakeConnector" in lineage:
+        return MooncakeWorld()
     return GenericWorld()
 
 
@@ -332,15 +334,22 @@ class NixlWorld(GenericWorld):
             params = {"do_remote_decode": True, "do_remote_prefill": False}
         return {"kv_transfer_params": params}
 
+    #: the finishing statuses after which the decode node pulls (NIXL delays
+    #: the free for both, and hands its transfer parameters over)
+    pulled_after = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+
+    def get_pulls(self, meta):
+        """request id -> the local block ids (per group) its pull writes."""
+        return {rid: req.local_block_ids for rid, req in getattr(meta, "reqs_to_recv", {}).items()}
+
     def on_meta(self, meta, scheduler_output) -> None:
-        """The blocks each pull writes (``reqs_to_recv``: the request's blocks
-        not found in the local prefix cache) against those the scheduler gave."""
+        """The blocks each pull writes (the request's blocks not found in the
+        local prefix cache) against those the scheduler gave."""
         env = self.target.env
-        for rid, req in getattr(meta, "reqs_to_recv", {}).items():
+        for rid, groups in self.get_pulls(meta).items():
             job = env.content.loads.get(rid)
             if job is None:
                 continue  # a recv with nothing to load (a full local hit frees P's blocks)
-            groups = req.local_block_ids
             groups = groups if groups and isinstance(groups[0], (list, tuple)) else [groups]
             loaded = tuple(self.target._to_spec_ids(list(ids), g) for g, ids in enumerate(groups))
             env.record_load(rid, job.block_ids, loaded)
@@ -358,9 +367,36 @@ class NixlWorld(GenericWorld):
         if not self.target.config.is_kv_producer:
             return False
         plan = self.target.env.plans.get(request.request_id)
-        ended = {self.target.m.VStatus.FINISHED_LENGTH_CAPPED,
-                 self.target.m.VStatus.FINISHED_STOPPED}
+        ended = {self.target.m.VStatus[name] for name in self.pulled_after}
         return bool(plan is not None and plan.pd and request.status in ended)
+
+
+class MooncakeWorld(NixlWorld):
+    """Mooncake's P/D transfer (pull), as NIXL's with Mooncake's parameters:
+    a decode node's request names the prefill node's engine, bootstrap address
+    and transfer id; a prefill node hands over (and must keep until
+    ``finished_sending``) the blocks of a request that hit its length cap,
+    the one way a prefill request (``max_tokens=1``) ends before the router
+    sends it to decode; one that stopped at EOS is not sent on."""
+
+    pulled_after = ("FINISHED_LENGTH_CAPPED",)
+
+    def get_transfer_args(self, spec, config) -> dict | None:
+        if not spec.pd:
+            return None
+        if config.is_kv_consumer:
+            params = {"do_remote_prefill": True, "do_remote_decode": False,
+                      "remote_engine_id": "kvspec-prefill",
+                      "remote_bootstrap_addr": "127.0.0.1:1", "transfer_id": spec.request_id}
+        else:
+            params = {"do_remote_decode": True, "do_remote_prefill": False,
+                      "transfer_id": spec.request_id}
+        return {"kv_transfer_params": params}
+
+    def get_pulls(self, meta):
+        """``reqs_to_recv`` is keyed by the remote engine, then the request."""
+        return {rid: req.local_block_ids for by_engine in getattr(meta, "reqs_to_recv", {}).values()
+                for rid, req in by_engine.items()}
 
 
 @attrs.define
