@@ -264,7 +264,10 @@ def connector_gaps(target: str) -> dict[str, str]:
             "layouts": f"{name}'s layouts: several KV cache groups only for a connector "
                        "declaring SupportsHMA whose hybrid hits kvspec models, on a release "
                        "that maps them (docs/connectors.md)",
-            "load_failures_with_groups": f"{name}'s failure reports"}
+            "load_failures_with_groups": f"{name}'s failure reports",
+            "load_failures": f"{name}'s worker reports no failed load (ExampleConnector's "
+                             "raises on a file it cannot read; the offloading worker "
+                             "asserts every transfer succeeds): none is drawn"}
 
 
 def connector_profile(profile, target: str):
@@ -291,8 +294,9 @@ def connector_profile(profile, target: str):
         layouts = profile.layouts
     else:
         layouts = tuple(x for x in profile.layouts if x == "full")
+    failures = {} if world.reports_load_failures else {"load_failures": False}
     return attrs.evolve(profile, layouts=layouts, connectors=("default",),
-                        kv_roles=world.roles)
+                        kv_roles=world.roles, **failures)
 
 
 def build_connector(target: str, role: str, name: str):

@@ -82,8 +82,9 @@ def hit_within_uncomputed_tokens(c: ConnectorCall) -> Iterator[str]:
     """A hit never claims more tokens than the request has left to compute.
 
     The scheduler allocates ``num_computed + num_external`` slots and sets the
-    request's computed count to that sum: a larger answer makes it count KV
-    for positions that do not exist (``computed_within_tokens``)."""
+    request's computed count to that sum: vLLM 0.32 asserts the sum is within
+    the request's tokens (a larger answer stops the engine), and takes a
+    negative answer as it is, recomputing positions it already holds."""
     if c.num_external is None:
         return
     c.witness()
@@ -138,9 +139,10 @@ def hit_with_last_state_leaves_last_token(c: ConnectorCall) -> Iterator[str]:
 def finished_load_not_offered_again(c: ConnectorCall) -> Iterator[str]:
     """A load that landed is not offered again until the request is preempted.
 
-    After an async load lands the scheduler looks the request up again; a
-    connector that offers the same tokens again sends it back to
-    WAITING_FOR_REMOTE_KVS for ever (a one-token prompt livelocks)."""
+    The scheduler asks the connector again whenever a waiting request has
+    nothing computed, which a landed load leaves when it covered a one-token
+    prompt (the scheduler recomputes its last token); a connector that offers
+    the same tokens again sends it back to WAITING_FOR_REMOTE_KVS for ever."""
     if c.num_external is None or not c.load_delivered:
         return
     c.witness()

@@ -148,6 +148,14 @@ def get_world(choice: ConnectorChoice):
     return GenericWorld()
 
 
+def get_run(values: dict) -> int:
+    """How many positions from the first a save holds without a gap."""
+    n = 0
+    while n in values:
+        n += 1
+    return n
+
+
 def get_valid_values(tokens, num_tokens: int) -> dict:
     """The valid KV of the first ``num_tokens`` positions of a token sequence
     (what another instance that computed the prefix would have saved)."""
@@ -163,12 +171,17 @@ class GenericWorld:
     roles: tuple[str, ...] = ("kv_both",)
     #: the world follows group 0's blocks only: one full-attention group
     single_group: bool = False
+    #: the connector's worker reports failed loads (``invalid_block_ids`` or
+    #: ``failed_recving``); where it never does, the environment draws none
+    #: (a failure the real worker cannot report is not its scheduler's case)
+    reports_load_failures: bool = True
 
     def get_transfer_args(self, spec, config) -> dict | None:
         """A request's ``extra_args`` (P/D ``kv_transfer_params``): none."""
         return None
 
-    def configure(self, extra: dict) -> dict:
+    def configure(self, extra: dict, config) -> dict:
+        """The connector's ``kv_connector_extra_config`` for a run of ``config``."""
         return extra
 
     def bind(self, connector, target) -> None:
@@ -203,7 +216,13 @@ class GenericWorld:
 
 class ExampleWorld(GenericWorld):
     """vLLM's ExampleConnector: a folder per saved prefix, saved and loaded
-    synchronously by its worker."""
+    synchronously by its worker. Its worker reports no load failure (a file
+    it cannot read raises), so none is drawn. A save takes the slots its
+    metadata names (the blocks the request's first step allocated) under the
+    key of the whole block-aligned prompt; the folder holds what was read,
+    which may be fewer positions than its key names."""
+
+    reports_load_failures = False
 
     def __init__(self) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="kvspec-example-connector-")
@@ -212,7 +231,7 @@ class ExampleWorld(GenericWorld):
         #: stores the step in flight asked for: (request id, folder, tokens, table)
         self.pending_stores: list = []
 
-    def configure(self, extra: dict) -> dict:
+    def configure(self, extra: dict, config) -> dict:
         return {**extra, "shared_storage_path": self._dir.name}
 
     def close(self) -> None:
@@ -237,10 +256,12 @@ class ExampleWorld(GenericWorld):
             self._save(self._folder(tokens), tokens, get_valid_values(tokens, n))
 
     def get_stored(self, request) -> int:
-        """The longest saved prefix of the request's tokens."""
+        """The longest prefix of the request's tokens a save holds, position by
+        position from the first (a save keyed by a longer prefix than it holds
+        counts what it holds)."""
         tokens = tuple(request.all_token_ids)
-        return max((len(t) for t, _ in self.saved.values() if tokens[:len(t)] == t),
-                   default=0)
+        return max((get_run(values) for t, values in self.saved.values()
+                    if tokens[:len(t)] == t), default=0)
 
     def takes_loads_from_meta(self) -> bool:
         return True
@@ -296,13 +317,13 @@ class ExampleWorld(GenericWorld):
         """The step's stores, as the worker saved them during its forward."""
         content, env = self.target.env.content, self.target.env
         for rid, folder, tokens, table in self.pending_stores:
-            values = content.read_stored(table, len(tokens))
+            values = content.read_stored(table, len(tokens))  # the slots it names only
             valid = get_valid_values(tokens, len(tokens))
-            bad = tuple(p for p in range(len(tokens)) if values.get(p) != valid[p])
+            bad = tuple(p for p in sorted(values) if values[p] != valid[p])
             self._save(folder, tokens, values)
             if env.is_judged(rid or ""):
                 from kvspec.spec.contract import ConnectorCall
-                env.calls.append(ConnectorCall("store", rid or "?", num_stored=len(tokens),
+                env.calls.append(ConnectorCall("store", rid or "?", num_stored=len(values),
                                                bad_positions=bad))
         self.pending_stores = []
 
@@ -358,7 +379,8 @@ class NixlWorld(GenericWorld):
         """A decode node's remote prefill holds the whole prompt; nothing else
         is stored anywhere NIXL looks."""
         plan = self.target.env.plans.get(request.request_id)
-        return len(request.prompt_token_ids) if plan is not None and plan.pd else 0
+        remote = plan is not None and plan.pd and self.target.config.is_kv_consumer
+        return len(request.prompt_token_ids) if remote else 0
 
     def get_reads_in_flight(self, request) -> bool | None:
         """On a prefill node the decode node pulls a ``do_remote_decode``
@@ -430,6 +452,9 @@ class OffloadingWorld(GenericWorld):
     for) saves another request's KV: ``store_reads_computed_kv``."""
 
     single_group = True
+    #: its worker asserts every transfer succeeds (offloading/worker.py: job
+    #: failures are not supported)
+    reports_load_failures = False
 
     def __init__(self) -> None:
         #: CPU chunk -> the slot values a completed store saved there
@@ -441,17 +466,32 @@ class OffloadingWorld(GenericWorld):
         #: token prefixes, up to a block's end, whose block a store saved
         self.saved_prefixes: set[tuple[int, ...]] = set()
 
-    def configure(self, extra: dict) -> dict:
+    def configure(self, extra: dict, config) -> dict:
+        """A CPU cache of 4 MiB (eviction is rare in kvspec's runs); one CPU
+        chunk per GPU block, which the world's position mapping needs."""
+        if extra.get("block_size") not in (None, config.block_size) or \
+                extra.get("blocks_per_chunk") not in (None, 1):
+            raise ConnectorChoiceError("--connector-config: kvspec plays the offloading "
+                                       "connector with one CPU chunk per GPU block (no "
+                                       "block_size or blocks_per_chunk)")
         return {"cpu_bytes_to_use": 1 << 22, **extra}
 
     def _size(self) -> int:
         return self.target.config.block_size
 
-    def _starts(self, spec) -> tuple[int, ...]:
-        """Where each GPU block of a spec starts in its request: blocks are
-        logically contiguous from ``block_indices[0]``."""
+    def _starts(self, spec, rid: str | None = None) -> tuple[int, ...]:
+        """Where each GPU block of a spec starts in its request: by its place
+        in the request's table while the request holds it (a store job may
+        skip chunks already stored), else counted from ``block_indices[0]``
+        (a load's blocks are contiguous)."""
+        gpu = self._gpu(spec)
+        table = ()
+        if rid is not None and rid in self.target.scheduler.requests:
+            table = self.target.observe_request(rid).block_ids[0]
+        if all(b in table for b in gpu):
+            return tuple(table.index(b) * self._size() for b in gpu)
         first = int(spec.block_indices[0])
-        return tuple((first + i) * self._size() for i in range(len(self._gpu(spec))))
+        return tuple((first + i) * self._size() for i in range(len(gpu)))
 
     def _gpu(self, spec) -> tuple[int, ...]:
         ids = [int(b) for b in spec.block_ids][:int(spec.group_sizes[0])]
@@ -468,7 +508,7 @@ class OffloadingWorld(GenericWorld):
             computed = (request.num_computed_tokens
                         + scheduler_output.num_scheduled_tokens.get(job.req_id, 0))
             self.stores.append(OffloadStore(jid, job.req_id, gpu, chunks,
-                                            self._starts(job.src_spec),
+                                            self._starts(job.src_spec, job.req_id),
                                             tuple(request.all_token_ids), computed))
         flush = set(getattr(meta, "jobs_to_flush", None) or ())
         for store in [s for s in self.stores if s.job_id in flush]:

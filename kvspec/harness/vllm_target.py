@@ -258,6 +258,7 @@ class VllmTarget(VllmObserver):
                                       "connector")
             try:
                 self.world = get_world(choice)
+                self.world.configure(choice.get_extra_config(), config)
             except (ConnectorChoiceError, ImportError, ValueError) as exc:
                 raise TargetCannotMap(str(exc)) from None
         # groups of two block sizes: hashes per hash block (their greatest
@@ -364,7 +365,7 @@ class VllmTarget(VllmObserver):
                 kv_connector_module_path=self.choice.module_path, kv_role=config.kv_role,
                 kv_load_failure_policy=config.kv_load_failure_policy,
                 kv_connector_extra_config=self.world.configure(
-                    self.choice.get_extra_config()))
+                    self.choice.get_extra_config(), config))
         if kv_transfer_config is not None and getattr(
                 kv_transfer_config, "kv_load_failure_policy",
                 config.kv_load_failure_policy) != config.kv_load_failure_policy:

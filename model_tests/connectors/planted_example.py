@@ -46,18 +46,20 @@ class ExampleStoringComputed(ExampleConnector):
 
     def build_connector_meta(self, scheduler_output):
         meta = super().build_connector_meta(scheduler_output)
-        reach = {r.req_id: (list(r.prompt_token_ids or []), r.num_computed_tokens
-                            + scheduler_output.num_scheduled_tokens.get(r.req_id, 0))
-                 for r in scheduler_output.scheduled_new_reqs}
+        # a save keeps the request's first step's blocks: matched to its
+        # request by those blocks (twins sharing a prefix share only cached ones)
+        reach = [(r.block_ids[0], r.num_computed_tokens
+                  + scheduler_output.num_scheduled_tokens.get(r.req_id, 0))
+                 for r in scheduler_output.scheduled_new_reqs]
         meta.requests = [req for req in meta.requests
-                         if not req.is_store or _computed_by_this_step(req, reach)]
+                         if not req.is_store or self._computed_by_this_step(req, reach)]
         return meta
 
-
-def _computed_by_this_step(req, reach) -> bool:
-    tokens = [int(t) for t in req.token_ids.tolist()]
-    return any(prompt[:len(tokens)] == tokens and computed >= len(tokens)
-               for prompt, computed in reach.values())
+    def _computed_by_this_step(self, req, reach) -> bool:
+        slots = [int(s) for s in req.slot_mapping.tolist()]
+        blocks = [slots[i] // self._block_size for i in range(0, len(slots), self._block_size)]
+        return any(list(ids[:len(blocks)]) == blocks and computed >= len(req.token_ids)
+                   for ids, computed in reach)
 
 
 class FullPromptSyncHit(ExampleStoringComputed):
