@@ -74,6 +74,11 @@ class ConnectorCall(Witnessing):
     def is_hit(self) -> bool:
         return bool(self.num_external)
 
+    @property
+    def covers_every_token(self) -> bool:
+        """The hit leaves the step nothing to compute."""
+        return self.hit_end >= self.num_tokens
+
 
 @invariant(cites="KVConnectorBase_V1.get_num_new_matched_tokens (base.py): tokens 'beyond "
                  "what is already computed'; impl/connector.py", kind="connector",
@@ -107,7 +112,7 @@ def sync_hit_leaves_a_token(c: ConnectorCall) -> Iterator[str]:
     if not c.is_hit or c.is_async:
         return
     c.witness()
-    if c.hit_end >= c.num_tokens:
+    if c.covers_every_token:
         yield (f"{c.request_id}: a synchronous hit of {c.num_external} tokens from "
                f"{c.num_computed} covers all {c.num_tokens} tokens")
 
@@ -125,7 +130,7 @@ def hit_with_last_state_leaves_last_token(c: ConnectorCall) -> Iterator[str]:
     if not c.is_hit or not c.has_last_state:
         return
     c.witness()
-    if c.hit_end >= c.num_tokens:
+    if c.covers_every_token:
         yield (f"{c.request_id}: a hit of {c.num_external} tokens from {c.num_computed} covers "
                f"all {c.num_tokens} tokens beside a last-state group")
 

@@ -22,6 +22,8 @@ A *world* is what kvspec knows of one connector's transfers:
   returns (the connector's worker saves during the forward) and loads it back
   as it was saved. An arrival with ``ext`` tokens in the plan finds the
   prompt already saved by another instance (its valid KV).
+- ``OffloadingWorld``, ``NixlWorld``, ``MooncakeWorld``: each class says
+  what it plays (store and load jobs with their completions; P/D pulls).
 """
 from __future__ import annotations
 
@@ -176,6 +178,10 @@ class GenericWorld:
     #: (a failure the real worker cannot report is not its scheduler's case)
     reports_load_failures: bool = True
 
+    #: its loads are read from the connector's metadata (not taken as the
+    #: blocks ``update_state_after_alloc`` gave)
+    takes_loads_from_meta: bool = False
+
     def get_transfer_args(self, spec, config) -> dict | None:
         """A request's ``extra_args`` (P/D ``kv_transfer_params``): none."""
         return None
@@ -192,9 +198,6 @@ class GenericWorld:
 
     def get_stored(self, request) -> int | None:
         return None
-
-    def takes_loads_from_meta(self) -> bool:
-        return False
 
     def on_meta(self, meta, scheduler_output) -> None:
         pass
@@ -223,6 +226,7 @@ class ExampleWorld(GenericWorld):
     which may be fewer positions than its key names."""
 
     reports_load_failures = False
+    takes_loads_from_meta = True
 
     def __init__(self) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="kvspec-example-connector-")
@@ -262,9 +266,6 @@ class ExampleWorld(GenericWorld):
         tokens = tuple(request.all_token_ids)
         return max((get_run(values) for t, values in self.saved.values()
                     if tokens[:len(t)] == t), default=0)
-
-    def takes_loads_from_meta(self) -> bool:
-        return True
 
     def on_meta(self, meta, scheduler_output) -> None:
         """Each request the metadata names: a load (run by the worker in this
@@ -321,10 +322,7 @@ class ExampleWorld(GenericWorld):
             valid = get_valid_values(tokens, len(tokens))
             bad = tuple(p for p in sorted(values) if values[p] != valid[p])
             self._save(folder, tokens, values)
-            if env.is_judged(rid or ""):
-                from kvspec.spec.contract import ConnectorCall
-                env.calls.append(ConnectorCall("store", rid or "?", num_stored=len(values),
-                                               bad_positions=bad))
+            env.record_store(rid or "?", len(values), bad)
         self.pending_stores = []
 
 
@@ -371,9 +369,7 @@ class NixlWorld(GenericWorld):
             job = env.content.loads.get(rid)
             if job is None:
                 continue  # a recv with nothing to load (a full local hit frees P's blocks)
-            groups = groups if groups and isinstance(groups[0], (list, tuple)) else [groups]
-            loaded = tuple(self.target._to_spec_ids(list(ids), g) for g, ids in enumerate(groups))
-            env.record_load(rid, job.block_ids, loaded)
+            env.record_load(rid, job.block_ids, self.target.get_spec_tables(groups))
 
     def get_stored(self, request) -> int | None:
         """A decode node's remote prefill holds the whole prompt; nothing else
@@ -543,11 +539,7 @@ class OffloadingWorld(GenericWorld):
                     and v != valid[start + s]]
         self.stores.remove(store)
         self.completed.add(store.job_id)
-        if env.is_judged(store.request_id):
-            from kvspec.spec.contract import ConnectorCall
-            env.calls.append(ConnectorCall("store", store.request_id,
-                                           num_stored=len(store.gpu_blocks) * size,
-                                           bad_positions=tuple(bad)))
+        env.record_store(store.request_id, len(store.gpu_blocks) * size, tuple(bad))
 
     def get_stored(self, request) -> int:
         """The longest run of whole blocks from the prompt's start that some
@@ -615,13 +607,12 @@ class ConnectorProbe:
         if num_external_tokens <= 0:
             return
         rid = request.request_id
-        ids = tuple(self.target._to_spec_ids(list(t), g)
-                    for g, t in enumerate(blocks.get_block_ids()))
+        ids = self.target.get_spec_tables(blocks.get_block_ids())
         self.target._note_load(rid, ids)
         start, _ = self.env.answers.get(rid, (request.num_computed_tokens, 0))
         self.env.content.add_load(self.target.observe_request(rid), ids, start,
                                   num_external_tokens, self.is_async.get(rid, False))
-        if not self.world.takes_loads_from_meta():
+        if not self.world.takes_loads_from_meta:
             self.env.record_load(rid, ids, None)
 
     def _after_build_connector_meta(self, meta, scheduler_output):
@@ -631,9 +622,7 @@ class ConnectorProbe:
         delay = bool(answer[0]) if isinstance(answer, tuple) and answer else False
         rid = request.request_id
         self.env.content.cancel_load(rid)
-        groups = block_ids if block_ids and isinstance(block_ids[0], (list, tuple)) \
-            else [block_ids]
-        tables = tuple(self.target._to_spec_ids(list(t), g) for g, t in enumerate(groups))
+        tables = self.target.get_spec_tables(block_ids)
         if delay and any(b != NULL_BLOCK for t in tables for b in t):
             real = request.num_computed_tokens - getattr(request, "num_output_placeholders", 0)
             self.env.content.start_send(rid, tables[0], min(real, request.num_tokens))

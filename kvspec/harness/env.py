@@ -219,6 +219,13 @@ class EnvConnector:
                 load_blocks=None if loaded is None else flat(loaded), num_loaded=num_loaded,
                 num_unstored=num_unstored))
 
+    def record_store(self, request_id: str, num_stored: int, bad_positions: tuple) -> None:
+        """A store a real connector's worker ran: positions it saved, and those
+        that did not hold their computed KV when it read them."""
+        if self.is_judged(request_id):
+            self.calls.append(ConnectorCall("store", request_id, num_stored=num_stored,
+                                            bad_positions=bad_positions))
+
     def record_finish(self, request_id: str, delay: bool, reads_in_flight: bool | None) -> None:
         if self.is_judged(request_id):
             self.calls.append(ConnectorCall("finish", request_id, delay=bool(delay),

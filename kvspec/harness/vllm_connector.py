@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import attrs
+
+from kvspec.harness.vllm_observe import as_groups
 from vllm.distributed.kv_transfer.kv_connector.v1 import base as _base
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                 KVConnectorMetadata)
@@ -81,11 +83,8 @@ class KVSpecConnector(KVConnectorBase_V1):
         return KVSpecConnectorMetadata()
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
-        # vLLM hands a flat list for a single-group model (one list per group
-        # through request_finished_all_groups for hybrid ones).
-        groups = block_ids if block_ids and isinstance(block_ids[0], (list, tuple)) \
-            else [block_ids]
-        spec_ids = tuple(self.binding.to_spec_ids(list(ids), g) for g, ids in enumerate(groups))
+        spec_ids = tuple(self.binding.to_spec_ids(list(ids), g)
+                         for g, ids in enumerate(as_groups(block_ids)))
         delay, params = self.binding.env.request_finished(request, spec_ids)
         self.binding.on_finished(request.request_id, bool(delay))
         return delay, params

@@ -48,6 +48,11 @@ class VllmObserver:
             return None
         return tuple(tuple(map(_spec_id, group)) for group in block_ids)
 
+    def get_spec_tables(self, block_ids) -> tuple[tuple[int, ...], ...]:
+        """Block ids a connector is handed or names (one group's flat list, or
+        one list per group) as kvspec's tables, through ``_to_spec_ids``."""
+        return tuple(self._to_spec_ids(list(ids), g) for g, ids in enumerate(as_groups(block_ids)))
+
     def _to_spec_ids(self, vllm_ids, group: int = 0) -> tuple[int, ...]:
         """One group's vLLM block ids as kvspec's: the null block is
         ``NULL_BLOCK`` in a group that gives blocks back, and never in a
@@ -189,6 +194,12 @@ class VllmObserver:
             running=tuple(r.request_id for r in s.running), pool=self._pool_view(),
             sending=tuple(rid for rid, r in requests.items() if r.status.is_finished))
 
+
+
+def as_groups(block_ids) -> list:
+    """vLLM hands a connector a flat list of block ids for a single-group
+    model and one list per group otherwise: always one list per group."""
+    return block_ids if block_ids and isinstance(block_ids[0], (list, tuple)) else [block_ids]
 
 
 def _spec_id(vllm_id: int) -> int:

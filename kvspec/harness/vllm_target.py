@@ -258,7 +258,8 @@ class VllmTarget(VllmObserver):
                                       "connector")
             try:
                 self.world = get_world(choice)
-                self.world.configure(choice.get_extra_config(), config)
+                #: the connector's kv_connector_extra_config, as its world sets it
+                self.connector_extra = self.world.configure(choice.get_extra_config(), config)
             except (ConnectorChoiceError, ImportError, ValueError) as exc:
                 raise TargetCannotMap(str(exc)) from None
         # groups of two block sizes: hashes per hash block (their greatest
@@ -364,8 +365,7 @@ class VllmTarget(VllmObserver):
                 c.KVTransferConfig, kv_connector=self.choice.class_name,
                 kv_connector_module_path=self.choice.module_path, kv_role=config.kv_role,
                 kv_load_failure_policy=config.kv_load_failure_policy,
-                kv_connector_extra_config=self.world.configure(
-                    self.choice.get_extra_config(), config))
+                kv_connector_extra_config=self.connector_extra)
         if kv_transfer_config is not None and getattr(
                 kv_transfer_config, "kv_load_failure_policy",
                 config.kv_load_failure_policy) != config.kv_load_failure_policy:
