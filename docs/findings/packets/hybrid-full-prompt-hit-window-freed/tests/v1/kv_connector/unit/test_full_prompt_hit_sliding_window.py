@@ -8,6 +8,8 @@ The P/D connectors (NIXL, Mooncake) avoid the whole-prompt hit for sliding
 windows as they do for Mamba: the prefill node stops one token short and the
 decode node computes the last token with a window laid out for it."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
@@ -26,7 +28,6 @@ pytestmark = pytest.mark.cpu_test
 
 BLOCK_SIZE = 16
 SLIDING_WINDOW = 32
-
 
 
 class HMAMockKVConnector(MockKVConnector, SupportsHMA):
@@ -80,46 +81,156 @@ def test_full_prompt_async_hit_keeps_recomputed_token_window(num_prompt_tokens):
     _assert_window_is_real(scheduler, request, num_prompt_tokens)
 
 
-# The decode node of a P/D pair: the connector asks the prefill node for the
-# prompt. Loading all of it would need the same rewind as above; stopping one
-# token short lets the decode node compute the last token as a plain prefill.
-@pytest.mark.parametrize("kv_connector", ["NixlConnector", "MooncakeConnector"])
-@pytest.mark.parametrize("num_prompt_tokens", [46, 47, 48])
-def test_pd_decode_node_computes_last_token_with_its_window(
+# P/D: the prefill node hands over its blocks, the decode node pulls into its
+# own, and the worker pairs the two lists from the tail
+# (NixlBaseConnectorWorker._apply_prefix_caching for pull and push; Mooncake's
+# sender keeps local_group[-n_remote:]). Every position the decode node's first
+# computed token reads must land in a block filled from the prefill block that
+# holds the same positions, never from the prefill node's null block.
+@pytest.mark.parametrize(
+    "kv_connector", ["NixlConnector", "NixlPushConnector", "MooncakeConnector"]
+)
+@pytest.mark.parametrize("num_prompt_tokens", [46, 47, 48, 49])
+def test_pd_decode_node_reads_prefilled_kv_in_every_window_position(
     kv_connector, num_prompt_tokens
 ):
-    scheduler = _make_scheduler(
+    prefill = _make_scheduler(
+        num_prompt_tokens, kv_connector=kv_connector, kv_role="kv_producer"
+    )
+    sent = _prefill_and_hand_off(prefill, kv_connector, num_prompt_tokens)
+
+    decode = _make_scheduler(
         num_prompt_tokens, kv_connector=kv_connector, kv_role="kv_consumer"
     )
+    pulled = _pull_then_compute_first_token(decode, kv_connector, sent)
+
+    for group_id, spec in enumerate(_group_specs(decode)):
+        _assert_reads_are_prefilled(spec, group_id, sent, pulled)
+
+
+def _prefill_and_hand_off(scheduler, kv_connector, num_prompt_tokens):
+    """Runs the prefill node's request to its hand-off: what the decode node
+    is sent, with the positions each handed-off block holds."""
     request = create_request(
+        request_id=1,
         num_tokens=num_prompt_tokens,
         block_size=BLOCK_SIZE,
-        do_remote_prefill=True,
-        num_remote_blocks=num_prompt_tokens // BLOCK_SIZE + 1,
+        do_remote_decode=True,
     )
-    num_loaded = _load_then_compute_last_token(scheduler, request)
-    assert num_loaded == num_prompt_tokens - 1, (
-        f"the decode node loaded {num_loaded} of "
-        f"{num_prompt_tokens} prompt tokens; with a sliding-window group it "
-        f"must stop one short, as for Mamba"
-    )
-    _assert_window_is_real(scheduler, request, num_prompt_tokens)
-
-
-@pytest.mark.parametrize("kv_connector", ["NixlConnector", "MooncakeConnector"])
-def test_pd_prefill_node_stops_one_token_short_for_window_groups(kv_connector):
-    scheduler = _make_scheduler(47, kv_connector=kv_connector, kv_role="kv_producer")
-    request = create_request(
-        num_tokens=47, block_size=BLOCK_SIZE, do_remote_decode=True
-    )
+    if kv_connector == "MooncakeConnector":
+        request.kv_transfer_params["transfer_id"] = "xfer-1"
+    prompt = list(request.prompt_token_ids)  # the prefill node may shorten it
     scheduler.add_request(request)
-    assert request.num_prompt_tokens == 46
-    assert request.kv_transfer_params["_p_side_truncated"] is True
+    output = scheduler.schedule()
+    # Every block of the prefill, by table index (index i holds positions
+    # i * BLOCK_SIZE ...), before any is released.
+    table = scheduler.kv_cache_manager.get_block_ids(request.request_id)
+    outputs = scheduler.update_from_output(
+        output, create_model_runner_output([request])
+    )
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    params = outputs[0].outputs[0].kv_transfer_params
+    if kv_connector == "MooncakeConnector":
+        # Mooncake hands the blocks to its sender in the next step's metadata.
+        meta = scheduler.schedule().kv_connector_metadata
+        handed_off = meta.reqs_to_send[request.request_id][1]
+        params = dict(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            transfer_id="xfer-1",
+            remote_engine_id="my-engine-id",
+            remote_bootstrap_addr=54321,
+        )
+    else:
+        handed_off = params["remote_block_ids"]
+    null_block_id = scheduler.kv_cache_manager.block_pool.null_block.block_id
+    return SimpleNamespace(
+        params=params,
+        prompt=prompt,
+        num_prompt_tokens=num_prompt_tokens,
+        num_computed_tokens=request.num_computed_tokens,
+        blocks=[list(group) for group in handed_off],
+        index={block: i for group in table for i, block in enumerate(group)},
+        null_block_id=null_block_id,
+    )
 
-    # The connector is told of the request again (as by a second add_request):
-    # it must not lose another token.
-    scheduler.connector.on_new_request(request)
-    assert request.num_prompt_tokens == 46
+
+def _pull_then_compute_first_token(scheduler, kv_connector, sent):
+    """The decode node's request up to its first computed token: the blocks
+    it pulled into, and its block table then."""
+    request = create_request(
+        request_id=1,
+        num_tokens=sent.num_prompt_tokens,
+        block_size=BLOCK_SIZE,
+        do_remote_prefill=True,
+    )
+    assert request.prompt_token_ids == sent.prompt
+    request.kv_transfer_params = dict(sent.params)
+    scheduler.add_request(request)
+    output = scheduler.schedule()
+    meta = output.kv_connector_metadata
+    if kv_connector == "MooncakeConnector":
+        pull = meta.reqs_to_recv["my-engine-id"][request.request_id]
+    else:
+        pull = meta.reqs_to_recv[request.request_id]
+    num_loaded = request.num_computed_tokens
+    scheduler.update_from_output(
+        output,
+        create_model_runner_output([], finished_recving={request.request_id}),
+    )
+    output = scheduler.schedule()
+    num_scheduled = output.num_scheduled_tokens.get(request.request_id, 0)
+    assert num_scheduled, "the decode node did not compute after its load finished"
+    return SimpleNamespace(
+        blocks=[list(group) for group in pull.local_block_ids],
+        table=scheduler.kv_cache_manager.get_block_ids(request.request_id),
+        num_loaded=num_loaded,
+        # num_computed_tokens counts the scheduled tokens already
+        first_computed=request.num_computed_tokens - num_scheduled,
+        null_block_id=scheduler.kv_cache_manager.block_pool.null_block.block_id,
+    )
+
+
+def _group_specs(scheduler):
+    return [g.kv_cache_spec for g in scheduler.kv_cache_config.kv_cache_groups]
+
+
+def _pair_from_the_tail(pulled: list[int], handed_off: list[int]) -> dict[int, int]:
+    """decode block -> prefill block, as the connectors' workers pair them."""
+    assert len(pulled) <= len(handed_off), (
+        f"the decode node pulls {len(pulled)} blocks, the prefill node hands "
+        f"over {len(handed_off)}: the connector fails the transfer"
+    )
+    return dict(zip(pulled, handed_off[len(handed_off) - len(pulled) :]))
+
+
+def _assert_reads_are_prefilled(spec, group_id, sent, pulled):
+    position = pulled.first_computed  # the decode node's first computed token
+    window = getattr(spec, "sliding_window", None) or position + 1
+    pairs = _pair_from_the_tail(pulled.blocks[group_id], sent.blocks[group_id])
+    for read in range(max(0, position - window + 1), min(position, pulled.num_loaded)):
+        index = read // BLOCK_SIZE
+        block = pulled.table[group_id][index]
+        where = (
+            f"{type(spec).__name__} group: the token at position {position} reads "
+            f"position {read}, block index {index} of the decode table "
+            f"{pulled.table[group_id]} (pulled {pulled.blocks[group_id]} from "
+            f"{sent.blocks[group_id]})"
+        )
+        assert block != pulled.null_block_id, f"{where}: it is the null block"
+        source = pairs.get(block)
+        assert source is not None, f"{where}: it was not pulled"
+        assert source != sent.null_block_id, (
+            f"{where}: it is filled from the prefill node's null block"
+        )
+        assert sent.index[source] == index, (
+            f"{where}: it is filled from prefill block {source}, which holds "
+            f"block index {sent.index[source]}: positions off by "
+            f"{(sent.index[source] - index) * BLOCK_SIZE}"
+        )
+        assert read < sent.num_computed_tokens, (
+            f"{where}: the prefill node computed {sent.num_computed_tokens} tokens"
+        )
 
 
 def _load_then_compute_last_token(scheduler, request) -> int:
