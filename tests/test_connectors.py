@@ -84,8 +84,7 @@ def test_a_choice_round_trips_through_the_target_name():
 @needs_vllm
 @pytest.mark.parametrize("args, says", [
     (["--connector", "NoSuchConnector"], "not registered"),
-    (["--connector", "SimpleCPUOffloadConnector"],
-     "does not play SimpleCPUOffloadConnector's worker side"),
+    (["--connector", "HF3FSKVConnector"], "does not play HF3FSKVConnector's worker side"),
     (["--connector-config", "{}"], "applies with --connector"),
     (["--target", "impl", "--connector", "ExampleConnector"], "apply to the vllm target"),
 ])
@@ -191,3 +190,32 @@ def test_a_pd_world_drives_the_real_connector(connector, role):
     witnessed = ({"hit_within_stored", "load_lands_in_given_blocks"} if consumer
                  else {"delay_covers_reads_in_flight"})
     assert all(runner.witnessed[n] for n in witnessed), dict(runner.witnessed)
+
+
+#: a prompt stored by one request, the prefix cache reset, and the same
+#: prompt again: its hit loads what the store holds
+STORE_THEN_LOAD = [
+    {"op": "add", "id": "r0", "prompt": list(range(1, 10)), "max_tokens": 2},
+    {"op": "step"}, {"op": "step"}, {"op": "drain"},
+    {"op": "reset_prefix_cache"},
+    {"op": "add", "id": "r1", "prompt": list(range(1, 10)), "max_tokens": 2},
+    {"op": "step"}, {"op": "step", "finish_loads": ["r1"]}, {"op": "drain"}]
+
+
+def _witnessed_store_then_load(connector: str, **config) -> dict:
+    runner = Runner("vllm?connector=" + connector, make_config(num_blocks=20, **config))
+    found = runner.run(STORE_THEN_LOAD)
+    assert found is None, [str(v) for v in found.violations]
+    return dict(runner.witnessed)
+
+
+@needs_vllm
+def test_the_simple_cpu_offload_world_stores_and_loads_through_its_metadata():
+    """SimpleCPUOffloadConnector: its eager store copies the prompt's full
+    blocks to CPU (completed through SimpleCPUOffloadWorkerMetadata), and after
+    a reset the same prompt loads them back (finished_recving); the blocks it
+    pins while transferring count as holders."""
+    witnessed = _witnessed_store_then_load("SimpleCPUOffloadConnector")
+    for name in ("store_reads_computed_kv", "hit_within_stored", "load_lands_in_given_blocks",
+                 "load_reads_what_was_stored", "ref_count_is_holders"):
+        assert witnessed[name] > 0, (name, witnessed)

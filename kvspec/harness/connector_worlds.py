@@ -119,8 +119,6 @@ def supports_hma(choice: ConnectorChoice) -> bool:
 #: completions only their own worker metadata carries (a harness gap, never a
 #: finding), or they take over the process
 NOT_PLAYED = {
-    "SimpleCPUOffloadConnector": "its stores complete through SimpleCPUOffloadWorkerMetadata "
-                                 "and need_flush",
     "MooncakeStoreConnector": "its saves complete through MooncakeStoreWorkerMetadata and its "
                               "lookup asks a server",
     "MultiConnector": "its children's worker metadata travel in MultiKVConnectorWorkerMetadata",
@@ -147,6 +145,8 @@ def get_world(choice: ConnectorChoice):
         return OffloadingWorld()
     if "MooncakeConnector" in lineage:
         return MooncakeWorld()
+    if "SimpleCPUOffloadConnector" in lineage:
+        return SimpleCPUOffloadWorld()
     return GenericWorld()
 
 
@@ -212,6 +212,14 @@ class GenericWorld:
 
     def get_reads_in_flight(self, request) -> bool | None:
         return None
+
+    def on_finished(self, request, tables) -> None:
+        """A request finished (``request_finished``): its blocks, kvspec ids."""
+
+    def get_pins(self) -> list[int]:
+        """vLLM block ids the connector holds a reference on (``touch``), one
+        entry per reference: none."""
+        return []
 
     def close(self) -> None:
         pass
@@ -569,6 +577,218 @@ class OffloadingWorld(GenericWorld):
         return meta
 
 
+class BlockOwners:
+    """Which request position each GPU block (kvspec id, group 0) holds, as
+    last seen: refreshed from the live requests' tables after each step's
+    metadata was read, and from a finishing request's table. A store emitted
+    for a block is judged against the owner recorded before the step that
+    emitted it (a block the scheduler reused in that step, unfenced, holds
+    another request's KV: ``store_reads_computed_kv``)."""
+
+    def __init__(self, target) -> None:
+        self.target = target
+        #: block -> (request id, position of its first slot)
+        self.owner: dict[int, tuple[str, int]] = {}
+
+    def note_table(self, rid: str, table) -> None:
+        size = self.target.config.block_size
+        for i, b in enumerate(table):
+            if b != NULL_BLOCK:
+                self.owner[b] = (rid, i * size)
+
+    def refresh(self) -> None:
+        for rid in self.target.scheduler.requests:
+            self.note_table(rid, self.target.observe_request(rid).block_ids[0])
+
+    def get_bad(self, block: int, slots, computed_of) -> tuple[int, list[int]] | None:
+        """(request, bad positions) of a store reading ``slots`` from
+        ``block``: the computed positions it holds that are not their valid KV.
+        None: no request ever held the block (nothing to judge)."""
+        if block not in self.owner:
+            return None
+        rid, start = self.owner[block]
+        request = self.target._requests[rid]  # kept after it finished
+        tokens = tuple(request.all_token_ids)
+        valid = get_valid_values(tokens, len(tokens))
+        upto = min(computed_of(rid), len(tokens))
+        return rid, [start + s for s, v in enumerate(slots)
+                     if start + s < upto and v != valid[start + s]]
+
+
+@attrs.define
+class CPUStore:
+    """A store event of the SimpleCPUOffloadConnector: GPU blocks copied to
+    CPU blocks, read when its step's forward is done, completed later."""
+
+    event: int
+    pairs: tuple[tuple[int, int], ...]  # (GPU block, CPU block), kvspec GPU ids
+    age: int = 0
+
+
+class SimpleCPUOffloadWorld(GenericWorld):
+    """vLLM's SimpleCPUOffloadConnector (eager mode, CPU backend). Its
+    scheduler hands the worker one load event and one store event per step
+    (``SimpleCPUOffloadMetadata``: flat GPU and CPU block lists,
+    v1/simple_kv_offload/metadata.py:15). kvspec's worker plays
+    v1/simple_kv_offload/worker.py: a store (``wait_for_save``, :280) copies
+    its GPU blocks after the step's forward, so it reads them when the step's
+    output returns, and completes one step later, or at once when
+    ``need_flush`` (a preemption, ``handle_preemptions`` :345) syncs every
+    transfer; it reports ``SimpleCPUOffloadWorkerMetadata.completed_store_events``
+    (:320). A load writes what its CPU blocks hold into the GPU blocks the
+    metadata names and completes by ``finished_recving`` (``get_finished``
+    :300), as the environment draws. The scheduler pins the blocks a store
+    reads (manager.py:1223, ``touch``) instead of delaying a free, so a finish
+    has no reads kvspec's world can see in flight. The world follows group
+    0's blocks only: one full-attention group (the connector supports HMA;
+    kvspec does not model its hybrid CPU pool)."""
+
+    single_group = True
+    #: its worker reports no failed transfer (worker.py: events only complete)
+    reports_load_failures = False
+
+    def __init__(self) -> None:
+        #: CPU block -> (the token prefix up to its block's end, its slot values)
+        self.cpu: dict[int, tuple[tuple[int, ...], list]] = {}
+        self.stores: list[CPUStore] = []
+        self.completed: set[int] = set()
+        #: live request -> positions computed by the step in flight
+        self.computed_at: dict[str, int] = {}
+
+    def configure(self, extra: dict, config) -> dict:
+        """A CPU pool of twice the GPU blocks (the manager scales the pool by
+        ``cpu_bytes_to_use`` over the GPU allocation, manager.py:288): LRU
+        eviction happens, rarely. Eager stores on the CPU backend only."""
+        if extra.get("lazy_offload") or extra.get("kv_offload_backend", "cpu") != "cpu":
+            raise ConnectorChoiceError("--connector-config: kvspec plays SimpleCPUOffload"
+                                       "Connector's eager stores to CPU (no lazy_offload, "
+                                       "no disk backend)")
+        page = 2 * config.block_size * 8 * 4  # K and V, one head of 8 float32 (vllm_target)
+        return {"cpu_bytes_to_use": page * len(config.groups) * 2 * (config.num_blocks + 1),
+                **extra}
+
+    def bind(self, connector, target) -> None:
+        super().bind(connector, target)
+        self.owners = BlockOwners(target)
+
+    def _size(self) -> int:
+        return self.target.config.block_size
+
+    def _gpu(self, vllm_ids) -> tuple[int, ...]:
+        return self.target._to_spec_ids([int(b) for b in vllm_ids], 0)
+
+    def on_meta(self, meta, scheduler_output) -> None:
+        if meta.store_event >= 0:
+            pairs = tuple(zip(self._gpu(meta.store_gpu_blocks),
+                              (int(c) for c in meta.store_cpu_blocks)))
+            self.stores.append(CPUStore(meta.store_event, pairs))
+        # the metadata is built before the scheduler advances the counts: this
+        # step's positions are computed by the time its stores read
+        self.computed_at = {rid: r.num_computed_tokens
+                            + scheduler_output.num_scheduled_tokens.get(rid, 0)
+                            for rid, r in self.target.scheduler.requests.items()}
+        if meta.load_event >= 0:
+            self._start_loads(meta)
+        if meta.need_flush:  # every transfer synced before the forward
+            for store in self.stores:
+                store.age = max(store.age, 1)
+        self.owners.refresh()
+
+    def _start_loads(self, meta) -> None:
+        """The event's loads, one per request it names: the GPU blocks of the
+        flat list the request holds, in its table's order."""
+        gpu = self._gpu(meta.load_gpu_blocks)
+        cpu = [int(c) for c in meta.load_cpu_blocks]
+        for rid in meta.load_event_to_reqs.get(meta.load_event, ()):
+            table = self.target.observe_request(rid).block_ids[0]
+            pairs = [(g, c) for g, c in zip(gpu, cpu) if g in table]
+            self._load(rid, table, pairs)
+
+    def _load(self, rid: str, table, pairs) -> None:
+        env, size = self.target.env, self._size()
+        values, unstored = {}, 0
+        for g, c in pairs:
+            held = self.cpu.get(c)
+            unstored += held is None
+            start = table.index(g) * size
+            values.update({start + s: v for s, v in enumerate(held[1] if held else ())})
+        load = env.content.loads.get(rid)
+        if load is not None:
+            load.values = {**(load.values or {}), **values}
+        env.record_load(rid, load.block_ids if load else (), ([g for g, _ in pairs],),
+                        len(pairs) * size, unstored * size)
+
+    def on_finished(self, request, tables) -> None:
+        self.owners.note_table(request.request_id, tables[0] if tables else ())
+
+    def _computed(self, rid: str) -> int:
+        """Positions of a request computed by the store's step (a finished
+        request's final count)."""
+        return self.computed_at.get(rid, self.target._requests[rid].num_computed_tokens)
+
+    def before_output(self) -> None:
+        """Stores launched this step read their blocks now (after the
+        forward); those launched a step ago (or flushed) complete."""
+        for store in list(self.stores):
+            if store.age == 0:
+                self._read(store)
+            if store.age >= 1:
+                self.stores.remove(store)
+                self.completed.add(store.event)
+            store.age += 1
+
+    def _read(self, store: CPUStore) -> None:
+        content, env, size = self.target.env.content, self.target.env, self._size()
+        by_request: dict[str, list[int]] = {}
+        for g, c in store.pairs:
+            slots = list(content.slots[g][:size])
+            judged = self.owners.get_bad(g, slots, self._computed)
+            rid, bad = judged if judged else ("?", [])
+            tokens = tuple(self.target._requests[rid].all_token_ids) if judged else ()
+            start = self.owners.owner[g][1] if judged else 0
+            self.cpu[c] = (tokens[:start + size], slots)
+            by_request.setdefault(rid, []).extend(bad)
+        for rid, bad in by_request.items():
+            n = sum(1 for g, _ in store.pairs
+                    if self.owners.owner.get(g, ("?",))[0] == rid) * size
+            env.record_store(rid, n, tuple(sorted(bad)))
+
+    def get_stored(self, request) -> int:
+        """The longest run of whole blocks from the prompt's start some CPU
+        block holds (a CPU block a later store reused holds the later one)."""
+        held = {prefix for prefix, _ in self.cpu.values()}
+        tokens, size, n = tuple(request.all_token_ids), self._size(), 0
+        while len(tokens) >= n + size and tokens[:n + size] in held:
+            n += size
+        return n
+
+    def get_pins(self) -> list[int]:
+        """The GPU blocks the manager touched and has not freed yet, from its
+        books (v1/simple_kv_offload/manager.py): loads from
+        ``update_state_after_alloc`` (:499) to their cleanup (:1320), stores
+        from their emission (or a finished request's queueing, :1254) to their
+        completion. kvspec cannot see a pin otherwise; ``ref_count_is_holders``
+        then judges that the pool's counts match the books."""
+        m = getattr(self.connector, "scheduler_manager", None)
+        if m is None:
+            return []
+        transfers = [*m._store_event_to_blocks.values(), *m._pending_finished_stores,
+                     *m._abandoned_store_event_to_blocks.values(),
+                     *(s.transfer_meta for s in (*m._reqs_to_load.values(),
+                                                 *m._abandoned_reqs_to_load.values())
+                       if s.transfer_meta is not None)]
+        return [b for t in transfers for b in t.gpu_block_ids]
+
+    def get_worker_meta(self, recving: set[str]):
+        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+        if not self.completed:
+            return None
+        meta = SimpleCPUOffloadWorkerMetadata(
+            completed_store_events={e: 1 for e in sorted(self.completed)})
+        self.completed.clear()
+        return meta
+
+
 class ConnectorProbe:
     """Wraps one connector instance's scheduler-side methods (instance
     attributes shadow the class's, so ``isinstance`` checks vLLM makes, such
@@ -626,6 +846,7 @@ class ConnectorProbe:
         if delay and any(b != NULL_BLOCK for t in tables for b in t):
             real = request.num_computed_tokens - getattr(request, "num_output_placeholders", 0)
             self.env.content.start_send(rid, tables[0], min(real, request.num_tokens))
+        self.world.on_finished(request, tables)
         self.env.record_finish(rid, delay, self.world.get_reads_in_flight(request))
 
     _after_request_finished_all_groups = _after_request_finished
