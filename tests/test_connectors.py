@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -218,4 +219,21 @@ def test_the_simple_cpu_offload_world_stores_and_loads_through_its_metadata():
     witnessed = _witnessed_store_then_load("SimpleCPUOffloadConnector")
     for name in ("store_reads_computed_kv", "hit_within_stored", "load_lands_in_given_blocks",
                  "load_reads_what_was_stored", "ref_count_is_holders"):
+        assert witnessed[name] > 0, (name, witnessed)
+
+
+@needs_vllm
+@pytest.mark.parametrize("children", [None, ["SimpleCPUOffloadConnector", "ExampleConnector"]])
+def test_the_multi_connector_world_composes_its_childrens_worlds(children):
+    """MultiConnector, its default pair (Offloading, SimpleCPUOffload) or
+    children named in its config: each child's world reads its slot of the
+    metadata, their worker metadata travel in MultiKVConnectorWorkerMetadata,
+    and the reloaded prompt loads what a child stored."""
+    connector = "MultiConnector"
+    if children:
+        connector += "&connector_config=" + urllib.parse.quote(json.dumps(
+            {"connectors": [{"kv_connector": c} for c in children]}), safe="")
+    witnessed = _witnessed_store_then_load(connector)
+    for name in ("store_reads_computed_kv", "hit_within_stored", "load_lands_in_given_blocks",
+                 "load_reads_what_was_stored"):
         assert witnessed[name] > 0, (name, witnessed)

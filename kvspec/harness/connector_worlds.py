@@ -121,7 +121,6 @@ def supports_hma(choice: ConnectorChoice) -> bool:
 NOT_PLAYED = {
     "MooncakeStoreConnector": "its saves complete through MooncakeStoreWorkerMetadata and its "
                               "lookup asks a server",
-    "MultiConnector": "its children's worker metadata travel in MultiKVConnectorWorkerMetadata",
     "HF3FSKVConnector": "it replaces the process's SIGINT and SIGTERM handlers and asks a "
                         "metadata server",
 }
@@ -147,6 +146,8 @@ def get_world(choice: ConnectorChoice):
         return MooncakeWorld()
     if "SimpleCPUOffloadConnector" in lineage:
         return SimpleCPUOffloadWorld()
+    if "MultiConnector" in lineage:
+        return MultiWorld()
     return GenericWorld()
 
 
@@ -787,6 +788,115 @@ class SimpleCPUOffloadWorld(GenericWorld):
             completed_store_events={e: 1 for e in sorted(self.completed)})
         self.completed.clear()
         return meta
+
+
+class MultiWorld(GenericWorld):
+    """vLLM's MultiConnector: the worlds of its children, side by side
+    (multi_connector.py). Each child's world reads the child's slot of
+    ``MultiKVConnectorMetadata.metadata`` and plays its worker; their worker
+    metadata travel together in ``MultiKVConnectorWorkerMetadata`` (one slot
+    per child, :55; ``update_connector_output`` hands each child its own,
+    :496). Loads and finished_recving are per request, whichever child won
+    the lookup (the first with a hit, :434). A finished request delays its
+    free if any child does (:542); the worker reports it in finished_sending
+    once, after every delaying child finished (``extra_async_saves``,
+    :358): the environment reports each send once, which is that.
+
+    Without ``connectors`` in --connector-config the children are
+    OffloadingConnector then SimpleCPUOffloadConnector (two CPU stores, each
+    saving every request, the first with a hit loading it); ExampleConnector
+    is left out of the default as its own store breaks
+    ``store_reads_computed_kv`` (it saves a prompt at its first chunk,
+    docs/connectors.md), which would stop every default run on it. A config
+    naming ``connectors`` picks any children kvspec has a world for, with
+    their own extra config."""
+
+    DEFAULT_CHILDREN = ({"kv_connector": "OffloadingConnector"},
+                        {"kv_connector": "SimpleCPUOffloadConnector"})
+
+    def __init__(self) -> None:
+        self.children: list[GenericWorld] = []
+
+    def configure(self, extra: dict, config) -> dict:
+        children = []
+        for child in extra.get("connectors") or self.DEFAULT_CHILDREN:
+            name = child.get("kv_connector")
+            if not name:
+                raise ConnectorChoiceError("--connector-config: each of connectors names its "
+                                           "kv_connector")
+            choice = ConnectorChoice(name if not child.get("kv_connector_module_path")
+                                     else f"{child['kv_connector_module_path']}:{name}")
+            world = get_world(choice)
+            if isinstance(world, MultiWorld):
+                raise ConnectorChoiceError("--connector-config: a MultiConnector in a "
+                                           "MultiConnector")
+            self.children.append(world)
+            children.append({**child, "kv_role": child.get("kv_role", config.kv_role),
+                             "kv_connector_extra_config": world.configure(
+                                 child.get("kv_connector_extra_config", {}), config)})
+        return {**extra, "connectors": children}
+
+    @property
+    def single_group(self) -> bool:
+        return any(w.single_group for w in self.children)
+
+    @property
+    def reports_load_failures(self) -> bool:
+        return all(w.reports_load_failures for w in self.children)
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        common = set.intersection(*(set(w.roles) for w in self.children))
+        return tuple(r for r in self.children[0].roles if r in common) or ("kv_both",)
+
+    def bind(self, connector, target) -> None:
+        super().bind(connector, target)
+        for world, child in zip(self.children, connector._connectors):
+            world.bind(child, target)
+
+    def get_transfer_args(self, spec, config) -> dict | None:
+        args = [w.get_transfer_args(spec, config) for w in self.children]
+        return next((a for a in args if a), None)
+
+    def seed(self, spec) -> None:
+        for w in self.children:
+            w.seed(spec)
+
+    def get_stored(self, request) -> int | None:
+        """What any child's store holds (the hit is the first child's with one)."""
+        stored = [w.get_stored(request) for w in self.children]
+        return None if None in stored else max(stored)
+
+    def on_meta(self, meta, scheduler_output) -> None:
+        for world, child_meta in zip(self.children, meta.metadata):
+            world.on_meta(child_meta, scheduler_output)
+
+    def before_output(self) -> None:
+        for w in self.children:
+            w.before_output()
+
+    def get_worker_meta(self, recving: set[str]):
+        from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+            MultiKVConnectorWorkerMetadata)
+        metas = tuple(w.get_worker_meta(recving) for w in self.children)
+        if all(m is None for m in metas):
+            return None
+        return MultiKVConnectorWorkerMetadata(metadata=metas)
+
+    def get_reads_in_flight(self, request) -> bool | None:
+        reads = [w.get_reads_in_flight(request) for w in self.children]
+        return True if True in reads else (None if None in reads else False)
+
+    def on_finished(self, request, tables) -> None:
+        for w in self.children:
+            w.on_finished(request, tables)
+
+    def get_pins(self) -> list[int]:
+        return [b for w in self.children for b in w.get_pins()]
+
+    def close(self) -> None:
+        for w in self.children:
+            w.close()
 
 
 class ConnectorProbe:
