@@ -237,3 +237,14 @@ def test_the_multi_connector_world_composes_its_childrens_worlds(children):
     for name in ("store_reads_computed_kv", "hit_within_stored", "load_lands_in_given_blocks",
                  "load_reads_what_was_stored"):
         assert witnessed[name] > 0, (name, witnessed)
+
+
+@needs_vllm
+def test_the_mooncake_store_world_saves_by_hash_and_loads_back():
+    """MooncakeStoreConnector with kvspec's store behind its lookup client: a
+    prompt's blocks are saved under their hashes (completed through
+    MooncakeStoreWorkerMetadata) and, after a reset, loaded back."""
+    witnessed = _witnessed_store_then_load("MooncakeStoreConnector")
+    for name in ("store_reads_computed_kv", "hit_within_stored", "load_lands_in_given_blocks",
+                 "load_reads_what_was_stored", "ref_count_is_holders"):
+        assert witnessed[name] > 0, (name, witnessed)

@@ -119,8 +119,6 @@ def supports_hma(choice: ConnectorChoice) -> bool:
 #: completions only their own worker metadata carries (a harness gap, never a
 #: finding), or they take over the process
 NOT_PLAYED = {
-    "MooncakeStoreConnector": "its saves complete through MooncakeStoreWorkerMetadata and its "
-                              "lookup asks a server",
     "HF3FSKVConnector": "it replaces the process's SIGINT and SIGTERM handlers and asks a "
                         "metadata server",
 }
@@ -148,6 +146,8 @@ def get_world(choice: ConnectorChoice):
         return SimpleCPUOffloadWorld()
     if "MultiConnector" in lineage:
         return MultiWorld()
+    if "MooncakeStoreConnector" in lineage:
+        return MooncakeStoreWorld()
     return GenericWorld()
 
 
@@ -786,6 +786,178 @@ class SimpleCPUOffloadWorld(GenericWorld):
             return None
         meta = SimpleCPUOffloadWorkerMetadata(
             completed_store_events={e: 1 for e in sorted(self.completed)})
+        self.completed.clear()
+        return meta
+
+
+class StoreLookup:
+    """The scheduler's ``LookupKeyClient`` (mooncake/store/worker.py:2380)
+    answered from kvspec's store instead of a zmq socket to the worker's
+    LookupKeyServer, as vLLM's test_mooncake_store_scheduler.py patches it.
+    The hit mirrors ``MooncakeStoreWorker.lookup`` (worker.py:2095) for one
+    full-attention group: the run of block hashes from the first that the
+    store holds, whole blocks within the request's tokens, re-derived below
+    the last token when it covers them all (:2193)."""
+
+    def __init__(self, world: "MooncakeStoreWorld") -> None:
+        self.world = world
+
+    def lookup(self, req_id, num_tokens, block_hashes, non_block=False):
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+            MooncakeLookupResult)
+        hit = self._hit(block_hashes, num_tokens)
+        if hit >= num_tokens:
+            hit = self._hit(block_hashes, num_tokens - 1)
+        return MooncakeLookupResult(hit)
+
+    def _hit(self, block_hashes, num_tokens: int) -> int:
+        size, n = self.world._size(), 0
+        while (n + 1) * size <= num_tokens and n < len(block_hashes) \
+                and bytes(block_hashes[n]) in self.world.saved:
+            n += 1
+        return n * size
+
+    def discard(self, req_id) -> None:
+        pass
+
+    def reset(self) -> bool:
+        self.world.saved.clear()
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+@attrs.define
+class StoreSave:
+    """A save job of the MooncakeStoreConnector: blocks of one request, from
+    the first position not saved yet, read when its step's forward is done."""
+
+    job_id: int | None
+    request_id: str
+    #: (block hash, kvspec GPU block, position of its first slot)
+    blocks: tuple[tuple[bytes, int, int], ...]
+    computed: int
+    age: int = 0
+
+
+class MooncakeStoreWorld(GenericWorld):
+    """vLLM's MooncakeStoreConnector with kvspec's store in place of the
+    Mooncake master: a key per block hash (the request's ``block_hashes``).
+    Its lookup client is ``StoreLookup``. kvspec's worker plays
+    mooncake/store/worker.py: a ``ReqMeta`` that ``can_save`` saves its
+    request's whole blocks from ``token_ids_start`` to ``token_len_chunk``
+    under their hashes (a key already held is kept), reading them when the
+    step's output returns, and completes one step later through
+    ``MooncakeStoreWorkerMetadata.completed_saves`` (data.py:869); a
+    ``ReqMeta`` with a ``load_spec`` loads positions ``vllm_cached_tokens``
+    to ``kvpool_cached_tokens`` into its ``block_ids`` from the keys, and
+    completes by finished_recving (``load_async``, the default) as the
+    environment draws. Save jobs pin their blocks (scheduler.py:540) until
+    reported. One full-attention group (the world follows group 0)."""
+
+    single_group = True
+    #: its worker's failed loads are reported by block; kvspec does not draw them
+    reports_load_failures = False
+
+    def __init__(self) -> None:
+        #: block hash -> (the token prefix up to its block's end, its slot values)
+        self.saved: dict[bytes, tuple[tuple[int, ...], list]] = {}
+        self.saves: list[StoreSave] = []
+        self.completed: set[int] = set()
+
+    def configure(self, extra: dict, config) -> dict:
+        """The scheduler's lookup client answers from this world's store."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import scheduler
+        scheduler.LookupKeyClient = lambda vllm_config: StoreLookup(self)
+        if extra.get("load_async") is False or extra.get("lookup_async"):
+            raise ConnectorChoiceError("--connector-config: kvspec plays MooncakeStore"
+                                       "Connector's async loads and blocking lookups")
+        return extra
+
+    def _size(self) -> int:
+        return self.target.config.block_size
+
+    def on_meta(self, meta, scheduler_output) -> None:
+        for req in getattr(meta, "requests", ()):
+            table = self.target._to_spec_ids([int(b) for b in req.block_ids[0]], 0)
+            if req.load_spec is not None and req.load_spec.can_load:
+                self._load(req, table)
+            if req.can_save and req.token_len_chunk:
+                self._start_save(req, table, scheduler_output)
+
+    def _load(self, req, table) -> None:
+        env, size = self.target.env, self._size()
+        start, end = req.load_spec.vllm_cached_tokens, req.load_spec.kvpool_cached_tokens
+        values, unstored, blocks = {}, 0, []
+        for i in range(start // size, -(-end // size)):
+            held = self.saved.get(bytes(req.block_hashes[i])) if i < len(req.block_hashes) \
+                else None
+            unstored += held is None
+            blocks.append(table[i])
+            values.update({i * size + s: v for s, v in enumerate(held[1] if held else ())})
+        load = env.content.loads.get(req.req_id)
+        if load is not None:
+            load.values = {**(load.values or {}), **values}
+        env.record_load(req.req_id, load.block_ids if load else (), (blocks,), end - start,
+                        unstored * size)
+
+    def _start_save(self, req, table, scheduler_output) -> None:
+        size = self._size()
+        request = self.target._requests[req.req_id]
+        computed = (request.num_computed_tokens
+                    + scheduler_output.num_scheduled_tokens.get(req.req_id, 0))
+        first = req.token_ids_start // size
+        blocks = tuple((bytes(req.block_hashes[i]), table[i], i * size)
+                       # a block whose tokens are not all known yet (async
+                       # scheduling's placeholders) has no hash: no key to save
+                       for i in range(first, min(req.token_len_chunk // size,
+                                                 len(req.block_hashes))))
+        self.saves.append(StoreSave(req.store_job_id, req.req_id, blocks, computed))
+
+    def before_output(self) -> None:
+        for save in list(self.saves):
+            if save.age == 0:
+                self._read(save)
+            if save.age >= 1:
+                self.saves.remove(save)
+                if save.job_id is not None:
+                    self.completed.add(save.job_id)
+            save.age += 1
+
+    def _read(self, save: StoreSave) -> None:
+        content, size = self.target.env.content, self._size()
+        tokens = tuple(self.target._requests[save.request_id].all_token_ids)
+        valid = get_valid_values(tokens, len(tokens))
+        upto, bad = min(save.computed, len(tokens)), []
+        for key, block, start in save.blocks:
+            slots = list(content.slots[block][:size])
+            bad += [start + s for s, v in enumerate(slots) if start + s < upto
+                    and v != valid[start + s]]
+            self.saved.setdefault(key, (tokens[:start + size], slots))
+        self.target.env.record_store(save.request_id, len(save.blocks) * size, tuple(bad))
+
+    def get_stored(self, request) -> int:
+        """The run of whole blocks from the first whose keys the store holds."""
+        held = {prefix for prefix, _ in self.saved.values()}
+        tokens, size, n = tuple(request.all_token_ids), self._size(), 0
+        while len(tokens) >= n + size and tokens[:n + size] in held:
+            n += size
+        return n
+
+    def get_pins(self) -> list[int]:
+        """The blocks its save jobs pin (``_pinned_saves``, scheduler.py:575),
+        from its books, until every rank reported the job."""
+        pinned = getattr(getattr(self.connector, "connector_scheduler", None),
+                         "_pinned_saves", {})
+        return [b for block_ids, _ in pinned.values() for b in block_ids]
+
+    def get_worker_meta(self, recving: set[str]):
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+            MooncakeStoreWorkerMetadata)
+        if not self.completed:
+            return None
+        meta = MooncakeStoreWorkerMetadata(completed_saves={j: 1 for j in sorted(self.completed)})
         self.completed.clear()
         return meta
 
