@@ -22,8 +22,10 @@ A *world* is what kvspec knows of one connector's transfers:
   returns (the connector's worker saves during the forward) and loads it back
   as it was saved. An arrival with ``ext`` tokens in the plan finds the
   prompt already saved by another instance (its valid KV).
-- ``OffloadingWorld``, ``NixlWorld``, ``MooncakeWorld``: each class says
-  what it plays (store and load jobs with their completions; P/D pulls).
+- ``OffloadingWorld``, ``NixlWorld``, ``MooncakeWorld``,
+  ``SimpleCPUOffloadWorld``, ``MooncakeStoreWorld``, ``HF3FSWorld``,
+  ``MultiWorld``: each class says what it plays (store and load jobs with
+  their completions; P/D pulls; a MultiConnector's children).
 """
 from __future__ import annotations
 
@@ -117,11 +119,9 @@ def supports_hma(choice: ConnectorChoice) -> bool:
 #: in-tree connectors whose worker protocol kvspec does not play yet, and why:
 #: with the generic world their scheduler side would wait for ever on
 #: completions only their own worker metadata carries (a harness gap, never a
-#: finding), or they take over the process
-NOT_PLAYED = {
-    "HF3FSKVConnector": "it replaces the process's SIGINT and SIGTERM handlers and asks a "
-                        "metadata server",
-}
+#: finding), or they take over the process. Every in-tree connector that
+#: imports is played now (HF3FSKVConnector was the last)
+NOT_PLAYED: dict[str, str] = {}
 
 
 def get_world(choice: ConnectorChoice):
@@ -148,6 +148,8 @@ def get_world(choice: ConnectorChoice):
         return MultiWorld()
     if "MooncakeStoreConnector" in lineage:
         return MooncakeStoreWorld()
+    if "HF3FSKVConnector" in lineage:
+        return HF3FSWorld()
     return GenericWorld()
 
 
@@ -213,6 +215,12 @@ class GenericWorld:
 
     def get_reads_in_flight(self, request) -> bool | None:
         return None
+
+    def get_sends_done(self) -> set[str]:
+        """Requests whose delayed free the worker reports in this output's
+        ``finished_sending`` on its own (beside the sends the environment
+        finishes: those of requests that hold blocks)."""
+        return set()
 
     def on_finished(self, request, tables) -> None:
         """A request finished (``request_finished``): its blocks, kvspec ids."""
@@ -1059,6 +1067,9 @@ class MultiWorld(GenericWorld):
         reads = [w.get_reads_in_flight(request) for w in self.children]
         return True if True in reads else (None if None in reads else False)
 
+    def get_sends_done(self) -> set[str]:
+        return set().union(*(w.get_sends_done() for w in self.children))
+
     def on_finished(self, request, tables) -> None:
         for w in self.children:
             w.on_finished(request, tables)
@@ -1069,6 +1080,227 @@ class MultiWorld(GenericWorld):
     def close(self) -> None:
         for w in self.children:
             w.close()
+
+
+class _Ignored:
+    """A module's ``signal`` or ``atexit`` as the HF3FS connector sees them:
+    handlers and exit hooks it registers are dropped (the rest is the real
+    module's)."""
+
+    def __init__(self, module, *dropped: str) -> None:
+        self._module, self._dropped = module, dropped
+
+    def __getattr__(self, name):
+        if name in self._dropped:
+            return lambda *args, **kwargs: None
+        return getattr(self._module, name)
+
+
+class Hf3fsMetadata:
+    """The HF3FS metadata server in-process: its own ``GlobalMetadataState``
+    (hf3fs_metadata_server.py), which the scheduler's client asks (in place of
+    ``Hf3fsGlobalMetadataClient``'s HTTP calls) and kvspec's worker allocates
+    and confirms pages in."""
+
+    def __init__(self, world: "HF3FSWorld") -> None:
+        self.state = world.meta
+
+    def initialize(self, rank: int, num_pages: int = 0, role: str = "worker") -> None:
+        if role == "worker":
+            self.state.initialize_rank(rank, num_pages)
+
+    def allocate_pages_for_keys(self, rank: int, keys):
+        return list(self.state.allocate_pages_for_keys(rank, keys).items())
+
+    def confirm_write_for_keys(self, rank: int, key_confirmations, pages_to_release=None):
+        self.state.confirm_write_for_keys(rank, key_confirmations, pages_to_release)
+
+    def batch_key_exists(self, keys) -> list[bool]:
+        return self.state.batch_key_exists(keys)
+
+    def get_key_locations(self, rank: int, keys):
+        return self.state.get_key_locations(rank, keys)
+
+
+@attrs.define
+class Hf3fsSave:
+    """A save the HF3FS worker submits in ``wait_for_save``: blocks of one
+    request under the prefix hashes of its metadata's token ids."""
+
+    request_id: str
+    #: (block hash, kvspec GPU block, the token prefix up to its block's end)
+    blocks: tuple[tuple[str, int, tuple[int, ...]], ...]
+
+
+class HF3FSWorld(GenericWorld):
+    """vLLM's HF3FSKVConnector (hf3fs/hf3fs_connector.py) with kvspec's
+    store in place of 3FS and its metadata server in-process
+    (``Hf3fsMetadata``: the server's own ``GlobalMetadataState``, one rank).
+    Its construction's SIGINT/SIGTERM/SIGQUIT handlers and atexit hook are
+    dropped (kvspec's own handlers stop a run; the scheduler side's
+    ``close`` has nothing to close). kvspec's worker plays its
+    ``AsyncOperationManager``: a ``HF3FSRequestMetadata`` with a
+    ``load_block_op`` loads ``block_ids[:num_blocks_to_load]`` from the pages
+    its prefix hashes name (from ``num_computed_blocks``), the whole load
+    failing if one key is missing (``_handle_load_task``; the worker then
+    reports it finished all the same), and finishes by ``finished_recving``
+    as the environment draws; one with a ``save_block_op`` saves its whole
+    blocks from ``skip_leading_blocks`` under their hashes (``wait_for_save``:
+    gathered after the step's forward, so read when the step's output
+    returns; pages allocated and confirmed then, a key already written keeping
+    its page). ``request_finished`` always delays the free: a request holding
+    blocks is sent as the environment draws; one holding none the worker
+    reports at once (``_check_completed_saves`` finds no save of it in the
+    step that names it finished). One full-attention group (it takes
+    ``get_unhashed_block_ids``)."""
+
+    single_group = True
+    #: a failed load task completes its future all the same: the worker never
+    #: reports a failed load
+    reports_load_failures = False
+    #: pages of the in-process 3FS file (never evicted: the metadata server
+    #: frees a page only when its write fails)
+    NUM_PAGES = 1 << 16
+
+    def __init__(self) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.hf3fs.hf3fs_metadata_server import (
+            GlobalMetadataState)
+        self.meta = GlobalMetadataState()
+        self.meta.initialize_rank(0, self.NUM_PAGES)
+        #: page -> (the token prefix up to its block's end, its slot values)
+        self.pages: dict[int, tuple[tuple[int, ...], list]] = {}
+        #: per step in flight (oldest first): its saves, and the requests
+        #: without blocks its metadata names finished
+        self.steps: list[tuple[list[Hf3fsSave], set[str]]] = []
+        self.blockless: set[str] = set()
+        self.sends_done: set[str] = set()
+
+    def configure(self, extra: dict, config) -> dict:
+        """The scheduler's metadata client is ``Hf3fsMetadata``; its
+        construction registers no signal handler or exit hook."""
+        import atexit
+        import signal
+        from vllm.distributed.kv_transfer.kv_connector.v1.hf3fs import hf3fs_connector
+        hf3fs_connector.Hf3fsMetadataClient = lambda *a, **k: Hf3fsMetadata(self)
+        hf3fs_connector.signal = _Ignored(signal, "signal")
+        hf3fs_connector.atexit = _Ignored(atexit, "register")
+        return extra
+
+    def _size(self) -> int:
+        return self.target.config.block_size
+
+    def _hashes(self, tokens, first: int, count: int | None = None) -> list[str]:
+        return self.connector._generate_block_hashes(list(tokens), first, count)
+
+    def seed(self, spec) -> None:
+        """Another instance saved this prompt's prefix (``ext`` tokens, whole
+        blocks) the way its worker does."""
+        size = self._size()
+        n = spec.ext // size
+        if n:
+            tokens = tuple(spec.prompt[:n * size])
+            valid = get_valid_values(tokens, len(tokens))
+            self._write([(h, tokens[:(i + 1) * size], [valid[i * size + s] for s in range(size)])
+                         for i, h in enumerate(self._hashes(tokens, 0))])
+
+    def _write(self, blocks) -> None:
+        """Pages allocated, written and confirmed (``_handle_save_task``)."""
+        keys = [(h, "") for h, _, _ in blocks]
+        pages = self.meta.allocate_pages_for_keys(0, keys)
+        written = []
+        for h, prefix, slots in blocks:
+            if pages[h] >= 0:
+                self.pages[pages[h]] = (prefix, slots)
+                written.append((h, pages[h]))
+        self.meta.confirm_write_for_keys(0, written, [])
+
+    def on_meta(self, meta, scheduler_output) -> None:
+        """Loads run now (their keys read when the worker starts them); saves
+        are read when this step's output returns. The metadata's lists are
+        the connector's own (it extends them later): copied now, as the
+        worker receives them."""
+        size, saves = self._size(), []
+        for req in getattr(meta, "requests", ()):
+            tokens, vllm_ids = tuple(int(t) for t in req.token_ids), list(req.block_ids)
+            if req.load_block_op is not None and req.load_block_op.num_blocks_to_load > 0:
+                self._load(req.request_id, tokens, vllm_ids, req.load_block_op)
+            if req.save_block_op is not None:
+                skip = req.save_block_op.skip_leading_blocks
+                hashes = self._hashes(tokens, skip)
+                table = self.target._to_spec_ids(vllm_ids[skip:skip + len(hashes)], 0)
+                blocks = tuple((h, b, tokens[:(skip + i + 1) * size])
+                               for i, (h, b) in enumerate(zip(hashes, table)))
+                if blocks:
+                    saves.append(Hf3fsSave(req.request_id, blocks))
+        done = self.blockless & set(scheduler_output.finished_req_ids)
+        self.blockless -= done
+        self.steps.append((saves, done))
+
+    def _load(self, rid: str, tokens, vllm_ids, op) -> None:
+        env, size = self.target.env, self._size()
+        n, first = op.num_blocks_to_load, op.num_computed_blocks
+        blocks = self.target._to_spec_ids(vllm_ids[:n], 0)
+        hashes = self._hashes(tokens, first, len(blocks))
+        pages = self.meta.get_key_locations(0, hashes)
+        values, unstored = {}, 0
+        found = all(p is not None for p in pages)  # one key missing fails the task
+        for i, page in enumerate(pages):
+            start = (first + i) * size
+            held = self.pages.get(page) if found else None
+            unstored += held is None or held[0] != tokens[:start + size]
+            if held is not None:
+                values.update({start + s: v for s, v in enumerate(held[1])})
+        unstored += len(blocks) - len(pages)
+        load = env.content.loads.get(rid)
+        if load is not None:
+            load.values = {**(load.values or {}), **values}
+        env.record_load(rid, load.block_ids if load else (), (blocks,), n * size,
+                        unstored * size)
+
+    def before_output(self) -> None:
+        """The oldest step's saves gather their blocks now (after its
+        forward); the requests without blocks it named finished are sent."""
+        if not self.steps:
+            return
+        saves, done = self.steps.pop(0)
+        for save in saves:
+            self._read(save)
+        self.sends_done |= done
+
+    def _read(self, save: Hf3fsSave) -> None:
+        content, size = self.target.env.content, self._size()
+        bad, blocks = [], []
+        for h, block, prefix in save.blocks:
+            slots = list(content.slots[block][:size])
+            valid = get_valid_values(prefix, len(prefix))
+            start = len(prefix) - size
+            bad += [start + s for s, v in enumerate(slots) if v != valid[start + s]]
+            blocks.append((h, prefix, slots))
+        self._write(blocks)
+        self.target.env.record_store(save.request_id, len(save.blocks) * size, tuple(bad))
+
+    def get_stored(self, request) -> int:
+        """The run of whole blocks from the first some page holds (by the
+        tokens it was saved for, not by its key)."""
+        held = {prefix for prefix, _ in self.pages.values()}
+        tokens, size, n = tuple(request.all_token_ids), self._size(), 0
+        while len(tokens) >= n + size and tokens[:n + size] in held:
+            n += size
+        return n
+
+    def get_reads_in_flight(self, request) -> bool:
+        """A save of a step still in flight (async scheduling) has not
+        gathered its blocks yet."""
+        rid = request.request_id
+        return any(s.request_id == rid for saves, _ in self.steps for s in saves)
+
+    def on_finished(self, request, tables) -> None:
+        if not any(b != NULL_BLOCK for t in tables for b in t):
+            self.blockless.add(request.request_id)
+
+    def get_sends_done(self) -> set[str]:
+        done, self.sends_done = self.sends_done, set()
+        return done
 
 
 class ConnectorProbe:

@@ -460,8 +460,11 @@ class VllmTarget(VllmObserver):
         self._cancelled_loads.clear()
         invalid, failed = self._failure_report(outcome, recving)
         worker_meta = None if self.world is None else self.world.get_worker_meta(recving)
+        sending = set(outcome.finished_sending)
+        if self.world is not None:
+            sending |= self.world.get_sends_done()
         kv = m.KVConnectorOutput(
-            finished_sending=set(outcome.finished_sending) or None,
+            finished_sending=sending or None,
             finished_recving=recving or None,
             invalid_block_ids={b + NULL_BLOCKS for b in invalid},
             **({"failed_recving": failed} if failed else {}),
