@@ -112,6 +112,7 @@ PLANTED_BREACHES = {
                                               ("OffloadingConnector",
                                                "planted_offloading:OffloadingResetFixed")),
     "planted_nixl:DropsDelayedFree": ("delay_covers_reads_in_flight", ("NixlConnector",)),
+    "planted_simple_cpu:CountsPastStored": ("hit_within_stored", ("SimpleCPUOffloadConnector",)),
 }
 
 
