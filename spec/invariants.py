@@ -396,14 +396,15 @@ def within_limits(ctx: Context):
 # -- block accounting ---------------------------------------------------------
 
 def _holders(ctx: Context) -> list[int]:
-    """References per block: block tables, and the fenced frees of steps in flight."""
+    """References per block: block tables, the fenced frees of steps in
+    flight, and a real connector's pins on blocks it transfers."""
     count = [0] * ctx.obs.pool.num_blocks
     for r in ctx.obs.requests.values():
         for table in r.block_ids:
             for b in table:
                 if b != NULL_BLOCK:  # a block a windowed group gave back
                     count[b] += 1
-    for b in ctx.obs.pool.fenced:
+    for b in (*ctx.obs.pool.fenced, *ctx.obs.pool.pinned):
         count[b] += 1
     return count
 
@@ -412,7 +413,8 @@ def _holders(ctx: Context) -> list[int]:
 def ref_count_is_holders(ctx: Context):
     """A block's reference count equals the number of block tables holding it
     (finished requests that wait for a KV send included), plus the references a
-    free fenced behind a step in flight still holds.
+    free fenced behind a step in flight still holds, plus those a real
+    connector pins while it transfers a block (``--connector``).
 
     Protects against double frees and leaks: a block freed while still held is
     handed to another request and overwritten under the first. Witnessed by a
@@ -441,13 +443,15 @@ def free_queue_is_free_blocks(ctx: Context):
 @invariant(cites="seed 004 (_free_blocks, finished_sending)")
 def no_leak_when_idle(ctx: Context):
     """With no live request and no KV send pending, every block is free (or
-    fenced behind a step in flight, until its output is processed).
+    fenced behind a step in flight, until its output is processed, or pinned
+    by a real connector's transfer, until its worker reports it done).
 
     Protects the pool across the lifetime of the server: a leaked block is
     capacity lost until restart. Witnessed when the scheduler holds no request."""
     if not ctx.obs.requests:
         ctx.witness()
-        fenced = set(ctx.obs.pool.fenced)  # given back when their step is processed
+        # given back when their step is processed, or their transfer done
+        fenced = set(ctx.obs.pool.fenced) | set(ctx.obs.pool.pinned)
         held = [b for b, ref in enumerate(ctx.obs.pool.ref_cnt) if ref and b not in fenced]
         if held:
             yield f"no requests left but blocks {held} are held"

@@ -318,6 +318,10 @@ class PoolView:
     #: frees under async scheduling with a consumer connector), one entry per
     #: reference held
     fenced: tuple[int, ...] = ()
+    #: references a real connector's scheduler side holds on blocks it
+    #: transfers (vLLM's ``BlockPool.touch``: SimpleCPUOffload's and
+    #: MooncakeStore's in-flight stores and loads), one entry per reference
+    pinned: tuple[int, ...] = ()
 
     @property
     def num_blocks(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -84,8 +85,6 @@ def test_a_choice_round_trips_through_the_target_name():
 @needs_vllm
 @pytest.mark.parametrize("args, says", [
     (["--connector", "NoSuchConnector"], "not registered"),
-    (["--connector", "SimpleCPUOffloadConnector"],
-     "does not play SimpleCPUOffloadConnector's worker side"),
     (["--connector-config", "{}"], "applies with --connector"),
     (["--target", "impl", "--connector", "ExampleConnector"], "apply to the vllm target"),
 ])
@@ -113,6 +112,7 @@ PLANTED_BREACHES = {
                                               ("OffloadingConnector",
                                                "planted_offloading:OffloadingResetFixed")),
     "planted_nixl:DropsDelayedFree": ("delay_covers_reads_in_flight", ("NixlConnector",)),
+    "planted_simple_cpu:CountsPastStored": ("hit_within_stored", ("SimpleCPUOffloadConnector",)),
 }
 
 
@@ -191,3 +191,111 @@ def test_a_pd_world_drives_the_real_connector(connector, role):
     witnessed = ({"hit_within_stored", "load_lands_in_given_blocks"} if consumer
                  else {"delay_covers_reads_in_flight"})
     assert all(runner.witnessed[n] for n in witnessed), dict(runner.witnessed)
+
+
+#: a prompt stored by one request, the prefix cache reset, and the same
+#: prompt again: its hit loads what the store holds
+STORE_THEN_LOAD = [
+    {"op": "add", "id": "r0", "prompt": list(range(1, 10)), "max_tokens": 2},
+    {"op": "step"}, {"op": "step"}, {"op": "drain"},
+    {"op": "reset_prefix_cache"},
+    {"op": "add", "id": "r1", "prompt": list(range(1, 10)), "max_tokens": 2},
+    {"op": "step"}, {"op": "step", "finish_loads": ["r1"]}, {"op": "drain"}]
+
+
+def _witnessed_store_then_load(connector: str, **config) -> dict:
+    runner = Runner("vllm?connector=" + connector, make_config(num_blocks=20, **config))
+    found = runner.run(STORE_THEN_LOAD)
+    assert found is None, [str(v) for v in found.violations]
+    return dict(runner.witnessed)
+
+
+@needs_vllm
+def test_the_simple_cpu_offload_world_stores_and_loads_through_its_metadata():
+    """SimpleCPUOffloadConnector: its eager store copies the prompt's full
+    blocks to CPU (completed through SimpleCPUOffloadWorkerMetadata), and after
+    a reset the same prompt loads them back (finished_recving); the blocks it
+    pins while transferring count as holders."""
+    witnessed = _witnessed_store_then_load("SimpleCPUOffloadConnector")
+    for name in ("store_reads_computed_kv", "hit_within_stored", "load_lands_in_given_blocks",
+                 "load_reads_what_was_stored", "ref_count_is_holders"):
+        assert witnessed[name] > 0, (name, witnessed)
+
+
+@needs_vllm
+@pytest.mark.parametrize("children", [None, ["SimpleCPUOffloadConnector", "ExampleConnector"]])
+def test_the_multi_connector_world_composes_its_childrens_worlds(children):
+    """MultiConnector, its default pair (Offloading, SimpleCPUOffload) or
+    children named in its config: each child's world reads its slot of the
+    metadata, their worker metadata travel in MultiKVConnectorWorkerMetadata,
+    and the reloaded prompt loads what a child stored."""
+    connector = "MultiConnector"
+    if children:
+        connector += "&connector_config=" + urllib.parse.quote(json.dumps(
+            {"connectors": [{"kv_connector": c} for c in children]}), safe="")
+    witnessed = _witnessed_store_then_load(connector)
+    for name in ("store_reads_computed_kv", "hit_within_stored", "load_lands_in_given_blocks",
+                 "load_reads_what_was_stored"):
+        assert witnessed[name] > 0, (name, witnessed)
+
+
+@needs_vllm
+def test_the_mooncake_store_world_saves_by_hash_and_loads_back():
+    """MooncakeStoreConnector with kvspec's store behind its lookup client: a
+    prompt's blocks are saved under their hashes (completed through
+    MooncakeStoreWorkerMetadata) and, after a reset, loaded back."""
+    witnessed = _witnessed_store_then_load("MooncakeStoreConnector")
+    for name in ("store_reads_computed_kv", "hit_within_stored", "load_lands_in_given_blocks",
+                 "load_reads_what_was_stored", "ref_count_is_holders"):
+        assert witnessed[name] > 0, (name, witnessed)
+
+
+@needs_vllm
+def test_the_hf3fs_world_saves_by_prefix_hash_and_loads_back():
+    """HF3FSKVConnector with its metadata server in-process: a prompt's whole
+    blocks are saved under their prefix hashes (pages allocated and
+    confirmed), every finished request's free is delayed until its send is
+    reported, and after a reset the same prompt loads the pages back."""
+    witnessed = _witnessed_store_then_load("HF3FSKVConnector")
+    for name in ("store_reads_computed_kv", "hit_within_stored", "load_lands_in_given_blocks",
+                 "load_reads_what_was_stored", "no_leak_when_idle"):
+        assert witnessed[name] > 0, (name, witnessed)
+
+
+@needs_vllm
+def test_the_hf3fs_connector_leaves_kvspecs_signal_handlers():
+    """HF3FSKVConnector sets SIGINT/SIGTERM/SIGQUIT handlers when built; its
+    world drops them, so an interrupt still stops a run the way kvspec's
+    handlers do (kvspec/harness/interrupt.py), and a request aborted before it
+    holds a block (a delayed free all the same) is reported sent."""
+    import os
+    import signal
+    from kvspec.harness import interrupt
+    quit_before = signal.getsignal(signal.SIGQUIT)
+    with interrupt.interruptible():
+        runner = Runner("vllm?connector=HF3FSKVConnector", make_config(num_blocks=20))
+        found = runner.run([{"op": "add", "id": "r0", "prompt": [1, 2, 3], "max_tokens": 2},
+                            {"op": "abort", "id": "r0"}, {"op": "step"}, {"op": "drain"}])
+        assert found is None, [str(v) for v in found.violations]
+        assert not runner.target.scheduler.requests  # r0's send reported by its world
+        assert signal.getsignal(signal.SIGINT) is interrupt._stop
+        assert signal.getsignal(signal.SIGTERM) is interrupt._stop
+        assert signal.getsignal(signal.SIGQUIT) is quit_before
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(100):  # the handler runs between bytecodes
+                pass
+        assert interrupt.is_interrupted()
+    interrupt.INTERRUPTED.clear()
+
+
+@needs_vllm
+def test_the_hf3fs_stale_block_save_after_a_preemption_replays(tmp_path):
+    """kvspec's finding on HF3FSKVConnector (0.32.0 and 0.33.0): a request
+    preempted by block pressure resumes with its whole new table in
+    ``new_block_ids``, which ``_process_cached_requests`` appends to the old
+    one; its next saves take the old table's blocks, storing other positions'
+    KV under the prefix hashes of later blocks."""
+    trace = ROOT / "docs" / "findings" / "connectors" / "hf3fs-resumed-request-saves-stale-blocks.json"
+    out = run_kvspec(tmp_path, "replay", str(trace))
+    assert out.returncode == 1 and "store_reads_computed_kv" in out.stdout, out.stdout[-2000:]

@@ -22,8 +22,10 @@ A *world* is what kvspec knows of one connector's transfers:
   returns (the connector's worker saves during the forward) and loads it back
   as it was saved. An arrival with ``ext`` tokens in the plan finds the
   prompt already saved by another instance (its valid KV).
-- ``OffloadingWorld``, ``NixlWorld``, ``MooncakeWorld``: each class says
-  what it plays (store and load jobs with their completions; P/D pulls).
+- ``OffloadingWorld``, ``NixlWorld``, ``MooncakeWorld``,
+  ``SimpleCPUOffloadWorld``, ``MooncakeStoreWorld``, ``HF3FSWorld``,
+  ``MultiWorld``: each class says what it plays (store and load jobs with
+  their completions; P/D pulls; a MultiConnector's children).
 """
 from __future__ import annotations
 
@@ -117,16 +119,9 @@ def supports_hma(choice: ConnectorChoice) -> bool:
 #: in-tree connectors whose worker protocol kvspec does not play yet, and why:
 #: with the generic world their scheduler side would wait for ever on
 #: completions only their own worker metadata carries (a harness gap, never a
-#: finding), or they take over the process
-NOT_PLAYED = {
-    "SimpleCPUOffloadConnector": "its stores complete through SimpleCPUOffloadWorkerMetadata "
-                                 "and need_flush",
-    "MooncakeStoreConnector": "its saves complete through MooncakeStoreWorkerMetadata and its "
-                              "lookup asks a server",
-    "MultiConnector": "its children's worker metadata travel in MultiKVConnectorWorkerMetadata",
-    "HF3FSKVConnector": "it replaces the process's SIGINT and SIGTERM handlers and asks a "
-                        "metadata server",
-}
+#: finding), or they take over the process. Every in-tree connector that
+#: imports is played now (HF3FSKVConnector was the last)
+NOT_PLAYED: dict[str, str] = {}
 
 
 def get_world(choice: ConnectorChoice):
@@ -147,6 +142,14 @@ def get_world(choice: ConnectorChoice):
         return OffloadingWorld()
     if "MooncakeConnector" in lineage:
         return MooncakeWorld()
+    if "SimpleCPUOffloadConnector" in lineage:
+        return SimpleCPUOffloadWorld()
+    if "MultiConnector" in lineage:
+        return MultiWorld()
+    if "MooncakeStoreConnector" in lineage:
+        return MooncakeStoreWorld()
+    if "HF3FSKVConnector" in lineage:
+        return HF3FSWorld()
     return GenericWorld()
 
 
@@ -212,6 +215,20 @@ class GenericWorld:
 
     def get_reads_in_flight(self, request) -> bool | None:
         return None
+
+    def get_sends_done(self) -> set[str]:
+        """Requests whose delayed free the worker reports in this output's
+        ``finished_sending`` on its own (beside the sends the environment
+        finishes: those of requests that hold blocks)."""
+        return set()
+
+    def on_finished(self, request, tables) -> None:
+        """A request finished (``request_finished``): its blocks, kvspec ids."""
+
+    def get_pins(self) -> list[int]:
+        """vLLM block ids the connector holds a reference on (``touch``), one
+        entry per reference: none."""
+        return []
 
     def close(self) -> None:
         pass
@@ -569,6 +586,723 @@ class OffloadingWorld(GenericWorld):
         return meta
 
 
+class BlockOwners:
+    """Which request position each GPU block (kvspec id, group 0) holds, as
+    last seen: refreshed from the live requests' tables after each step's
+    metadata was read, and from a finishing request's table. A store emitted
+    for a block is judged against the owner recorded before the step that
+    emitted it (a block the scheduler reused in that step, unfenced, holds
+    another request's KV: ``store_reads_computed_kv``)."""
+
+    def __init__(self, target) -> None:
+        self.target = target
+        #: block -> (request id, position of its first slot)
+        self.owner: dict[int, tuple[str, int]] = {}
+
+    def note_table(self, rid: str, table) -> None:
+        size = self.target.config.block_size
+        for i, b in enumerate(table):
+            if b != NULL_BLOCK:
+                self.owner[b] = (rid, i * size)
+
+    def refresh(self) -> None:
+        for rid in self.target.scheduler.requests:
+            self.note_table(rid, self.target.observe_request(rid).block_ids[0])
+
+    def get_bad(self, block: int, slots, computed_of) -> tuple[int, list[int]] | None:
+        """(request, bad positions) of a store reading ``slots`` from
+        ``block``: the computed positions it holds that are not their valid KV.
+        None: no request ever held the block (nothing to judge)."""
+        if block not in self.owner:
+            return None
+        rid, start = self.owner[block]
+        request = self.target._requests[rid]  # kept after it finished
+        tokens = tuple(request.all_token_ids)
+        valid = get_valid_values(tokens, len(tokens))
+        upto = min(computed_of(rid), len(tokens))
+        return rid, [start + s for s, v in enumerate(slots)
+                     if start + s < upto and v != valid[start + s]]
+
+
+@attrs.define
+class CPUStore:
+    """A store event of the SimpleCPUOffloadConnector: GPU blocks copied to
+    CPU blocks, read when its step's forward is done, completed later."""
+
+    event: int
+    pairs: tuple[tuple[int, int], ...]  # (GPU block, CPU block), kvspec GPU ids
+    age: int = 0
+
+
+class SimpleCPUOffloadWorld(GenericWorld):
+    """vLLM's SimpleCPUOffloadConnector (eager mode, CPU backend). Its
+    scheduler hands the worker one load event and one store event per step
+    (``SimpleCPUOffloadMetadata``: flat GPU and CPU block lists,
+    v1/simple_kv_offload/metadata.py:15). kvspec's worker plays
+    v1/simple_kv_offload/worker.py: a store (``wait_for_save``, :280) copies
+    its GPU blocks after the step's forward, so it reads them when the step's
+    output returns, and completes one step later, or at once when
+    ``need_flush`` (a preemption, ``handle_preemptions`` :345) syncs every
+    transfer; it reports ``SimpleCPUOffloadWorkerMetadata.completed_store_events``
+    (:320). A load writes what its CPU blocks hold into the GPU blocks the
+    metadata names and completes by ``finished_recving`` (``get_finished``
+    :300), as the environment draws. The scheduler pins the blocks a store
+    reads (manager.py:1223, ``touch``) instead of delaying a free, so a finish
+    has no reads kvspec's world can see in flight. The world follows group
+    0's blocks only: one full-attention group (the connector supports HMA;
+    kvspec does not model its hybrid CPU pool)."""
+
+    single_group = True
+    #: its worker reports no failed transfer (worker.py: events only complete)
+    reports_load_failures = False
+
+    def __init__(self) -> None:
+        #: CPU block -> (the token prefix up to its block's end, its slot values)
+        self.cpu: dict[int, tuple[tuple[int, ...], list]] = {}
+        self.stores: list[CPUStore] = []
+        self.completed: set[int] = set()
+        #: live request -> positions computed by the step in flight
+        self.computed_at: dict[str, int] = {}
+
+    def configure(self, extra: dict, config) -> dict:
+        """A CPU pool of twice the GPU blocks (the manager scales the pool by
+        ``cpu_bytes_to_use`` over the GPU allocation, manager.py:288): LRU
+        eviction happens, rarely. Eager stores on the CPU backend only."""
+        if extra.get("lazy_offload") or extra.get("kv_offload_backend", "cpu") != "cpu":
+            raise ConnectorChoiceError("--connector-config: kvspec plays SimpleCPUOffload"
+                                       "Connector's eager stores to CPU (no lazy_offload, "
+                                       "no disk backend)")
+        page = 2 * config.block_size * 8 * 4  # K and V, one head of 8 float32 (vllm_target)
+        return {"cpu_bytes_to_use": page * len(config.groups) * 2 * (config.num_blocks + 1),
+                **extra}
+
+    def bind(self, connector, target) -> None:
+        super().bind(connector, target)
+        self.owners = BlockOwners(target)
+
+    def _size(self) -> int:
+        return self.target.config.block_size
+
+    def _gpu(self, vllm_ids) -> tuple[int, ...]:
+        return self.target._to_spec_ids([int(b) for b in vllm_ids], 0)
+
+    def on_meta(self, meta, scheduler_output) -> None:
+        if meta.store_event >= 0:
+            pairs = tuple(zip(self._gpu(meta.store_gpu_blocks),
+                              (int(c) for c in meta.store_cpu_blocks)))
+            self.stores.append(CPUStore(meta.store_event, pairs))
+        # the metadata is built before the scheduler advances the counts: this
+        # step's positions are computed by the time its stores read
+        self.computed_at = {rid: r.num_computed_tokens
+                            + scheduler_output.num_scheduled_tokens.get(rid, 0)
+                            for rid, r in self.target.scheduler.requests.items()}
+        if meta.load_event >= 0:
+            self._start_loads(meta)
+        if meta.need_flush:  # every transfer synced before the forward
+            for store in self.stores:
+                store.age = max(store.age, 1)
+        self.owners.refresh()
+
+    def _start_loads(self, meta) -> None:
+        """The event's loads, one per request it names: the GPU blocks of the
+        flat list the request holds, in its table's order."""
+        gpu = self._gpu(meta.load_gpu_blocks)
+        cpu = [int(c) for c in meta.load_cpu_blocks]
+        for rid in meta.load_event_to_reqs.get(meta.load_event, ()):
+            table = self.target.observe_request(rid).block_ids[0]
+            pairs = [(g, c) for g, c in zip(gpu, cpu) if g in table]
+            self._load(rid, table, pairs)
+
+    def _load(self, rid: str, table, pairs) -> None:
+        env, size = self.target.env, self._size()
+        values, unstored = {}, 0
+        for g, c in pairs:
+            held = self.cpu.get(c)
+            unstored += held is None
+            start = table.index(g) * size
+            values.update({start + s: v for s, v in enumerate(held[1] if held else ())})
+        load = env.content.loads.get(rid)
+        if load is not None:
+            load.values = {**(load.values or {}), **values}
+        env.record_load(rid, load.block_ids if load else (), ([g for g, _ in pairs],),
+                        len(pairs) * size, unstored * size)
+
+    def on_finished(self, request, tables) -> None:
+        self.owners.note_table(request.request_id, tables[0] if tables else ())
+
+    def _computed(self, rid: str) -> int:
+        """Positions of a request computed by the store's step (a finished
+        request's final count)."""
+        return self.computed_at.get(rid, self.target._requests[rid].num_computed_tokens)
+
+    def before_output(self) -> None:
+        """Stores launched this step read their blocks now (after the
+        forward); those launched a step ago (or flushed) complete."""
+        for store in list(self.stores):
+            if store.age == 0:
+                self._read(store)
+            if store.age >= 1:
+                self.stores.remove(store)
+                self.completed.add(store.event)
+            store.age += 1
+
+    def _read(self, store: CPUStore) -> None:
+        content, env, size = self.target.env.content, self.target.env, self._size()
+        by_request: dict[str, list[int]] = {}
+        for g, c in store.pairs:
+            slots = list(content.slots[g][:size])
+            judged = self.owners.get_bad(g, slots, self._computed)
+            rid, bad = judged if judged else ("?", [])
+            tokens = tuple(self.target._requests[rid].all_token_ids) if judged else ()
+            start = self.owners.owner[g][1] if judged else 0
+            self.cpu[c] = (tokens[:start + size], slots)
+            by_request.setdefault(rid, []).extend(bad)
+        for rid, bad in by_request.items():
+            n = sum(1 for g, _ in store.pairs
+                    if self.owners.owner.get(g, ("?",))[0] == rid) * size
+            env.record_store(rid, n, tuple(sorted(bad)))
+
+    def get_stored(self, request) -> int:
+        """The longest run of whole blocks from the prompt's start some CPU
+        block holds (a CPU block a later store reused holds the later one)."""
+        held = {prefix for prefix, _ in self.cpu.values()}
+        tokens, size, n = tuple(request.all_token_ids), self._size(), 0
+        while len(tokens) >= n + size and tokens[:n + size] in held:
+            n += size
+        return n
+
+    def get_pins(self) -> list[int]:
+        """The GPU blocks the manager touched and has not freed yet, from its
+        books (v1/simple_kv_offload/manager.py): loads from
+        ``update_state_after_alloc`` (:499) to their cleanup (:1320), stores
+        from their emission (or a finished request's queueing, :1254) to their
+        completion. kvspec cannot see a pin otherwise; ``ref_count_is_holders``
+        then judges that the pool's counts match the books."""
+        m = getattr(self.connector, "scheduler_manager", None)
+        if m is None:
+            return []
+        transfers = [*m._store_event_to_blocks.values(), *m._pending_finished_stores,
+                     *m._abandoned_store_event_to_blocks.values(),
+                     *(s.transfer_meta for s in (*m._reqs_to_load.values(),
+                                                 *m._abandoned_reqs_to_load.values())
+                       if s.transfer_meta is not None)]
+        return [b for t in transfers for b in t.gpu_block_ids]
+
+    def get_worker_meta(self, recving: set[str]):
+        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+        if not self.completed:
+            return None
+        meta = SimpleCPUOffloadWorkerMetadata(
+            completed_store_events={e: 1 for e in sorted(self.completed)})
+        self.completed.clear()
+        return meta
+
+
+class StoreLookup:
+    """The scheduler's ``LookupKeyClient`` (mooncake/store/worker.py:2380)
+    answered from kvspec's store instead of a zmq socket to the worker's
+    LookupKeyServer, as vLLM's test_mooncake_store_scheduler.py patches it.
+    The hit mirrors ``MooncakeStoreWorker.lookup`` (worker.py:2095) for one
+    full-attention group: the run of block hashes from the first that the
+    store holds, whole blocks within the request's tokens, re-derived below
+    the last token when it covers them all (:2193)."""
+
+    def __init__(self, world: "MooncakeStoreWorld") -> None:
+        self.world = world
+
+    def lookup(self, req_id, num_tokens, block_hashes, non_block=False):
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+            MooncakeLookupResult)
+        hit = self._hit(block_hashes, num_tokens)
+        if hit >= num_tokens:
+            hit = self._hit(block_hashes, num_tokens - 1)
+        return MooncakeLookupResult(hit)
+
+    def _hit(self, block_hashes, num_tokens: int) -> int:
+        size, n = self.world._size(), 0
+        while (n + 1) * size <= num_tokens and n < len(block_hashes) \
+                and bytes(block_hashes[n]) in self.world.saved:
+            n += 1
+        return n * size
+
+    def discard(self, req_id) -> None:
+        pass
+
+    def reset(self) -> bool:
+        self.world.saved.clear()
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+@attrs.define
+class StoreSave:
+    """A save job of the MooncakeStoreConnector: blocks of one request, from
+    the first position not saved yet, read when its step's forward is done."""
+
+    job_id: int | None
+    request_id: str
+    #: (block hash, kvspec GPU block, position of its first slot)
+    blocks: tuple[tuple[bytes, int, int], ...]
+    computed: int
+    age: int = 0
+
+
+class MooncakeStoreWorld(GenericWorld):
+    """vLLM's MooncakeStoreConnector with kvspec's store in place of the
+    Mooncake master: a key per block hash (the request's ``block_hashes``).
+    Its lookup client is ``StoreLookup``. kvspec's worker plays
+    mooncake/store/worker.py: a ``ReqMeta`` that ``can_save`` saves its
+    request's whole blocks from ``token_ids_start`` to ``token_len_chunk``
+    under their hashes (a key already held is kept), reading them when the
+    step's output returns, and completes one step later through
+    ``MooncakeStoreWorkerMetadata.completed_saves`` (data.py:869); a
+    ``ReqMeta`` with a ``load_spec`` loads positions ``vllm_cached_tokens``
+    to ``kvpool_cached_tokens`` into its ``block_ids`` from the keys, and
+    completes by finished_recving (``load_async``, the default) as the
+    environment draws. Save jobs pin their blocks (scheduler.py:540) until
+    reported. One full-attention group (the world follows group 0)."""
+
+    single_group = True
+    #: its worker's failed loads are reported by block; kvspec does not draw them
+    reports_load_failures = False
+
+    def __init__(self) -> None:
+        #: block hash -> (the token prefix up to its block's end, its slot values)
+        self.saved: dict[bytes, tuple[tuple[int, ...], list]] = {}
+        self.saves: list[StoreSave] = []
+        self.completed: set[int] = set()
+
+    def configure(self, extra: dict, config) -> dict:
+        """The scheduler's lookup client answers from this world's store."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import scheduler
+        scheduler.LookupKeyClient = lambda vllm_config: StoreLookup(self)
+        if extra.get("load_async") is False or extra.get("lookup_async"):
+            raise ConnectorChoiceError("--connector-config: kvspec plays MooncakeStore"
+                                       "Connector's async loads and blocking lookups")
+        return extra
+
+    def _size(self) -> int:
+        return self.target.config.block_size
+
+    def on_meta(self, meta, scheduler_output) -> None:
+        for req in getattr(meta, "requests", ()):
+            table = self.target._to_spec_ids([int(b) for b in req.block_ids[0]], 0)
+            if req.load_spec is not None and req.load_spec.can_load:
+                self._load(req, table)
+            if req.can_save and req.token_len_chunk:
+                self._start_save(req, table, scheduler_output)
+
+    def _load(self, req, table) -> None:
+        env, size = self.target.env, self._size()
+        start, end = req.load_spec.vllm_cached_tokens, req.load_spec.kvpool_cached_tokens
+        values, unstored, blocks = {}, 0, []
+        for i in range(start // size, -(-end // size)):
+            held = self.saved.get(bytes(req.block_hashes[i])) if i < len(req.block_hashes) \
+                else None
+            unstored += held is None
+            blocks.append(table[i])
+            values.update({i * size + s: v for s, v in enumerate(held[1] if held else ())})
+        load = env.content.loads.get(req.req_id)
+        if load is not None:
+            load.values = {**(load.values or {}), **values}
+        env.record_load(req.req_id, load.block_ids if load else (), (blocks,), end - start,
+                        unstored * size)
+
+    def _start_save(self, req, table, scheduler_output) -> None:
+        size = self._size()
+        request = self.target._requests[req.req_id]
+        computed = (request.num_computed_tokens
+                    + scheduler_output.num_scheduled_tokens.get(req.req_id, 0))
+        first = req.token_ids_start // size
+        blocks = tuple((bytes(req.block_hashes[i]), table[i], i * size)
+                       # a block whose tokens are not all known yet (async
+                       # scheduling's placeholders) has no hash: no key to save
+                       for i in range(first, min(req.token_len_chunk // size,
+                                                 len(req.block_hashes))))
+        self.saves.append(StoreSave(req.store_job_id, req.req_id, blocks, computed))
+
+    def before_output(self) -> None:
+        for save in list(self.saves):
+            if save.age == 0:
+                self._read(save)
+            if save.age >= 1:
+                self.saves.remove(save)
+                if save.job_id is not None:
+                    self.completed.add(save.job_id)
+            save.age += 1
+
+    def _read(self, save: StoreSave) -> None:
+        content, size = self.target.env.content, self._size()
+        tokens = tuple(self.target._requests[save.request_id].all_token_ids)
+        valid = get_valid_values(tokens, len(tokens))
+        upto, bad = min(save.computed, len(tokens)), []
+        for key, block, start in save.blocks:
+            slots = list(content.slots[block][:size])
+            bad += [start + s for s, v in enumerate(slots) if start + s < upto
+                    and v != valid[start + s]]
+            self.saved.setdefault(key, (tokens[:start + size], slots))
+        self.target.env.record_store(save.request_id, len(save.blocks) * size, tuple(bad))
+
+    def get_stored(self, request) -> int:
+        """The run of whole blocks from the first whose keys the store holds."""
+        held = {prefix for prefix, _ in self.saved.values()}
+        tokens, size, n = tuple(request.all_token_ids), self._size(), 0
+        while len(tokens) >= n + size and tokens[:n + size] in held:
+            n += size
+        return n
+
+    def get_pins(self) -> list[int]:
+        """The blocks its save jobs pin (``_pinned_saves``, scheduler.py:575),
+        from its books, until every rank reported the job."""
+        pinned = getattr(getattr(self.connector, "connector_scheduler", None),
+                         "_pinned_saves", {})
+        return [b for block_ids, _ in pinned.values() for b in block_ids]
+
+    def get_worker_meta(self, recving: set[str]):
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+            MooncakeStoreWorkerMetadata)
+        if not self.completed:
+            return None
+        meta = MooncakeStoreWorkerMetadata(completed_saves={j: 1 for j in sorted(self.completed)})
+        self.completed.clear()
+        return meta
+
+
+class MultiWorld(GenericWorld):
+    """vLLM's MultiConnector: the worlds of its children, side by side
+    (multi_connector.py). Each child's world reads the child's slot of
+    ``MultiKVConnectorMetadata.metadata`` and plays its worker; their worker
+    metadata travel together in ``MultiKVConnectorWorkerMetadata`` (one slot
+    per child, :55; ``update_connector_output`` hands each child its own,
+    :496). Loads and finished_recving are per request, whichever child won
+    the lookup (the first with a hit, :434). A finished request delays its
+    free if any child does (:542); the worker reports it in finished_sending
+    once, after every delaying child finished (``extra_async_saves``,
+    :358): the environment reports each send once, which is that.
+
+    Without ``connectors`` in --connector-config the children are
+    OffloadingConnector then SimpleCPUOffloadConnector (two CPU stores, each
+    saving every request, the first with a hit loading it); ExampleConnector
+    is left out of the default as its own store breaks
+    ``store_reads_computed_kv`` (it saves a prompt at its first chunk,
+    docs/connectors.md), which would stop every default run on it. A config
+    naming ``connectors`` picks any children kvspec has a world for, with
+    their own extra config."""
+
+    DEFAULT_CHILDREN = ({"kv_connector": "OffloadingConnector"},
+                        {"kv_connector": "SimpleCPUOffloadConnector"})
+
+    def __init__(self) -> None:
+        self.children: list[GenericWorld] = []
+
+    def configure(self, extra: dict, config) -> dict:
+        children = []
+        for child in extra.get("connectors") or self.DEFAULT_CHILDREN:
+            name = child.get("kv_connector")
+            if not name:
+                raise ConnectorChoiceError("--connector-config: each of connectors names its "
+                                           "kv_connector")
+            choice = ConnectorChoice(name if not child.get("kv_connector_module_path")
+                                     else f"{child['kv_connector_module_path']}:{name}")
+            world = get_world(choice)
+            if isinstance(world, MultiWorld):
+                raise ConnectorChoiceError("--connector-config: a MultiConnector in a "
+                                           "MultiConnector")
+            self.children.append(world)
+            children.append({**child, "kv_role": child.get("kv_role", config.kv_role),
+                             "kv_connector_extra_config": world.configure(
+                                 child.get("kv_connector_extra_config", {}), config)})
+        return {**extra, "connectors": children}
+
+    @property
+    def single_group(self) -> bool:
+        return any(w.single_group for w in self.children)
+
+    @property
+    def reports_load_failures(self) -> bool:
+        return all(w.reports_load_failures for w in self.children)
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        common = set.intersection(*(set(w.roles) for w in self.children))
+        return tuple(r for r in self.children[0].roles if r in common) or ("kv_both",)
+
+    def bind(self, connector, target) -> None:
+        super().bind(connector, target)
+        for world, child in zip(self.children, connector._connectors):
+            world.bind(child, target)
+
+    def get_transfer_args(self, spec, config) -> dict | None:
+        args = [w.get_transfer_args(spec, config) for w in self.children]
+        return next((a for a in args if a), None)
+
+    def seed(self, spec) -> None:
+        for w in self.children:
+            w.seed(spec)
+
+    def get_stored(self, request) -> int | None:
+        """What any child's store holds (the hit is the first child's with one)."""
+        stored = [w.get_stored(request) for w in self.children]
+        return None if None in stored else max(stored)
+
+    def on_meta(self, meta, scheduler_output) -> None:
+        for world, child_meta in zip(self.children, meta.metadata):
+            world.on_meta(child_meta, scheduler_output)
+
+    def before_output(self) -> None:
+        for w in self.children:
+            w.before_output()
+
+    def get_worker_meta(self, recving: set[str]):
+        from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+            MultiKVConnectorWorkerMetadata)
+        metas = tuple(w.get_worker_meta(recving) for w in self.children)
+        if all(m is None for m in metas):
+            return None
+        return MultiKVConnectorWorkerMetadata(metadata=metas)
+
+    def get_reads_in_flight(self, request) -> bool | None:
+        reads = [w.get_reads_in_flight(request) for w in self.children]
+        return True if True in reads else (None if None in reads else False)
+
+    def get_sends_done(self) -> set[str]:
+        return set().union(*(w.get_sends_done() for w in self.children))
+
+    def on_finished(self, request, tables) -> None:
+        for w in self.children:
+            w.on_finished(request, tables)
+
+    def get_pins(self) -> list[int]:
+        return [b for w in self.children for b in w.get_pins()]
+
+    def close(self) -> None:
+        for w in self.children:
+            w.close()
+
+
+class _Ignored:
+    """A module's ``signal`` or ``atexit`` as the HF3FS connector sees them:
+    handlers and exit hooks it registers are dropped (the rest is the real
+    module's)."""
+
+    def __init__(self, module, *dropped: str) -> None:
+        self._module, self._dropped = module, dropped
+
+    def __getattr__(self, name):
+        if name in self._dropped:
+            return lambda *args, **kwargs: None
+        return getattr(self._module, name)
+
+
+class Hf3fsMetadata:
+    """The HF3FS metadata server in-process: its own ``GlobalMetadataState``
+    (hf3fs_metadata_server.py), which the scheduler's client asks (in place of
+    ``Hf3fsGlobalMetadataClient``'s HTTP calls) and kvspec's worker allocates
+    and confirms pages in."""
+
+    def __init__(self, world: "HF3FSWorld") -> None:
+        self.state = world.meta
+
+    def initialize(self, rank: int, num_pages: int = 0, role: str = "worker") -> None:
+        if role == "worker":
+            self.state.initialize_rank(rank, num_pages)
+
+    def allocate_pages_for_keys(self, rank: int, keys):
+        return list(self.state.allocate_pages_for_keys(rank, keys).items())
+
+    def confirm_write_for_keys(self, rank: int, key_confirmations, pages_to_release=None):
+        self.state.confirm_write_for_keys(rank, key_confirmations, pages_to_release)
+
+    def batch_key_exists(self, keys) -> list[bool]:
+        return self.state.batch_key_exists(keys)
+
+    def get_key_locations(self, rank: int, keys):
+        return self.state.get_key_locations(rank, keys)
+
+
+@attrs.define
+class Hf3fsSave:
+    """A save the HF3FS worker submits in ``wait_for_save``: blocks of one
+    request under the prefix hashes of its metadata's token ids."""
+
+    request_id: str
+    #: (block hash, kvspec GPU block, the token prefix up to its block's end)
+    blocks: tuple[tuple[str, int, tuple[int, ...]], ...]
+
+
+class HF3FSWorld(GenericWorld):
+    """vLLM's HF3FSKVConnector (hf3fs/hf3fs_connector.py) with kvspec's
+    store in place of 3FS and its metadata server in-process
+    (``Hf3fsMetadata``: the server's own ``GlobalMetadataState``, one rank).
+    Its construction's SIGINT/SIGTERM/SIGQUIT handlers and atexit hook are
+    dropped (kvspec's own handlers stop a run; the scheduler side's
+    ``close`` has nothing to close). kvspec's worker plays its
+    ``AsyncOperationManager``: a ``HF3FSRequestMetadata`` with a
+    ``load_block_op`` loads ``block_ids[:num_blocks_to_load]`` from the pages
+    its prefix hashes name (from ``num_computed_blocks``), the whole load
+    failing if one key is missing (``_handle_load_task``; the worker then
+    reports it finished all the same), and finishes by ``finished_recving``
+    as the environment draws; one with a ``save_block_op`` saves its whole
+    blocks from ``skip_leading_blocks`` under their hashes (``wait_for_save``:
+    gathered after the step's forward, so read when the step's output
+    returns; pages allocated and confirmed then, a key already written keeping
+    its page). ``request_finished`` always delays the free: a request holding
+    blocks is sent as the environment draws; one holding none the worker
+    reports at once (``_check_completed_saves`` finds no save of it in the
+    step that names it finished). One full-attention group (it takes
+    ``get_unhashed_block_ids``)."""
+
+    single_group = True
+    #: a failed load task completes its future all the same: the worker never
+    #: reports a failed load
+    reports_load_failures = False
+    #: pages of the in-process 3FS file (never evicted: the metadata server
+    #: frees a page only when its write fails)
+    NUM_PAGES = 1 << 16
+
+    def __init__(self) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.hf3fs.hf3fs_metadata_server import (
+            GlobalMetadataState)
+        self.meta = GlobalMetadataState()
+        self.meta.initialize_rank(0, self.NUM_PAGES)
+        #: page -> (the token prefix up to its block's end, its slot values)
+        self.pages: dict[int, tuple[tuple[int, ...], list]] = {}
+        #: per step in flight (oldest first): its saves, and the requests
+        #: without blocks its metadata names finished
+        self.steps: list[tuple[list[Hf3fsSave], set[str]]] = []
+        self.blockless: set[str] = set()
+        self.sends_done: set[str] = set()
+
+    def configure(self, extra: dict, config) -> dict:
+        """The scheduler's metadata client is ``Hf3fsMetadata``; its
+        construction registers no signal handler or exit hook."""
+        import atexit
+        import signal
+        from vllm.distributed.kv_transfer.kv_connector.v1.hf3fs import hf3fs_connector
+        hf3fs_connector.Hf3fsMetadataClient = lambda *a, **k: Hf3fsMetadata(self)
+        hf3fs_connector.signal = _Ignored(signal, "signal")
+        hf3fs_connector.atexit = _Ignored(atexit, "register")
+        return extra
+
+    def _size(self) -> int:
+        return self.target.config.block_size
+
+    def _hashes(self, tokens, first: int, count: int | None = None) -> list[str]:
+        return self.connector._generate_block_hashes(list(tokens), first, count)
+
+    def seed(self, spec) -> None:
+        """Another instance saved this prompt's prefix (``ext`` tokens, whole
+        blocks) the way its worker does."""
+        size = self._size()
+        n = spec.ext // size
+        if n:
+            tokens = tuple(spec.prompt[:n * size])
+            valid = get_valid_values(tokens, len(tokens))
+            self._write([(h, tokens[:(i + 1) * size], [valid[i * size + s] for s in range(size)])
+                         for i, h in enumerate(self._hashes(tokens, 0))])
+
+    def _write(self, blocks) -> None:
+        """Pages allocated, written and confirmed (``_handle_save_task``)."""
+        keys = [(h, "") for h, _, _ in blocks]
+        pages = self.meta.allocate_pages_for_keys(0, keys)
+        written = []
+        for h, prefix, slots in blocks:
+            if pages[h] >= 0:
+                self.pages[pages[h]] = (prefix, slots)
+                written.append((h, pages[h]))
+        self.meta.confirm_write_for_keys(0, written, [])
+
+    def on_meta(self, meta, scheduler_output) -> None:
+        """Loads run now (their keys read when the worker starts them); saves
+        are read when this step's output returns. The metadata's lists are
+        the connector's own (it extends them later): copied now, as the
+        worker receives them."""
+        size, saves = self._size(), []
+        for req in getattr(meta, "requests", ()):
+            tokens, vllm_ids = tuple(int(t) for t in req.token_ids), list(req.block_ids)
+            if req.load_block_op is not None and req.load_block_op.num_blocks_to_load > 0:
+                self._load(req.request_id, tokens, vllm_ids, req.load_block_op)
+            if req.save_block_op is not None:
+                skip = req.save_block_op.skip_leading_blocks
+                hashes = self._hashes(tokens, skip)
+                table = self.target._to_spec_ids(vllm_ids[skip:skip + len(hashes)], 0)
+                blocks = tuple((h, b, tokens[:(skip + i + 1) * size])
+                               for i, (h, b) in enumerate(zip(hashes, table)))
+                if blocks:
+                    saves.append(Hf3fsSave(req.request_id, blocks))
+        done = self.blockless & set(scheduler_output.finished_req_ids)
+        self.blockless -= done
+        self.steps.append((saves, done))
+
+    def _load(self, rid: str, tokens, vllm_ids, op) -> None:
+        env, size = self.target.env, self._size()
+        n, first = op.num_blocks_to_load, op.num_computed_blocks
+        blocks = self.target._to_spec_ids(vllm_ids[:n], 0)
+        hashes = self._hashes(tokens, first, len(blocks))
+        pages = self.meta.get_key_locations(0, hashes)
+        values, unstored = {}, 0
+        found = all(p is not None for p in pages)  # one key missing fails the task
+        for i, page in enumerate(pages):
+            start = (first + i) * size
+            held = self.pages.get(page) if found else None
+            unstored += held is None or held[0] != tokens[:start + size]
+            if held is not None:
+                values.update({start + s: v for s, v in enumerate(held[1])})
+        unstored += len(blocks) - len(pages)
+        load = env.content.loads.get(rid)
+        if load is not None:
+            load.values = {**(load.values or {}), **values}
+        env.record_load(rid, load.block_ids if load else (), (blocks,), n * size,
+                        unstored * size)
+
+    def before_output(self) -> None:
+        """The oldest step's saves gather their blocks now (after its
+        forward); the requests without blocks it named finished are sent."""
+        if not self.steps:
+            return
+        saves, done = self.steps.pop(0)
+        for save in saves:
+            self._read(save)
+        self.sends_done |= done
+
+    def _read(self, save: Hf3fsSave) -> None:
+        content, size = self.target.env.content, self._size()
+        bad, blocks = [], []
+        for h, block, prefix in save.blocks:
+            slots = list(content.slots[block][:size])
+            valid = get_valid_values(prefix, len(prefix))
+            start = len(prefix) - size
+            bad += [start + s for s, v in enumerate(slots) if v != valid[start + s]]
+            blocks.append((h, prefix, slots))
+        self._write(blocks)
+        self.target.env.record_store(save.request_id, len(save.blocks) * size, tuple(bad))
+
+    def get_stored(self, request) -> int:
+        """The run of whole blocks from the first some page holds (by the
+        tokens it was saved for, not by its key)."""
+        held = {prefix for prefix, _ in self.pages.values()}
+        tokens, size, n = tuple(request.all_token_ids), self._size(), 0
+        while len(tokens) >= n + size and tokens[:n + size] in held:
+            n += size
+        return n
+
+    def get_reads_in_flight(self, request) -> bool:
+        """A save of a step still in flight (async scheduling) has not
+        gathered its blocks yet."""
+        rid = request.request_id
+        return any(s.request_id == rid for saves, _ in self.steps for s in saves)
+
+    def on_finished(self, request, tables) -> None:
+        if not any(b != NULL_BLOCK for t in tables for b in t):
+            self.blockless.add(request.request_id)
+
+    def get_sends_done(self) -> set[str]:
+        done, self.sends_done = self.sends_done, set()
+        return done
+
+
 class ConnectorProbe:
     """Wraps one connector instance's scheduler-side methods (instance
     attributes shadow the class's, so ``isinstance`` checks vLLM makes, such
@@ -626,6 +1360,7 @@ class ConnectorProbe:
         if delay and any(b != NULL_BLOCK for t in tables for b in t):
             real = request.num_computed_tokens - getattr(request, "num_output_placeholders", 0)
             self.env.content.start_send(rid, tables[0], min(real, request.num_tokens))
+        self.world.on_finished(request, tables)
         self.env.record_finish(rid, delay, self.world.get_reads_in_flight(request))
 
     _after_request_finished_all_groups = _after_request_finished

@@ -150,8 +150,11 @@ class ModelRunner:
     def is_kv_in_transfer(self, obs: Observation) -> bool:
         """KV of a transfer is held outside the running requests: a load under
         way, a loaded request not yet running, a send, or a request that ended
-        and holds its blocks until the worker reports its transfer."""
-        return bool(self.content.loads) or bool(self.content.sends) or any(
+        and holds its blocks until the worker reports its transfer, or a
+        real connector's pin on a block it transfers (its reset then fails
+        with the same error vLLM gives for a load under way)."""
+        return bool(self.content.loads) or bool(self.content.sends) or bool(
+            obs.pool.pinned) or any(
             r.status != RequestStatus.RUNNING and any(r.block_ids or ())
             for r in obs.requests.values())
 

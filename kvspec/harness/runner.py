@@ -242,13 +242,19 @@ class Runner:
             "reset_prefix_cache", before, after,
             request_id=("forced:" if forced else "") + str(bool(ok))))
 
+    def _has_push_work(self) -> bool:
+        """A real connector still has transfers to report (vLLM's engine keeps
+        stepping while ``has_pending_push_work``, scheduler.py ``has_requests``)."""
+        pending = getattr(self.target, "has_pending_push_work", None)
+        return bool(pending and pending())
+
     def _do_drain(self, a: dict) -> list[Violation]:
         """The healed phase: no faults, every load and send completes."""
         bound = 20 + self.config.num_steps_in_flight + sum(len(r.prompt_token_ids) + r.max_tokens
                                              for r in self.obs.requests.values())
         history.process_drain(self.ghost, self.obs)
         for _ in range(bound):
-            if not self.obs.requests and not len(self.queue):
+            if not self.obs.requests and not len(self.queue) and not self._has_push_work():
                 break
             healed = {"op": "step", "finish_loads": self.content.pending_async_loads(),
                       "finish_sends": list(self.content.sends)}

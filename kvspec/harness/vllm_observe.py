@@ -177,8 +177,10 @@ class VllmObserver:
         fenced = tuple(b.block_id - NULL_BLOCKS for _, held in
                        getattr(self.scheduler, "deferred_frees", ()) for b in held
                        if b.block_id >= NULL_BLOCKS)
+        world = getattr(self, "world", None)
+        pinned = () if world is None else tuple(b - NULL_BLOCKS for b in world.get_pins())
         return PoolView(ref_cnt=tuple(b.ref_cnt for b in blocks), free_queue=tuple(free),
-                        cached=tuple(cached), fenced=fenced)
+                        cached=tuple(cached), fenced=fenced, pinned=pinned)
 
     def observe(self) -> Observation:
         s = self.scheduler

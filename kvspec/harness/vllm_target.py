@@ -286,8 +286,10 @@ class VllmTarget(VllmObserver):
         except ValueError as exc:  # pydantic's ValidationError is one
             detail = " ".join(str(exc).split())
             raise ValueError(f"vLLM {m.version} rejects this configuration: {detail}") from None
-        kv_cache_config = m.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                                          kv_cache_groups=kv_cache_groups)
+        kv_cache_config = m.KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_groups=kv_cache_groups,
+            kv_cache_tensors=[] if choice is None else _kv_cache_tensors(m, kv_cache_groups,
+                                                                         num_blocks))
         if hasattr(kv_cache_config, "hash_block_size"):
             kv_cache_config.hash_block_size = hash_block_size
         if hasattr(kv_cache_config, "cache_hit_alignment_tokens"):
@@ -458,8 +460,11 @@ class VllmTarget(VllmObserver):
         self._cancelled_loads.clear()
         invalid, failed = self._failure_report(outcome, recving)
         worker_meta = None if self.world is None else self.world.get_worker_meta(recving)
+        sending = set(outcome.finished_sending)
+        if self.world is not None:
+            sending |= self.world.get_sends_done()
         kv = m.KVConnectorOutput(
-            finished_sending=set(outcome.finished_sending) or None,
+            finished_sending=sending or None,
             finished_recving=recving or None,
             invalid_block_ids={b + NULL_BLOCKS for b in invalid},
             **({"failed_recving": failed} if failed else {}),
@@ -528,6 +533,12 @@ class VllmTarget(VllmObserver):
             self._cancelled_loads.add(request_id)
         with _LocateAsserts():
             s.finish_requests(request_id, m_status(self.m, "FINISHED_ABORTED"))
+
+    def has_pending_push_work(self) -> bool:
+        """A real connector's transfers not reported yet (stores in flight)."""
+        connector = getattr(self.scheduler, "connector", None)
+        return self.world is not None and bool(
+            getattr(connector, "has_pending_push_work", lambda: False)())
 
     def reset_prefix_cache(self, running: bool = False) -> bool:
         if not running:
@@ -601,6 +612,19 @@ def _group_spec(m: _Modules, group: GroupSpec):
                            dtypes=(m.torch.float32,), mamba_cache_mode="align",
                            num_speculative_blocks=0)
     raise ValueError(f"vLLM {m.version} has no KV cache spec for a {group.kind} group")
+
+
+def _kv_cache_tensors(m: _Modules, kv_cache_groups, num_blocks: int) -> list:
+    """The KV cache's one backing allocation, layer-outermost, as the engine
+    describes it to the connectors (kv_cache_interface.py KVCacheTensor): the
+    scheduler never reads it, but SimpleCPUOffloadConnector sizes its CPU pool
+    from it (v1/simple_kv_offload/manager.py:288 asserts one exists). Given
+    only with a real connector (``--connector``); kvspec's own takes none."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+    layers = [name for g in kv_cache_groups for name in g.layer_names]
+    page = max(g.kv_cache_spec.page_size_bytes for g in kv_cache_groups)
+    return [_only_known(KVCacheTensor, size=page * num_blocks * len(layers), layers=layers,
+                        layer_stride=page * num_blocks, block_stride=page)]
 
 
 def _located(exc: AssertionError) -> AssertionError:
