@@ -687,6 +687,12 @@ class SimpleCPUOffloadWorld(GenericWorld):
         return self.target._to_spec_ids([int(b) for b in vllm_ids], 0)
 
     def on_meta(self, meta, scheduler_output) -> None:
+        if meta.need_flush:
+            # handle_preemptions (worker.py:345) syncs the transfers already in
+            # flight before the forward; this step's store is launched after
+            # it (wait_for_save), so it still reads at the step's end
+            for store in self.stores:
+                store.age = max(store.age, 1)
         if meta.store_event >= 0:
             pairs = tuple(zip(self._gpu(meta.store_gpu_blocks),
                               (int(c) for c in meta.store_cpu_blocks)))
@@ -698,9 +704,6 @@ class SimpleCPUOffloadWorld(GenericWorld):
                             for rid, r in self.target.scheduler.requests.items()}
         if meta.load_event >= 0:
             self._start_loads(meta)
-        if meta.need_flush:  # every transfer synced before the forward
-            for store in self.stores:
-                store.age = max(store.age, 1)
         self.owners.refresh()
 
     def _start_loads(self, meta) -> None:
