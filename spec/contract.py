@@ -160,7 +160,9 @@ def finished_load_not_offered_again(c: ConnectorCall) -> Iterator[str]:
                  "ExampleConnector._found_match_for_prompt", kind="connector", role="contract",
            action="lookup")
 def hit_within_stored(c: ConnectorCall) -> Iterator[str]:
-    """A hit ends within what the store holds of the request's prefix.
+    """A hit ends within what the store holds of the request's prefix, from
+    where the lookup starts (the tokens before it are the local prefix
+    cache's).
 
     A load of tokens nobody stored writes whatever the store's slots hold into
     blocks the scheduler then counts as computed, and the prefix cache offers
@@ -169,8 +171,8 @@ def hit_within_stored(c: ConnectorCall) -> Iterator[str]:
         return
     c.witness()
     if c.hit_end > c.stored:
-        yield (f"{c.request_id}: a hit up to token {c.hit_end}, but the store holds "
-               f"{c.stored} tokens of its prefix")
+        yield (f"{c.request_id}: a hit of tokens {c.num_computed}..{c.hit_end}, but from "
+               f"token {c.num_computed} the store holds its prefix up to token {c.stored}")
 
 
 @invariant(cites="KVConnectorBase_V1.update_state_after_alloc (base.py): the blocks given "

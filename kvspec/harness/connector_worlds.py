@@ -161,6 +161,19 @@ def get_run(values: dict) -> int:
     return n
 
 
+def get_block_run(tokens, held, size: int, start: int = 0) -> int:
+    """Where the run of whole blocks a store holds ends, counted from the
+    block of ``start`` (the tokens before it are the local prefix cache's, and
+    a lookup that skips them asks the store only for what follows: a store
+    keyed by block hashes may have evicted an early block and kept later
+    ones). ``held``: the token prefixes, each ending at a block's end, whose
+    block the store holds. At least ``start``: nothing past it is held."""
+    tokens, n = tuple(tokens), start // size * size
+    while len(tokens) >= n + size and tokens[:n + size] in held:
+        n += size
+    return max(n, start)
+
+
 def get_valid_values(tokens, num_tokens: int) -> dict:
     """The valid KV of the first ``num_tokens`` positions of a token sequence
     (what another instance that computed the prefix would have saved)."""
@@ -199,7 +212,9 @@ class GenericWorld:
     def seed(self, spec) -> None:
         """The outside world before the request arrives (nothing kvspec can set)."""
 
-    def get_stored(self, request) -> int | None:
+    def get_stored(self, request, start: int = 0) -> int | None:
+        """How far the store holds the request's tokens from ``start`` (the
+        lookup's local count); None: not known, not judged."""
         return None
 
     def on_meta(self, meta, scheduler_output) -> None:
@@ -276,7 +291,7 @@ class ExampleWorld(GenericWorld):
             tokens = spec.prompt[:n]
             self._save(self._folder(tokens), tokens, get_valid_values(tokens, n))
 
-    def get_stored(self, request) -> int:
+    def get_stored(self, request, start: int = 0) -> int:
         """The longest prefix of the request's tokens a save holds, position by
         position from the first (a save keyed by a longer prefix than it holds
         counts what it holds)."""
@@ -388,7 +403,7 @@ class NixlWorld(GenericWorld):
                 continue  # a recv with nothing to load (a full local hit frees P's blocks)
             env.record_load(rid, job.block_ids, self.target.get_spec_tables(groups))
 
-    def get_stored(self, request) -> int | None:
+    def get_stored(self, request, start: int = 0) -> int | None:
         """A decode node's remote prefill holds the whole prompt; nothing else
         is stored anywhere NIXL looks."""
         plan = self.target.env.plans.get(request.request_id)
@@ -558,13 +573,10 @@ class OffloadingWorld(GenericWorld):
         self.completed.add(store.job_id)
         env.record_store(store.request_id, len(store.gpu_blocks) * size, tuple(bad))
 
-    def get_stored(self, request) -> int:
-        """The longest run of whole blocks from the prompt's start that some
-        store saved (an upper bound: the CPU cache may have evicted since)."""
-        tokens, size, n = tuple(request.all_token_ids), self._size(), 0
-        while len(tokens) >= n + size and tokens[:n + size] in self.saved_prefixes:
-            n += size
-        return n
+    def get_stored(self, request, start: int = 0) -> int:
+        """Where the run of whole blocks some store saved ends, from the block
+        of ``start`` (an upper bound: the CPU cache may have evicted since)."""
+        return get_block_run(request.all_token_ids, self.saved_prefixes, self._size(), start)
 
     def before_output(self) -> None:
         """Stores submitted a step ago complete now; the rest age."""
@@ -765,14 +777,13 @@ class SimpleCPUOffloadWorld(GenericWorld):
                     if self.owners.owner.get(g, ("?",))[0] == rid) * size
             env.record_store(rid, n, tuple(sorted(bad)))
 
-    def get_stored(self, request) -> int:
-        """The longest run of whole blocks from the prompt's start some CPU
-        block holds (a CPU block a later store reused holds the later one)."""
+    def get_stored(self, request, start: int = 0) -> int:
+        """Where the run of whole blocks some CPU block holds ends, from the
+        block of ``start``: the manager's lookup skips the local hit
+        (manager.py:367) and its LRU may evict an early block and keep later
+        ones (a CPU block a later store reused holds the later one)."""
         held = {prefix for prefix, _ in self.cpu.values()}
-        tokens, size, n = tuple(request.all_token_ids), self._size(), 0
-        while len(tokens) >= n + size and tokens[:n + size] in held:
-            n += size
-        return n
+        return get_block_run(request.all_token_ids, held, self._size(), start)
 
     def get_pins(self) -> list[int]:
         """The GPU blocks the manager touched and has not freed yet, from its
@@ -948,13 +959,11 @@ class MooncakeStoreWorld(GenericWorld):
             self.saved.setdefault(key, (tokens[:start + size], slots))
         self.target.env.record_store(save.request_id, len(save.blocks) * size, tuple(bad))
 
-    def get_stored(self, request) -> int:
-        """The run of whole blocks from the first whose keys the store holds."""
+    def get_stored(self, request, start: int = 0) -> int:
+        """Where the run of whole blocks whose keys the store holds ends,
+        from the block of ``start``."""
         held = {prefix for prefix, _ in self.saved.values()}
-        tokens, size, n = tuple(request.all_token_ids), self._size(), 0
-        while len(tokens) >= n + size and tokens[:n + size] in held:
-            n += size
-        return n
+        return get_block_run(request.all_token_ids, held, self._size(), start)
 
     def get_pins(self) -> list[int]:
         """The blocks its save jobs pin (``_pinned_saves``, scheduler.py:575),
@@ -1045,9 +1054,9 @@ class MultiWorld(GenericWorld):
         for w in self.children:
             w.seed(spec)
 
-    def get_stored(self, request) -> int | None:
+    def get_stored(self, request, start: int = 0) -> int | None:
         """What any child's store holds (the hit is the first child's with one)."""
-        stored = [w.get_stored(request) for w in self.children]
+        stored = [w.get_stored(request, start) for w in self.children]
         return None if None in stored else max(stored)
 
     def on_meta(self, meta, scheduler_output) -> None:
@@ -1282,14 +1291,11 @@ class HF3FSWorld(GenericWorld):
         self._write(blocks)
         self.target.env.record_store(save.request_id, len(save.blocks) * size, tuple(bad))
 
-    def get_stored(self, request) -> int:
-        """The run of whole blocks from the first some page holds (by the
-        tokens it was saved for, not by its key)."""
+    def get_stored(self, request, start: int = 0) -> int:
+        """Where the run of whole blocks some page holds ends, from the block
+        of ``start`` (by the tokens it was saved for, not by its key)."""
         held = {prefix for prefix, _ in self.pages.values()}
-        tokens, size, n = tuple(request.all_token_ids), self._size(), 0
-        while len(tokens) >= n + size and tokens[:n + size] in held:
-            n += size
-        return n
+        return get_block_run(request.all_token_ids, held, self._size(), start)
 
     def get_reads_in_flight(self, request) -> bool:
         """A save of a step still in flight (async scheduling) has not
@@ -1338,7 +1344,7 @@ class ConnectorProbe:
                                        "not (num_tokens or None, load_async)")
         self.is_async[request.request_id] = bool(answer[1])
         self.env.record_lookup(request, num_computed_tokens, answer,
-                               self.world.get_stored(request))
+                               self.world.get_stored(request, num_computed_tokens))
 
     def _after_update_state_after_alloc(self, _, request, blocks, num_external_tokens):
         if num_external_tokens <= 0:
