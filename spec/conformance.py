@@ -37,6 +37,8 @@ def get_model_block_size(groups) -> int:
     """The block the model counts in: the groups' greatest common divisor
     (their one block size, or the hash block of two sizes), so that every
     group's blocks are whole numbers of it."""
+    if len(groups) == 1:  # the gcd of one positive size
+        return groups[0].block_size
     return math.gcd(*(g.block_size for g in groups))
 
 
