@@ -148,3 +148,66 @@ def test_key_book_gives_the_prefix_keys_of_any_tokens():
         extend_prefix_keys(want, tokens, 0)
         assert book.keys("r", tokens) == want
         assert book.keys("r", list(tokens)) == want
+
+
+def test_an_unchanged_request_without_hints_is_the_same_to_the_model():
+    """compute_admission skips a request equal before and after with no hints:
+    what the loop would find for it."""
+    from kvspec.spec.conformance import Hints, get_counters, is_same, must_recover
+    from kvspec.spec.effects import GHOST_FIELDS
+    from kvspec.spec.state import RequestView
+    groups = (GroupSpec(4),)
+    for status in RequestStatus:
+        for computed, placeholders, cached in ((0, 0, -1), (5, 1, 4), (8, 0, 0)):
+            r = RequestView(request_id="a", status=status, prompt_token_ids=(1, 2, 3, 4, 5),
+                            output_token_ids=(6, 7, 8), max_tokens=9,
+                            num_computed_tokens=computed, num_cached_tokens=cached,
+                            num_external_computed_tokens=0, num_preemptions=1,
+                            block_ids=((1, 2),), num_output_placeholders=placeholders)
+            for ghost in (None, {f: 3 for f in GHOST_FIELDS}):
+                before = get_counters(r, groups, ghost)
+                assert is_same(before, get_counters(r, groups))
+                assert not must_recover(before, Hints())
+
+
+def _warm_runner():
+    """A synchronous run of four requests sharing a prefix, six steps in."""
+    from kvspec.harness.runner import Runner
+    from kvspec.harness.target import make_config
+    runner = Runner("impl", make_config(block_size=4, num_blocks=40, max_num_batched_tokens=64,
+                                        max_num_seqs=4, max_model_len=40))
+    for i in range(4):
+        runner.apply({"op": "add", "id": f"r{i}", "prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, i],
+                      "max_tokens": 20})
+    for _ in range(6):
+        runner.apply({"op": "step"})
+    return runner
+
+
+def _caught_at_next_step(runner) -> set[str]:
+    from kvspec.harness.runner import Counterexample
+    with pytest.raises(Counterexample) as exc:
+        runner.apply({"op": "step"})
+    return {v.invariant for v in exc.value.violations}
+
+
+def test_state_broken_between_two_steps_is_caught_at_the_next():
+    """What the checks derive once (per Context, or once per hash) hides no
+    change: a reference count, a computed count or a cached block's content
+    broken after many checked steps is reported at the very next step."""
+    runner = _warm_runner()
+    block = next(b for b in runner.target.scheduler.kv.pool.blocks if b.ref_cnt >= 1)
+    block.ref_cnt += 1
+    assert "ref_count_is_holders" in _caught_at_next_step(runner)
+
+    runner = _warm_runner()
+    request = runner.target.scheduler.requests["r1"]
+    request.num_computed_tokens -= 2
+    assert {"schedule_relation", "transition_admitted_by_model"} <= _caught_at_next_step(runner)
+
+    runner = _warm_runner()
+    cached = {b for _k, b in runner.obs.pool.cached}
+    held = {b for r in runner.obs.requests.values() for b in r.block_ids[0]}
+    victim = min(cached - held) if cached - held else min(cached)
+    runner.content.slots[victim][0] = GARBAGE  # the worker's KV there is lost
+    assert "no_caching_of_invalid_blocks" in _caught_at_next_step(runner)
