@@ -37,6 +37,8 @@ def get_model_block_size(groups) -> int:
     """The block the model counts in: the groups' greatest common divisor
     (their one block size, or the hash block of two sizes), so that every
     group's blocks are whole numbers of it."""
+    if len(groups) == 1:  # the gcd of one positive size
+        return groups[0].block_size
     return math.gcd(*(g.block_size for g in groups))
 
 
@@ -262,9 +264,15 @@ def compute_admission(m: ModelStep) -> Admission:
                 messages.append(f"{rid} arrived as {describe(get_counters(new, groups))}, "
                                 "not the initial state")
             continue
+        hints = m.hints.get(rid)
+        if hints is None and old == new:
+            # an unchanged request with no hints: its counters are the same on every
+            # observed field (``is_same``) and default hints name no failed block
+            # (``must_recover`` is False): nothing to judge, as below
+            continue
         before = get_counters(old, groups, m.book.ghost.get(rid))
         after = get_counters(new, groups)
-        hints = m.hints.get(rid, Hints())
+        hints = Hints() if hints is None else hints
         if is_same(before, after) and not must_recover(before, hints):
             continue
         witnessed += 1

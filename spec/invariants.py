@@ -10,6 +10,8 @@ valid KV yet, so the "computed means valid" family excludes that status.
 """
 from __future__ import annotations
 
+from collections import Counter
+from itertools import chain
 from typing import Iterator
 
 import attrs
@@ -25,7 +27,7 @@ from kvspec.spec.predicates import (is_blocks_cover_computed, is_cached_le_compu
                                     is_unscheduled_without_output, is_waiting_with_work)
 from kvspec.spec.arith import compute_real_computed
 from kvspec.spec.reads import get_blocks_read
-from kvspec.spec.registry import Witnessing, invariant
+from kvspec.spec.registry import Memo, Witnessing, invariant
 from kvspec.spec.state import Observation, RequestStatus, RequestView
 
 
@@ -42,9 +44,23 @@ class Context(Witnessing):
     after_step: bool = False
 
     witnessed: int = 0
+    #: what several claims derive from the observation, derived once per Context
+    #: (claims are pure: the observation does not change while they judge it)
+    memo: Memo = attrs.field(factory=Memo, init=False, repr=False, eq=False)
 
     def live(self) -> Iterator[RequestView]:
-        return (r for r in self.obs.requests.values() if not r.status.is_finished)
+        live = self.memo.get("live")
+        if live is None:
+            live = self.memo["live"] = [r for r in self.obs.requests.values()
+                                        if not r.status.is_finished]
+        return iter(live)
+
+    def holders(self) -> list[int]:
+        """References per block (``_holders``), counted once."""
+        holders = self.memo.get("holders")
+        if holders is None:
+            holders = self.memo["holders"] = _holders(self)
+        return holders
 
     def is_undisturbed(self, r: RequestView) -> bool:
         """Never preempted and never touched by a load failure: its stats still
@@ -272,8 +288,9 @@ def output_is_the_sampled_sequence(ctx: Context):
     for r in ctx.obs.requests.values():
         sampled = ctx.ghost.sampled_at.get(r.request_id, {})
         ctx.witness(bool(r.output_token_ids) and r.num_preemptions > 0)
+        prompt_len = r.num_prompt_tokens
         for i, token in enumerate(r.output_token_ids):
-            pos = r.num_prompt_tokens + i
+            pos = prompt_len + i
             if token not in sampled.get(pos, ()):
                 yield (f"{r.request_id}: output token {i} (position {pos}) is {token}, but "
                        f"the worker sampled {sorted(sampled.get(pos, ())) or 'nothing'} there")
@@ -399,13 +416,17 @@ def _holders(ctx: Context) -> list[int]:
     """References per block: block tables, the fenced frees of steps in
     flight, and a real connector's pins on blocks it transfers."""
     count = [0] * ctx.obs.pool.num_blocks
-    for r in ctx.obs.requests.values():
-        for table in r.block_ids:
-            for b in table:
-                if b != NULL_BLOCK:  # a block a windowed group gave back
-                    count[b] += 1
-    for b in (*ctx.obs.pool.fenced, *ctx.obs.pool.pinned):
-        count[b] += 1
+    # tallied first (in C), then added block by block as one table entry at a time was
+    tally = Counter(chain.from_iterable(chain.from_iterable(
+        r.block_ids for r in ctx.obs.requests.values())))
+    tally.update(ctx.obs.pool.fenced)
+    tally.update(ctx.obs.pool.pinned)
+    fenced_null = sum(b == NULL_BLOCK for b in (*ctx.obs.pool.fenced, *ctx.obs.pool.pinned))
+    for b, times in tally.items():
+        if b != NULL_BLOCK:  # a block a windowed group gave back
+            count[b] += times
+    if fenced_null:  # a fence or pin on NULL_BLOCK counts (on the last block, as it did)
+        count[NULL_BLOCK] += fenced_null
     return count
 
 
@@ -419,9 +440,11 @@ def ref_count_is_holders(ctx: Context):
     Protects against double frees and leaks: a block freed while still held is
     handed to another request and overwritten under the first. Witnessed by a
     block two tables share."""
-    for b, (ref, held) in enumerate(zip(ctx.obs.pool.ref_cnt, _holders(ctx))):
-        ctx.witness(held >= 2)
-        if not is_ref_count_of_holders(ref, [True] * held):  # one flag per holding table
+    holders = ctx.holders()
+    ctx.witness(sum(held >= 2 for held in holders[:len(ctx.obs.pool.ref_cnt)]))
+    for b, (ref, held) in enumerate(zip(ctx.obs.pool.ref_cnt, holders)):
+        # ``ref == held``: the predicate holds (``held`` flags, each counting 1)
+        if ref != held and not is_ref_count_of_holders(ref, [True] * held):
             yield f"block {b}: ref_cnt={ref} but {held} holder(s)"
 
 
@@ -436,7 +459,10 @@ def free_queue_is_free_blocks(ctx: Context):
         yield f"free queue has duplicates: {free}"
     free_set = set(free)
     zero = {b for b, ref in enumerate(pool.ref_cnt) if ref == 0}
-    if not all(is_free_iff_unreferenced(b in free_set, ref) for b, ref in enumerate(pool.ref_cnt)):
+    # the predicate is judged on every block where free and "ref 0" disagree: it
+    # holds wherever they agree (free iff ref 0, both ways)
+    disagree = zero.symmetric_difference(b for b in free_set if b in range(len(pool.ref_cnt)))
+    if not all(is_free_iff_unreferenced(b in free_set, pool.ref_cnt[b]) for b in disagree):
         yield f"free queue {sorted(set(free))} != blocks with ref 0 {sorted(zero)}"
 
 

@@ -49,6 +49,7 @@ import attrs
 from kvspec.spec.groups import NULL_BLOCK, split_cache_key
 from kvspec.spec.reads import get_blocks_read, get_positions_read
 from kvspec.spec.predicates import is_cached_block_valid
+from kvspec.spec.registry import Memo
 from kvspec.spec.state import GroupSpec, Observation, RequestStatus, RequestView, StepView
 
 GARBAGE = None
@@ -65,16 +66,16 @@ class KeyBook:
     """Prefix keys of each request's tokens, extended as tokens are appended."""
 
     def __init__(self) -> None:
-        self._book: dict[str, tuple[list[int], list[int]]] = {}
+        self._book: dict[str, tuple[tuple[int, ...], list[int]]] = {}
 
     def keys(self, request_id: str, tokens: tuple[int, ...]) -> list[int]:
-        toks, keys = self._book.get(request_id, ([], []))
+        toks, keys = self._book.get(request_id, ((), []))
         n = len(toks)
-        if tuple(toks) != tokens[:n]:
-            toks, keys, n = [], [], 0
-        toks = list(tokens)
-        extend_prefix_keys(keys, toks, n)
-        self._book[request_id] = (toks, keys)
+        if toks != tokens[:n]:
+            keys, n = [], 0
+        if n < len(tokens) or n == 0:
+            extend_prefix_keys(keys, tokens, n)
+            self._book[request_id] = (tuple(tokens), keys)
         return keys
 
     def forget(self, request_id: str) -> None:
@@ -147,6 +148,12 @@ class KVContent:
         self.scheduler_block_size = math.lcm(*(g.block_size for g in self.groups))
         self.slots: list[list] = [[GARBAGE] * self.block_size for _ in range(num_blocks)]
         self.expected_by_hash: dict[Hashable, tuple] = {}
+        #: (hash, group) -> the slots a block of the group cached under it holds
+        #: (``_want`` of what the hash names): derived from ``expected_by_hash``,
+        #: whose entries never change, so computed once
+        self._named_wants: dict[tuple, list] = Memo()
+        #: cache key -> (whether its group keeps every slot, ``_named_wants`` of it)
+        self._wants_by_key: dict = Memo()
         self.loads: dict[str, LoadJob] = {}
         #: async loads of requests that ended mid-load: the environment drops
         #: them, but a worker cannot call a transfer back, so while the
@@ -219,13 +226,49 @@ class KVContent:
     def first_invalid(self, tables, keys, upto: int, before=None,
                       groups: set[int] | None = None) -> int | None:
         """The first position a step starting at ``upto`` reads, in any group
-        (or in ``groups``), that does not hold valid content (None if all do).
+        (or in ``groups``), that does not hold valid content (None if all do):
+        the groups in order, each read position in order.
         ``before``: as for ``_is_valid``."""
-        bad = [pos for g, group in enumerate(self.groups) if groups is None or g in groups
-               for pos in get_positions_read(group, upto)
-               if not self._is_valid(tables[g] if g < len(tables) else (), g, keys, pos,
-                                     before)][:1]
-        return bad[0] if bad else None
+        for g, group in enumerate(self.groups):
+            if groups is None or g in groups:
+                bad = self._first_invalid_in(g, group, tables[g] if g < len(tables) else (),
+                                             keys, get_positions_read(group, upto), before)
+                if bad is not None:
+                    return bad
+        return None
+
+    def _first_invalid_in(self, g: int, group: GroupSpec, blocks, keys, positions: range,
+                          before) -> int | None:
+        """``_is_valid`` on each of ``positions`` of group ``g``, in order: the
+        first that fails. A block whose read slots are compared as one slice
+        (a group keeping one entry per position, no slot of it in ``before``,
+        every position within ``keys``) is judged exactly as position by
+        position: its slots equal the contents ``get_content`` names; only a
+        block that differs is walked position by position to name the first."""
+        size = group.block_size
+        one_state = group.kind == "last_state"
+        num_keys, num_blocks = len(keys), len(blocks)
+        in_before = {b for b, _s in before} if before else ()
+        pos, end = positions.start, positions.stop
+        while pos < end:
+            index = pos // size
+            block_end = min(end, (index + 1) * size)
+            if index >= num_blocks or blocks[index] == NULL_BLOCK:
+                return pos
+            b = blocks[index]
+            if not one_state and b not in in_before and block_end <= num_keys \
+                    and type(keys) is list:
+                want = keys[pos:block_end] if g == 0 else \
+                    [(g, k) for k in keys[pos:block_end]]
+                s = pos % size
+                if self.slots[b][s:s + block_end - pos] == want:
+                    pos = block_end
+                    continue
+            for p in range(pos, block_end):
+                if not self._is_valid(blocks, g, keys, p, before):
+                    return p
+            pos = block_end
+        return None
 
     # -- the connector's jobs (registered by the environment) ----------------
     def add_load(self, request: RequestView, block_ids, start: int, num_tokens: int,
@@ -487,12 +530,22 @@ class KVContent:
         loading bits the pool proof reasons about."""
         loading = self.loading_blocks()
         unreported = self.get_unreported_blocks()
+        slots, wants = self.slots, self._wants_by_key
         for key, block in obs.pool.cached:
-            block_hash, g = split_cache_key(key)
-            valid = self.holds_named(block, g, block_hash)
+            want = wants.get(key)
+            if want is not None and want[0]:  # ``holds_named`` of a full-attention-like group
+                valid = slots[block][:len(want[1])] == want[1]
+            else:
+                block_hash, g = split_cache_key(key)
+                valid = self.holds_named(block, g, block_hash)
+                if valid is not None and g < len(self.groups):
+                    wants[key] = (self.groups[g].kind != "last_state",
+                                  self._named_wants[(block_hash, g)])
             if valid is None or block in unreported:
                 continue
-            if not is_cached_block_valid(True, valid, block in loading):
+            # valid and not loading: the predicate holds (Implies(True, And(True, Not(False))))
+            if (not valid or block in loading) and \
+                    not is_cached_block_valid(True, valid, block in loading):
                 why = "an async load is still writing it" if valid else \
                     "it does not hold the content its hash names"
                 yield f"block {block} is in the prefix cache but {why}"
@@ -500,10 +553,15 @@ class KVContent:
     def holds_named(self, block: int, g: int, block_hash) -> bool | None:
         """The block holds what ``block_hash`` names in group ``g`` (None: a
         hash no request has shown, or a group the oracle lacks)."""
-        named = self.expected_by_hash.get(block_hash)
-        if named is None or g >= len(self.groups):
-            return None
-        return self._holds(block, g, self._get_named_keys(g, *named))
+        want = self._named_wants.get((block_hash, g))
+        if want is None:
+            named = self.expected_by_hash.get(block_hash)
+            if named is None or g >= len(self.groups):
+                return None
+            # what a hash names never changes once learnt (``learn`` keeps the first)
+            want = self._named_wants[(block_hash, g)] = self._want(
+                g, self._get_named_keys(g, *named))
+        return self._holds_want(block, g, want)
 
     def _get_named_keys(self, g: int, end: int, tail: tuple) -> tuple:
         """The keys a block of group ``g`` cached under a hash naming the
@@ -518,7 +576,10 @@ class KVContent:
         """The block holds the content ``expected`` names, as group ``g`` keeps
         it: every slot (the first ones, for a partial entry), or for a
         last-state group the state at its end."""
-        want = self._want(g, expected)
+        return self._holds_want(block, g, self._want(g, expected))
+
+    def _holds_want(self, block: int, g: int, want: list) -> bool:
+        """``_holds``, given the slots ``_want`` names."""
         size = self._size(g)
         if self.groups[g].kind == "last_state":
             return len(want) == size and self.slots[block][size - 1] == want[-1]
@@ -593,7 +654,7 @@ class KVContent:
     def check_request(self, obs: Observation, r: RequestView) -> Iterator[str]:
         """Every real computed token (``num_computed_tokens`` less the output
         placeholders of steps in flight) holds valid KV."""
-        if self.get_unreported_blocks() & _held(r):
+        if self.unreported and self.get_unreported_blocks() & _held(r):
             return  # a failure the scheduler has not been told of yet
         keys = self.book.keys(r.request_id, r.all_token_ids)
         real = min(r.num_computed_tokens - r.num_output_placeholders, len(keys))

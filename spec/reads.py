@@ -39,4 +39,6 @@ def get_positions_read(group, num_computed: int) -> range:
 def get_blocks_read(group, num_computed: int) -> list[int]:
     """Indices of the blocks that hold a position the step reads (plain ints)."""
     size = group.block_size
-    return sorted({p // size for p in get_positions_read(group, num_computed)})
+    read = get_positions_read(group, num_computed)
+    # ``sorted({p // size for p in read})``: the blocks from the first read to the last
+    return list(range(read.start // size, (read.stop - 1) // size + 1)) if read else []

@@ -99,6 +99,16 @@ class Witnessing:
         self.witnessed += times
 
 
+class Memo(dict):
+    """Values derived from what claims judge, computed once for all of them (the
+    live requests, references per block): a cache, never a verdict. It pickles
+    and copies empty, so what a claim judged compares as it was, and a copy
+    recomputes what it needs."""
+
+    def __reduce__(self):
+        return Memo, ()
+
+
 def evaluate(inv: Invariant, subject: Witnessing) -> tuple[list[str], int]:
     """Run one claim on ``subject``: its violation messages and how often it was witnessed."""
     subject.witnessed = 0

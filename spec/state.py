@@ -33,13 +33,15 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self.name.startswith("FINISHED")
+        return self in _FINISHED  # the statuses named FINISHED_*
 
     @property
     def is_waiting(self) -> bool:
         return self in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS,
                         RequestStatus.PREEMPTED)
 
+
+_FINISHED = frozenset(s for s in RequestStatus if s.name.startswith("FINISHED"))
 
 #: the most drafts a step schedules per request (vLLM's ``num_speculative_tokens``
 #: on the vLLM target; the environment proposes 0 to this many)

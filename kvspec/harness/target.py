@@ -1,11 +1,14 @@
 """The one protocol every target implements, and the reference target."""
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Callable, Protocol
 
 from kvspec.harness.env import EOS_TOKEN_ID, RequestSpec
 from kvspec.spec.state import (Config, GroupSpec, Observation, PoolView, RequestStatus,
                                RequestView, StepView, WorkerOutcome)
+
+_REF_CNT, _BLOCK_ID = attrgetter("ref_cnt"), attrgetter("block_id")
 
 
 class Target(Protocol):
@@ -117,8 +120,8 @@ class ImplTarget:
             config=self.config, requests=requests,
             waiting=tuple(r.request_id for r in s.waiting),
             running=tuple(r.request_id for r in s.running),
-            pool=PoolView(ref_cnt=tuple(b.ref_cnt for b in pool.blocks),
-                          free_queue=tuple(b.block_id for b in pool.free_queue),
+            pool=PoolView(ref_cnt=tuple(map(_REF_CNT, pool.blocks)),
+                          free_queue=tuple(map(_BLOCK_ID, pool.free_queue)),
                           cached=tuple((h, b.block_id) for h, b in pool.get_cached_entries()),
                           fenced=s.in_flight.get_fenced_block_ids()),
             sending=tuple(rid for rid, r in requests.items() if r.status.is_finished))

@@ -1,0 +1,213 @@
+"""The faster checking of issue 30 judges exactly as before: each shortcut
+against the definition it replaces, on random inputs, and the predicates the
+shortcuts skip are true where they skip them."""
+from __future__ import annotations
+
+import pickle
+import random
+import copy
+
+import pytest
+
+from kvspec.spec.groups import NULL_BLOCK
+from kvspec.spec.oracle import GARBAGE, UNDEFINED_CONTENT, KVContent, get_content
+from kvspec.spec.predicates import (is_cached_block_valid, is_free_iff_unreferenced,
+                                    is_ref_count_of_holders)
+from kvspec.spec.reads import get_blocks_read, get_positions_read
+from kvspec.spec.registry import Memo
+from kvspec.spec.state import GroupSpec, RequestStatus
+
+GROUPS = [
+    (GroupSpec(4),),
+    (GroupSpec(2),),
+    (GroupSpec(4), GroupSpec(4, "sliding_window", 5)),
+    (GroupSpec(4), GroupSpec(2, "last_state")),
+    (GroupSpec(2), GroupSpec(4, "sliding_window", 3), GroupSpec(4, "last_state")),
+]
+
+
+def _reference_first_invalid(content: KVContent, tables, keys, upto, before=None, groups=None):
+    """``first_invalid`` as it was: every read position, one by one."""
+    bad = [pos for g, group in enumerate(content.groups) if groups is None or g in groups
+           for pos in get_positions_read(group, upto)
+           if not content._is_valid(tables[g] if g < len(tables) else (), g, keys, pos,
+                                    before)][:1]
+    return bad[0] if bad else None
+
+
+def _random_case(rng: random.Random, groups):
+    num_blocks = 12
+    content = KVContent(num_blocks, 4, groups)
+    n = rng.randint(0, 20)
+    keys = [rng.randint(0, 3) for _ in range(n)]
+    tables = []
+    for g, group in enumerate(groups):
+        blocks = [rng.randrange(num_blocks) for _ in range(-(-22 // group.block_size))]
+        if rng.random() < 0.3:
+            blocks[rng.randrange(len(blocks))] = NULL_BLOCK
+        tables.append(tuple(blocks[:rng.randint(0, len(blocks))]))
+    # slots: mostly valid content for some table, sometimes garbage or a stray value
+    for g, group in enumerate(groups):
+        for pos in range(n + 2):
+            index = pos // group.block_size
+            if index < len(tables[g]) and tables[g][index] != NULL_BLOCK:
+                r = rng.random()
+                value = (get_content(g, keys, pos) if r < 0.85 else GARBAGE if r < 0.92
+                         else UNDEFINED_CONTENT if r < 0.95 else rng.randint(0, 3))
+                content._write(g, tables[g], pos, value)
+    before = None
+    if rng.random() < 0.3:
+        before = {(rng.randrange(num_blocks), rng.randrange(4)): rng.choice([GARBAGE, 1, 2])
+                  for _ in range(rng.randint(0, 3))}
+    return content, tuple(tables), keys, before
+
+
+@pytest.mark.parametrize("groups", GROUPS, ids=range(len(GROUPS)))
+def test_first_invalid_is_the_first_invalid_position(groups):
+    rng = random.Random(hash(groups) & 0xFFFF)
+    for _ in range(1500):
+        content, tables, keys, before = _random_case(rng, groups)
+        upto = rng.randint(0, len(keys) + 3)
+        judged = None if rng.random() < 0.5 else {g for g in range(len(groups))
+                                                    if rng.random() < 0.6}
+        for k in (keys, tuple(keys)):
+            assert content.first_invalid(tables, k, upto, before, judged) == \
+                _reference_first_invalid(content, tables, k, upto, before, judged)
+
+
+def test_blocks_read_are_the_blocks_of_the_positions_read():
+    for group in (GroupSpec(4), GroupSpec(3, "sliding_window", 5), GroupSpec(2, "last_state"),
+                  GroupSpec(1)):
+        for n in range(-2, 40):
+            want = sorted({p // group.block_size for p in get_positions_read(group, n)})
+            assert get_blocks_read(group, n) == want, (group, n)
+
+
+def test_the_predicates_hold_where_the_claims_skip_them():
+    # free_queue_is_free_blocks judges only blocks where "free" and "ref 0" disagree
+    for free in (False, True):
+        for ref in range(-3, 6):
+            assert is_free_iff_unreferenced(free, ref) == (free == (ref == 0))
+    # ref_count_is_holders skips ref == held
+    for held in range(6):
+        assert is_ref_count_of_holders(held, [True] * held)
+    # no_caching_of_invalid_blocks skips a valid block no load is writing
+    assert is_cached_block_valid(True, True, False)
+
+
+def test_finished_statuses():
+    for s in RequestStatus:
+        assert s.is_finished == s.name.startswith("FINISHED")
+
+
+def test_a_memo_pickles_and_copies_empty():
+    memo = Memo(live=[1, 2])
+    assert pickle.loads(pickle.dumps(memo)) == {} and copy.deepcopy(memo) == {}
+    assert type(copy.deepcopy(memo)) is Memo
+
+
+def _reference_holders(ctx) -> list[int]:
+    """``_holders`` as it was: one table entry at a time."""
+    count = [0] * ctx.obs.pool.num_blocks
+    for r in ctx.obs.requests.values():
+        for table in r.block_ids:
+            for b in table:
+                if b != NULL_BLOCK:
+                    count[b] += 1
+    for b in (*ctx.obs.pool.fenced, *ctx.obs.pool.pinned):
+        count[b] += 1
+    return count
+
+
+def test_holders_count_every_table_fence_and_pin():
+    from types import SimpleNamespace as NS
+
+    from kvspec.spec.invariants import _holders
+    rng = random.Random(7)
+    for _ in range(500):
+        n = rng.randint(1, 10)
+        pick = lambda k: tuple(rng.choice([NULL_BLOCK, *range(n)]) for _ in range(k))  # noqa: E731
+        requests = {i: NS(block_ids=tuple(pick(rng.randint(0, 5)) for _ in range(rng.randint(0, 3))))
+                    for i in range(rng.randint(0, 4))}
+        ctx = NS(obs=NS(requests=requests, pool=NS(num_blocks=n, fenced=pick(rng.randint(0, 2)),
+                                                   pinned=pick(rng.randint(0, 2)))))
+        assert _holders(ctx) == _reference_holders(ctx)
+
+
+def test_key_book_gives_the_prefix_keys_of_any_tokens():
+    from kvspec.spec.oracle import KeyBook, extend_prefix_keys
+    rng = random.Random(3)
+    book = KeyBook()
+    tokens: tuple = ()
+    for _ in range(400):
+        r = rng.random()
+        tokens = (tokens + tuple(rng.randint(0, 3) for _ in range(rng.randint(0, 3))) if r < 0.7
+                  else tokens[:rng.randint(0, len(tokens))] if r < 0.85
+                  else tuple(rng.randint(0, 3) for _ in range(rng.randint(0, 6))))
+        want: list = []
+        extend_prefix_keys(want, tokens, 0)
+        assert book.keys("r", tokens) == want
+        assert book.keys("r", list(tokens)) == want
+
+
+def test_an_unchanged_request_without_hints_is_the_same_to_the_model():
+    """compute_admission skips a request equal before and after with no hints:
+    what the loop would find for it."""
+    from kvspec.spec.conformance import Hints, get_counters, is_same, must_recover
+    from kvspec.spec.effects import GHOST_FIELDS
+    from kvspec.spec.state import RequestView
+    groups = (GroupSpec(4),)
+    for status in RequestStatus:
+        for computed, placeholders, cached in ((0, 0, -1), (5, 1, 4), (8, 0, 0)):
+            r = RequestView(request_id="a", status=status, prompt_token_ids=(1, 2, 3, 4, 5),
+                            output_token_ids=(6, 7, 8), max_tokens=9,
+                            num_computed_tokens=computed, num_cached_tokens=cached,
+                            num_external_computed_tokens=0, num_preemptions=1,
+                            block_ids=((1, 2),), num_output_placeholders=placeholders)
+            for ghost in (None, {f: 3 for f in GHOST_FIELDS}):
+                before = get_counters(r, groups, ghost)
+                assert is_same(before, get_counters(r, groups))
+                assert not must_recover(before, Hints())
+
+
+def _warm_runner():
+    """A synchronous run of four requests sharing a prefix, six steps in."""
+    from kvspec.harness.runner import Runner
+    from kvspec.harness.target import make_config
+    runner = Runner("impl", make_config(block_size=4, num_blocks=40, max_num_batched_tokens=64,
+                                        max_num_seqs=4, max_model_len=40))
+    for i in range(4):
+        runner.apply({"op": "add", "id": f"r{i}", "prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, i],
+                      "max_tokens": 20})
+    for _ in range(6):
+        runner.apply({"op": "step"})
+    return runner
+
+
+def _caught_at_next_step(runner) -> set[str]:
+    from kvspec.harness.runner import Counterexample
+    with pytest.raises(Counterexample) as exc:
+        runner.apply({"op": "step"})
+    return {v.invariant for v in exc.value.violations}
+
+
+def test_state_broken_between_two_steps_is_caught_at_the_next():
+    """What the checks derive once (per Context, or once per hash) hides no
+    change: a reference count, a computed count or a cached block's content
+    broken after many checked steps is reported at the very next step."""
+    runner = _warm_runner()
+    block = next(b for b in runner.target.scheduler.kv.pool.blocks if b.ref_cnt >= 1)
+    block.ref_cnt += 1
+    assert "ref_count_is_holders" in _caught_at_next_step(runner)
+
+    runner = _warm_runner()
+    request = runner.target.scheduler.requests["r1"]
+    request.num_computed_tokens -= 2
+    assert {"schedule_relation", "transition_admitted_by_model"} <= _caught_at_next_step(runner)
+
+    runner = _warm_runner()
+    cached = {b for _k, b in runner.obs.pool.cached}
+    held = {b for r in runner.obs.requests.values() for b in r.block_ids[0]}
+    victim = min(cached - held) if cached - held else min(cached)
+    runner.content.slots[victim][0] = GARBAGE  # the worker's KV there is lost
+    assert "no_caching_of_invalid_blocks" in _caught_at_next_step(runner)
