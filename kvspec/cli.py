@@ -282,9 +282,6 @@ def connector_profile(profile, target: str):
         return profile
     try:
         world = get_world(choice)
-        # a composite world (MultiConnector) knows its children once configured
-        from kvspec.harness.target import make_config
-        world.configure(choice.get_extra_config(), make_config())
         hma = supports_hma(choice)
     except ConnectorChoiceError as exc:
         fail(str(exc))

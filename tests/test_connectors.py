@@ -203,11 +203,20 @@ STORE_THEN_LOAD = [
     {"op": "step"}, {"op": "step", "finish_loads": ["r1"]}, {"op": "drain"}]
 
 
-def _witnessed_store_then_load(connector: str, **config) -> dict:
-    runner = Runner("vllm?connector=" + connector, make_config(num_blocks=20, **config))
+#: what a world that stores and loads back witnesses in STORE_THEN_LOAD
+STORE_AND_LOAD_CLAIMS = ("store_reads_computed_kv", "hit_within_stored",
+                         "load_lands_in_given_blocks", "load_reads_what_was_stored")
+
+
+def _assert_stores_and_loads(connector: str, *also: str) -> None:
+    """STORE_THEN_LOAD on ``connector`` witnesses the store and load claims,
+    and ``also``."""
+    runner = Runner("vllm?connector=" + connector, make_config(num_blocks=20))
     found = runner.run(STORE_THEN_LOAD)
     assert found is None, [str(v) for v in found.violations]
-    return dict(runner.witnessed)
+    witnessed = dict(runner.witnessed)
+    for name in (*STORE_AND_LOAD_CLAIMS, *also):
+        assert witnessed[name] > 0, (name, witnessed)
 
 
 @needs_vllm
@@ -216,10 +225,7 @@ def test_the_simple_cpu_offload_world_stores_and_loads_through_its_metadata():
     blocks to CPU (completed through SimpleCPUOffloadWorkerMetadata), and after
     a reset the same prompt loads them back (finished_recving); the blocks it
     pins while transferring count as holders."""
-    witnessed = _witnessed_store_then_load("SimpleCPUOffloadConnector")
-    for name in ("store_reads_computed_kv", "hit_within_stored", "load_lands_in_given_blocks",
-                 "load_reads_what_was_stored", "ref_count_is_holders"):
-        assert witnessed[name] > 0, (name, witnessed)
+    _assert_stores_and_loads("SimpleCPUOffloadConnector", "ref_count_is_holders")
 
 
 @needs_vllm
@@ -233,10 +239,7 @@ def test_the_multi_connector_world_composes_its_childrens_worlds(children):
     if children:
         connector += "&connector_config=" + urllib.parse.quote(json.dumps(
             {"connectors": [{"kv_connector": c} for c in children]}), safe="")
-    witnessed = _witnessed_store_then_load(connector)
-    for name in ("store_reads_computed_kv", "hit_within_stored", "load_lands_in_given_blocks",
-                 "load_reads_what_was_stored"):
-        assert witnessed[name] > 0, (name, witnessed)
+    _assert_stores_and_loads(connector)
 
 
 @needs_vllm
@@ -244,10 +247,7 @@ def test_the_mooncake_store_world_saves_by_hash_and_loads_back():
     """MooncakeStoreConnector with kvspec's store behind its lookup client: a
     prompt's blocks are saved under their hashes (completed through
     MooncakeStoreWorkerMetadata) and, after a reset, loaded back."""
-    witnessed = _witnessed_store_then_load("MooncakeStoreConnector")
-    for name in ("store_reads_computed_kv", "hit_within_stored", "load_lands_in_given_blocks",
-                 "load_reads_what_was_stored", "ref_count_is_holders"):
-        assert witnessed[name] > 0, (name, witnessed)
+    _assert_stores_and_loads("MooncakeStoreConnector", "ref_count_is_holders")
 
 
 @needs_vllm
@@ -256,10 +256,7 @@ def test_the_hf3fs_world_saves_by_prefix_hash_and_loads_back():
     blocks are saved under their prefix hashes (pages allocated and
     confirmed), every finished request's free is delayed until its send is
     reported, and after a reset the same prompt loads the pages back."""
-    witnessed = _witnessed_store_then_load("HF3FSKVConnector")
-    for name in ("store_reads_computed_kv", "hit_within_stored", "load_lands_in_given_blocks",
-                 "load_reads_what_was_stored", "no_leak_when_idle"):
-        assert witnessed[name] > 0, (name, witnessed)
+    _assert_stores_and_loads("HF3FSKVConnector", "no_leak_when_idle")
 
 
 @needs_vllm

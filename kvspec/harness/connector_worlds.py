@@ -145,7 +145,7 @@ def get_world(choice: ConnectorChoice):
     if "SimpleCPUOffloadConnector" in lineage:
         return SimpleCPUOffloadWorld()
     if "MultiConnector" in lineage:
-        return MultiWorld()
+        return MultiWorld(choice.get_extra_config().get("connectors"))
     if "MooncakeStoreConnector" in lineage:
         return MooncakeStoreWorld()
     if "HF3FSKVConnector" in lineage:
@@ -208,6 +208,19 @@ class GenericWorld:
 
     def bind(self, connector, target) -> None:
         self.connector, self.target = connector, target
+
+    def land_load(self, rid: str, values: dict, blocks, num_loaded: int,
+                  num_unstored: int) -> None:
+        """A load the world's worker ran: what it wrote (position -> value)
+        joins the data oracle's load of ``rid``, and the contract judges it
+        against the blocks the scheduler gave (``blocks``: the kvspec blocks
+        it wrote, one group)."""
+        env = self.target.env
+        load = env.content.loads.get(rid)
+        if load is not None:
+            load.values = {**(load.values or {}), **values}
+        env.record_load(rid, load.block_ids if load else (), (blocks,), num_loaded,
+                        num_unstored)
 
     def seed(self, spec) -> None:
         """The outside world before the request arrives (nothing kvspec can set)."""
@@ -543,18 +556,14 @@ class OffloadingWorld(GenericWorld):
             self._complete_store(store)
 
     def _start_load(self, jid: int, job) -> None:
-        rid, env = job.req_id, self.target.env
+        rid = job.req_id
         gpu, chunks = self._gpu(job.dst_spec), [int(c) for c in job.src_spec.block_ids]
         values, unstored = {}, 0
         for start, chunk in zip(self._starts(job.dst_spec), chunks):
             slots = self.chunks.get(chunk)
             unstored += slots is None
             values.update({start + s: v for s, v in enumerate(slots or ())})
-        load = env.content.loads.get(rid)
-        if load is not None:
-            load.values = {**(load.values or {}), **values}
-        env.record_load(rid, load.block_ids if load else (), (gpu,), len(gpu) * self._size(),
-                        unstored * self._size())
+        self.land_load(rid, values, gpu, len(gpu) * self._size(), unstored * self._size())
         self.load_jobs.setdefault(rid, []).append(jid)
 
     def _complete_store(self, store: OffloadStore) -> None:
@@ -729,18 +738,14 @@ class SimpleCPUOffloadWorld(GenericWorld):
             self._load(rid, table, pairs)
 
     def _load(self, rid: str, table, pairs) -> None:
-        env, size = self.target.env, self._size()
+        size = self._size()
         values, unstored = {}, 0
         for g, c in pairs:
             held = self.cpu.get(c)
             unstored += held is None
             start = table.index(g) * size
             values.update({start + s: v for s, v in enumerate(held[1] if held else ())})
-        load = env.content.loads.get(rid)
-        if load is not None:
-            load.values = {**(load.values or {}), **values}
-        env.record_load(rid, load.block_ids if load else (), ([g for g, _ in pairs],),
-                        len(pairs) * size, unstored * size)
+        self.land_load(rid, values, [g for g, _ in pairs], len(pairs) * size, unstored * size)
 
     def on_finished(self, request, tables) -> None:
         self.owners.note_table(request.request_id, tables[0] if tables else ())
@@ -909,7 +914,7 @@ class MooncakeStoreWorld(GenericWorld):
                 self._start_save(req, table, scheduler_output)
 
     def _load(self, req, table) -> None:
-        env, size = self.target.env, self._size()
+        size = self._size()
         start, end = req.load_spec.vllm_cached_tokens, req.load_spec.kvpool_cached_tokens
         values, unstored, blocks = {}, 0, []
         for i in range(start // size, -(-end // size)):
@@ -918,11 +923,7 @@ class MooncakeStoreWorld(GenericWorld):
             unstored += held is None
             blocks.append(table[i])
             values.update({i * size + s: v for s, v in enumerate(held[1] if held else ())})
-        load = env.content.loads.get(req.req_id)
-        if load is not None:
-            load.values = {**(load.values or {}), **values}
-        env.record_load(req.req_id, load.block_ids if load else (), (blocks,), end - start,
-                        unstored * size)
+        self.land_load(req.req_id, values, blocks, end - start, unstored * size)
 
     def _start_save(self, req, table, scheduler_output) -> None:
         size = self._size()
@@ -1006,26 +1007,31 @@ class MultiWorld(GenericWorld):
     DEFAULT_CHILDREN = ({"kv_connector": "OffloadingConnector"},
                         {"kv_connector": "SimpleCPUOffloadConnector"})
 
-    def __init__(self) -> None:
-        self.children: list[GenericWorld] = []
+    def __init__(self, connectors: list[dict] | None = None) -> None:
+        """``connectors``: the children of --connector-config (None: the
+        default pair); their worlds are known from the start, so the
+        environment's profile reads them without configuring anything."""
+        self.specs = list(connectors or self.DEFAULT_CHILDREN)
+        self.children: list[GenericWorld] = [self._get_child_world(c) for c in self.specs]
+
+    @staticmethod
+    def _get_child_world(child: dict) -> GenericWorld:
+        name = child.get("kv_connector")
+        if not name:
+            raise ConnectorChoiceError("--connector-config: each of connectors names its "
+                                       "kv_connector")
+        world = get_world(ConnectorChoice(name if not child.get("kv_connector_module_path")
+                                          else f"{child['kv_connector_module_path']}:{name}"))
+        if isinstance(world, MultiWorld):
+            raise ConnectorChoiceError("--connector-config: a MultiConnector in a "
+                                       "MultiConnector")
+        return world
 
     def configure(self, extra: dict, config) -> dict:
-        children = []
-        for child in extra.get("connectors") or self.DEFAULT_CHILDREN:
-            name = child.get("kv_connector")
-            if not name:
-                raise ConnectorChoiceError("--connector-config: each of connectors names its "
-                                           "kv_connector")
-            choice = ConnectorChoice(name if not child.get("kv_connector_module_path")
-                                     else f"{child['kv_connector_module_path']}:{name}")
-            world = get_world(choice)
-            if isinstance(world, MultiWorld):
-                raise ConnectorChoiceError("--connector-config: a MultiConnector in a "
-                                           "MultiConnector")
-            self.children.append(world)
-            children.append({**child, "kv_role": child.get("kv_role", config.kv_role),
-                             "kv_connector_extra_config": world.configure(
-                                 child.get("kv_connector_extra_config", {}), config)})
+        children = [{**child, "kv_role": child.get("kv_role", config.kv_role),
+                     "kv_connector_extra_config": world.configure(
+                         child.get("kv_connector_extra_config", {}), config)}
+                    for child, world in zip(self.specs, self.children)]
         return {**extra, "connectors": children}
 
     @property
@@ -1249,7 +1255,7 @@ class HF3FSWorld(GenericWorld):
         self.steps.append((saves, done))
 
     def _load(self, rid: str, tokens, vllm_ids, op) -> None:
-        env, size = self.target.env, self._size()
+        size = self._size()
         n, first = op.num_blocks_to_load, op.num_computed_blocks
         blocks = self.target._to_spec_ids(vllm_ids[:n], 0)
         hashes = self._hashes(tokens, first, len(blocks))
@@ -1263,11 +1269,7 @@ class HF3FSWorld(GenericWorld):
             if held is not None:
                 values.update({start + s: v for s, v in enumerate(held[1])})
         unstored += len(blocks) - len(pages)
-        load = env.content.loads.get(rid)
-        if load is not None:
-            load.values = {**(load.values or {}), **values}
-        env.record_load(rid, load.block_ids if load else (), (blocks,), n * size,
-                        unstored * size)
+        self.land_load(rid, values, blocks, n * size, unstored * size)
 
     def before_output(self) -> None:
         """The oldest step's saves gather their blocks now (after its

@@ -11,6 +11,7 @@ new loads there). The base carries 0.33.0's remedy, so that what a planted
 breach's check finds is the breach."""
 from __future__ import annotations
 
+from model_tests.connectors.breaches import CountsOneBlockPast
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector)
 
@@ -49,17 +50,9 @@ class FullPromptSyncHit(OffloadingResetFixed):
         return request.num_tokens - num_computed_tokens, False
 
 
-class CountsPastStored(OffloadingResetFixed):
+class CountsPastStored(CountsOneBlockPast, OffloadingResetFixed):
     """Breach: a hit counted one block past what the CPU cache holds, still
     short of the last token (hit_within_stored)."""
-
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        found, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        if not found:
-            return found, is_async
-        size = self._vllm_config.cache_config.block_size
-        room = request.num_tokens - 1 - num_computed_tokens
-        return min(found + size, max(room, found)), is_async
 
 
 class DropsDeferredFence(OffloadingResetFixed):
