@@ -60,6 +60,8 @@ class BlockPool:
         self.free_queue = FreeQueue(self.blocks)
         self.enable_caching = enable_caching
         self.cached: dict[Hashable, dict[int, KVCacheBlock]] = {}
+        #: bumped whenever ``cached`` changes, so an observer need not read it again
+        self.cache_version = 0
 
     def get_num_free_blocks(self) -> int:
         return len(self.free_queue)
@@ -104,6 +106,7 @@ class BlockPool:
             return  # already cached
         block.block_hash = block_hash
         self.cached.setdefault(block_hash, {})[block.block_id] = block
+        self.cache_version += 1
 
     def uncache(self, block: KVCacheBlock) -> None:
         """Drop a block from the prefix cache (its content cannot be trusted)."""
@@ -116,6 +119,7 @@ class BlockPool:
             if not copies:
                 self.cached.pop(block.block_hash, None)
             block.block_hash = None
+            self.cache_version += 1
 
     def get_cached_entries(self) -> list[tuple[Hashable, KVCacheBlock]]:
         return [(h, block) for h, copies in self.cached.items() for block in copies.values()]
@@ -129,4 +133,5 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        self.cache_version += 1
         return True

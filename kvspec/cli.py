@@ -520,6 +520,23 @@ BASE_HELP = ("vllm: the vLLM a counterexample is replayed on to tell a known or 
              "release when --vllm names another source)")
 
 
+FULL_CHECK_EVERY_HELP = (
+    "judge every state and data claim whole every N checks (default 64; 1: every check); "
+    "between them a check judges only the requests and blocks a call changed, exactly as "
+    "strong (docs/spec.md, 'Incremental checking')")
+
+
+def set_full_check_every(value: int | None) -> None:
+    """``--full-check-every``: for this process and the workers it starts."""
+    from kvspec.harness.incremental import FULL_CHECK_EVERY_ENV, get_full_every
+    if value is not None:
+        os.environ[FULL_CHECK_EVERY_ENV] = str(value)
+    try:
+        get_full_every()
+    except ValueError as exc:  # a bad value in the environment: one line, not a traceback
+        fail(str(exc))
+
+
 @app.command()
 def check(target: str = typer.Option(None, help="target to check (default: impl, or vllm "
                                                "with --vllm)"),
@@ -540,10 +557,13 @@ def check(target: str = typer.Option(None, help="target to check (default: impl,
           examples: int = typer.Option(None, "--examples", help=EXAMPLES_HELP),
           profile_claims: bool = typer.Option(False, "--profile-claims",
                                               help="time every claim; print the costliest"),
+          full_check_every: int = typer.Option(None, "--full-check-every", min=1,
+                                               help=FULL_CHECK_EVERY_HELP),
           connector: str = typer.Option(None, "--connector", help=CONNECTOR_HELP),
           connector_config: str = typer.Option(None, "--connector-config",
                                                help=CONNECTOR_CONFIG_HELP)):
     """Check every invariant on a target within a budget; exit 1 on a new violation."""
+    set_full_check_every(full_check_every)
     target = default_target(target, vllm, connector)
     fuzz_and_report(resolve_target(target, strict, fixes, plant, connector, connector_config),
                     budget, seed, out, DEFAULT_DB,
@@ -572,10 +592,13 @@ def fuzz_cmd(target: str = typer.Option(None, help="target to fuzz (default: imp
           markdown: Path = typer.Option(None, "--markdown", help=MARKDOWN_HELP),
           examples: int = typer.Option(None, "--examples", help=EXAMPLES_HELP),
           workers: int = typer.Option(1, "--workers", help=WORKERS_HELP),
+          full_check_every: int = typer.Option(None, "--full-check-every", min=1,
+                                               help=FULL_CHECK_EVERY_HELP),
           connector: str = typer.Option(None, "--connector", help=CONNECTOR_HELP),
           connector_config: str = typer.Option(None, "--connector-config",
                                                help=CONNECTOR_CONFIG_HELP)):
     """Fuzz a target; every failure is saved as a trace and shown as a step table."""
+    set_full_check_every(full_check_every)
     target = resolve_target(default_target(target, vllm, connector), strict, fixes, plant,
                             connector, connector_config)
     if workers != 1:

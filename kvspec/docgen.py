@@ -137,6 +137,31 @@ reports both counts per claim with the environment features the run
 exercised. A claim that cannot be witnessed yet says why in the registry
 (`unwitnessed_because`); today that is only `placeholders_nonnegative` (no
 target runs async scheduling until issue 10).
+
+## Incremental checking
+
+Every state and data claim is a conjunction: over live requests (*judged per
+request*: it reads one request's view, its ghost entries and its blocks'
+content), over blocks (*judged per block*: one block's count, holders, free and
+prefix-cache entries, content), or over the whole state (*judged whole*). A
+conjunct whose inputs did not change since a check at which it held still
+holds, so after each call the harness judges only the requests and blocks the
+call may have changed (`spec/scope.py`, `kvspec/harness/incremental.py`):
+request views that differ, requests that came or left or changed queue,
+reference counts, free-queue, prefix-cache, fenced and pinned entries that
+differ, the requests the ghost history touched, the blocks the data oracle
+wrote or whose failure report is pending, the blocks whose holders changed,
+and every request holding a block whose content changed. Such a check is
+exactly as strong as a full one. Everything is judged anyway at the first
+check, every 64 checks (`--full-check-every N`; 1 judges everything at every
+check) and at the end of every run, so a gap in that bookkeeping cannot hide a
+violation past the run. `tests/test_incremental.py` holds it to the full
+check: state broken behind the scheduler's back between two full checks is
+reported at the step that broke it, every incremental check of random runs on
+the reference and on every mutant is also judged whole and must find exactly
+the same (`KVSPEC_SHADOW_CHECKS=1`), and every committed counterexample fails
+at the same step either way. A violated state is never a baseline: the next
+check judges what changed since the last state on which the claims held.
 """
 
 
@@ -152,7 +177,9 @@ def _render_entry(inv, z3_obligations: dict[str, list[str]]) -> list[str]:
     lines = [f"### {inv.name}", ""]
     if inv.doc:
         lines += [inv.doc, ""]
-    lines += [f"*Role:* {inv.role} · *Cites:* {inv.cites} · *Established by:* {established}", ""]
+    judged = {"request": "per request", "block": "per block"}.get(inv.scope, "whole")
+    lines += [f"*Role:* {inv.role} · *Cites:* {inv.cites} · *Established by:* {established}"
+              + (f" · *Judged:* {judged}" if inv.kind in ("state", "data") else ""), ""]
     lines += [f"*vLLM 0.32:* {CONSTRAINS[inv.name]}", ""]
     if inv.unwitnessed_because:
         lines += [f"*Not witnessed yet:* {inv.unwitnessed_because}", ""]

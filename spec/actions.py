@@ -72,7 +72,7 @@ def add_relation(t: Transition):
         yield "add_request changed the block pool"
     for rid, old in t.before.requests.items():
         new = t.after.requests.get(rid)
-        if new is None or _unchanged_fields(old, new):
+        if new is None or (new is not old and new != old and _unchanged_fields(old, new)):
             yield f"add_request changed request {rid}"
 
 

@@ -68,16 +68,20 @@ def compute_recovered_computed(groups, cut, first_present, first_invalid):
     return If(ok, cut, 0)
 
 
+#: a prefix-cache key of group ``g > 0`` is ``(GROUP_KEY, g, block_hash)``; group 0's is the hash
+GROUP_KEY = "group"
+
+
 def get_group_cache_key(block_hash, group_index: int):
     """The prefix cache keys a block by its content's hash and its group (a
     sliding-window block and a full-attention block of one prefix hold
     different KV). Group 0 keeps the plain hash."""
-    return block_hash if group_index == 0 else ("group", group_index, block_hash)
+    return block_hash if group_index == 0 else (GROUP_KEY, group_index, block_hash)
 
 
 def split_cache_key(key) -> tuple[object, int]:
     """``(block_hash, group_index)`` of a prefix-cache key."""
-    if isinstance(key, tuple) and len(key) == 3 and key[0] == "group":
+    if isinstance(key, tuple) and len(key) == 3 and key[0] == GROUP_KEY:
         return key[2], key[1]
     return key, 0
 

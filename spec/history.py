@@ -11,6 +11,7 @@ from __future__ import annotations
 import attrs
 
 from kvspec.spec.predicates import is_admissible_lowering
+from kvspec.spec.scope import ChangeLog
 from kvspec.spec.state import Observation, RequestStatus
 
 
@@ -38,6 +39,9 @@ class Ghost:
     #: per request, position -> the tokens the worker sampled there (a position
     #: is sampled again after a preemption)
     sampled_at: dict[str, dict[int, set[int]]] = attrs.Factory(dict)
+    #: the requests whose entries above each event changed, in order: an
+    #: incremental check judges them again (``spec/scope.py``)
+    touched: ChangeLog = attrs.field(factory=ChangeLog, eq=False, repr=False)
 
 
 def process_observation(ghost: Ghost, obs: Observation, answers: dict,
@@ -51,21 +55,29 @@ def process_observation(ghost: Ghost, obs: Observation, answers: dict,
         first = ghost.stats.get(r.request_id)
         if first is None and r.has_stats:
             ghost.stats[r.request_id] = now
+            ghost.touched.add(r.request_id)
             if r.request_id in answers:
                 ghost.first_hits[r.request_id] = answers[r.request_id]
         elif (first is not None and r.request_id in lowered_ok and r.has_stats
               and is_admissible_lowering(first[0], first[1], now[0], now[1])):
             ghost.stats[r.request_id] = now  # recovery may lower them
+            ghost.touched.add(r.request_id)
+    ghost.touched.extend(lowered_ok - ghost.recovered)
     ghost.recovered |= lowered_ok
-    ghost.just_loaded = {rid for rid in ghost.just_loaded if rid in obs.requests
-                         and obs.requests[rid].status != RequestStatus.RUNNING}
+    if ghost.just_loaded:
+        left = {rid for rid in ghost.just_loaded if rid in obs.requests
+                and obs.requests[rid].status != RequestStatus.RUNNING}
+        ghost.touched.extend(ghost.just_loaded - left)
+        ghost.just_loaded = left
     for rid in [rid for rid in ghost.stats if rid not in obs.requests]:
         del ghost.stats[rid]
         ghost.first_hits.pop(rid, None)
+        ghost.touched.add(rid)
 
 
 def process_loads_finished(ghost: Ghost, loaded_ok) -> None:
     """Async loads the worker finished writing: those requests have not run since."""
+    ghost.touched.extend(set(loaded_ok) - ghost.just_loaded)
     ghost.just_loaded |= set(loaded_ok)
 
 
@@ -74,6 +86,7 @@ def process_abort(ghost: Ghost, was) -> None:
     its blocks until the worker reports the load."""
     if was is not None and was.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
         ghost.finished_mid_load.add(was.request_id)
+        ghost.touched.add(was.request_id)
 
 
 def process_output_applied(ghost: Ghost, before: Observation, after: Observation,
@@ -81,16 +94,18 @@ def process_output_applied(ghost: Ghost, before: Observation, after: Observation
     """A step's output applied: a request that ended while its load was in
     flight (an abort, or the "fail" policy) may hold its blocks until the
     worker reports the load."""
-    ghost.finished_mid_load = {
-        rid for rid, r in after.requests.items() if r.status.is_finished
-        and rid not in finished_recving and (
-            rid in ghost.finished_mid_load
-            or (rid in before.requests
-                and before.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS))}
+    now = {rid for rid, r in after.requests.items() if r.status.is_finished
+           and rid not in finished_recving and (
+               rid in ghost.finished_mid_load
+               or (rid in before.requests
+                   and before.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS))}
+    ghost.touched.extend(now ^ ghost.finished_mid_load)
+    ghost.finished_mid_load = now
 
 
 def process_sampled(ghost: Ghost, request_id: str, position: int, tokens) -> None:
     """The worker sampled ``tokens`` from ``position`` on (again, after a preemption)."""
+    ghost.touched.add(request_id)
     at = ghost.sampled_at.setdefault(request_id, {})
     for k, token in enumerate(tokens):
         at.setdefault(position + k, set()).add(token)
@@ -99,6 +114,7 @@ def process_sampled(ghost: Ghost, request_id: str, position: int, tokens) -> Non
 def process_placeholders(ghost: Ghost, owned: dict[str, int]) -> None:
     """What the steps in flight now own, per request (the harness counts the
     shares of its sampling steps whose output is not stale)."""
+    ghost.touched.extend(rid for rid, n in owned.items() if ghost.placeholders.get(rid) != n)
     ghost.placeholders.update(owned)
 
 
@@ -107,6 +123,7 @@ def process_departed(ghost: Ghost, obs: Observation) -> None:
     for rid in [rid for rid in ghost.placeholders if rid not in obs.requests
                 or obs.requests[rid].status.is_finished]:
         del ghost.placeholders[rid]
+        ghost.touched.add(rid)
 
 
 def process_drain(ghost: Ghost, obs: Observation) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from itertools import chain
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import attrs
 
@@ -28,6 +28,7 @@ from kvspec.spec.predicates import (is_blocks_cover_computed, is_cached_le_compu
 from kvspec.spec.arith import compute_real_computed
 from kvspec.spec.reads import get_blocks_read
 from kvspec.spec.registry import Memo, Witnessing, invariant
+from kvspec.spec.scope import Scope
 from kvspec.spec.state import Observation, RequestStatus, RequestView
 
 
@@ -42,6 +43,12 @@ class Context(Witnessing):
     #: True right after a step's update_from_output: what the worker did in that
     #: step (double writes, recomputes) is this state's news, not an older step's
     after_step: bool = False
+    #: an incremental check: the requests and blocks that changed since the
+    #: claims last held (None: a full check, everything is judged)
+    scope: Scope | None = None
+    #: the scope of the claim being judged (set by the checker): what
+    #: ``live``, ``requests`` and ``blocks`` narrow to under ``scope``
+    judging: str = "all"
 
     witnessed: int = 0
     #: what several claims derive from the observation, derived once per Context
@@ -49,11 +56,38 @@ class Context(Witnessing):
     memo: Memo = attrs.field(factory=Memo, init=False, repr=False, eq=False)
 
     def live(self) -> Iterator[RequestView]:
+        """The live requests (in an incremental check of a request claim, the changed ones)."""
+        if self.is_narrowed("request"):
+            return (r for r in self.requests() if not r.status.is_finished)
         live = self.memo.get("live")
         if live is None:
             live = self.memo["live"] = [r for r in self.obs.requests.values()
                                         if not r.status.is_finished]
         return iter(live)
+
+    def requests(self) -> Iterator[RequestView]:
+        """Every request the scheduler holds, finished ones too (narrowed as ``live``)."""
+        if not self.is_narrowed("request"):
+            return iter(self.obs.requests.values())
+        changed = self.memo.get("changed")
+        if changed is None:
+            wanted, requests = self.scope.requests, self.obs.requests
+            changed = self.memo["changed"] = [requests[rid] for rid in requests
+                                              if rid in wanted]
+        return iter(changed)
+
+    def blocks(self) -> Iterable[int]:
+        """Every block id (in an incremental check of a block claim, the changed ones)."""
+        if not self.is_narrowed("block"):
+            return range(self.obs.pool.num_blocks)
+        blocks = self.memo.get("blocks")
+        if blocks is None:
+            num = self.obs.pool.num_blocks
+            blocks = self.memo["blocks"] = [b for b in sorted(self.scope.blocks) if 0 <= b < num]
+        return blocks
+
+    def is_narrowed(self, scope: str) -> bool:
+        return self.scope is not None and self.judging == scope
 
     def holders(self) -> list[int]:
         """References per block (``_holders``), counted once."""
@@ -80,7 +114,7 @@ def get_real_computed(r: RequestView) -> int:
 
 # -- cache-hit stats ----------------------------------------------------------
 
-@invariant(cites="#36533, #36755, #36859")
+@invariant(cites="#36533, #36755, #36859", scope="request")
 def stats_are_ordered(ctx: Context):
     """Cache-hit stats are ordered: ``prompt_len >= num_cached >= num_external >= 0``.
 
@@ -98,7 +132,7 @@ def stats_are_ordered(ctx: Context):
             yield f"{r.request_id}: num_external={r.num_external_computed_tokens} < 0"
 
 
-@invariant(cites="#36859, #37460")
+@invariant(cites="#36859, #37460", scope="request")
 def stats_set_exactly_once(ctx: Context):
     """Cache-hit stats are set exactly once, at the first scheduling (or when an
     async load is issued), and never re-set by preemption or a failed
@@ -125,7 +159,7 @@ def stats_set_exactly_once(ctx: Context):
                    f"recovery may change them, by an ordered lowering")
 
 
-@invariant(cites="#36533, #36755 (seed 001)")
+@invariant(cites="#36533, #36755 (seed 001)", scope="request")
 def stats_are_the_first_hits(ctx: Context):
     """The external part of the stats is what the connector answered at the first
     scheduling, less what that scheduling did not count as computed
@@ -148,7 +182,7 @@ def stats_are_the_first_hits(ctx: Context):
                    f"answered {hits[1]} beyond {hits[0]} local for {first[0]} cached: {expected}")
 
 
-@invariant(cites="#34616")
+@invariant(cites="#34616", scope="request")
 def running_request_has_stats(ctx: Context):
     """A RUNNING request has its cache-hit stats set.
 
@@ -161,7 +195,7 @@ def running_request_has_stats(ctx: Context):
                 yield f"{r.request_id} is RUNNING with num_cached_tokens unset"
 
 
-@invariant(cites="#36859 (stats set at the first scheduling)")
+@invariant(cites="#36859 (stats set at the first scheduling)", scope="request")
 def unscheduled_request_has_no_output(ctx: Context):
     """A request that has not run has no output tokens: one whose stats are
     unset (never scheduled), or one waiting that was never preempted (only a
@@ -179,7 +213,7 @@ def unscheduled_request_has_no_output(ctx: Context):
             yield f"{r.request_id} has {len(r.output_token_ids)} output tokens but has not run"
 
 
-@invariant(cites="#34616, #36859")
+@invariant(cites="#34616, #36859", scope="request")
 def cached_le_computed(ctx: Context):
     """Tokens reported as cache hits were computed: ``num_cached_tokens <=
     num_computed_tokens`` for a RUNNING request, and all but the last token
@@ -210,7 +244,7 @@ def cached_le_computed(ctx: Context):
 
 # -- token accounting ---------------------------------------------------------
 
-@invariant(cites="#34616, #27644")
+@invariant(cites="#34616, #27644", scope="request")
 def computed_within_tokens(ctx: Context):
     """``0 <= num_computed_tokens - num_output_placeholders <= num_tokens``
     between steps (within a step the scheduled drafts count too; under async
@@ -233,7 +267,7 @@ def computed_within_tokens(ctx: Context):
             yield f"{r.request_id}: waiting with all {r.num_tokens} tokens computed"
 
 
-@invariant(cites="#27644, #47900, #48245")
+@invariant(cites="#27644, #47900, #48245", scope="request")
 def placeholders_nonnegative(ctx: Context):
     """``num_output_placeholders >= 0``.
 
@@ -248,7 +282,7 @@ def placeholders_nonnegative(ctx: Context):
             yield f"{r.request_id}: num_output_placeholders={r.num_output_placeholders}"
 
 
-@invariant(cites="#27644, #47900, #48245")
+@invariant(cites="#27644, #47900, #48245", scope="request")
 def placeholders_match_in_flight(ctx: Context):
     """Between steps, a live request's ``num_output_placeholders`` is exactly the
     tokens its steps in flight will sample and have not delivered: one per
@@ -274,7 +308,7 @@ def placeholders_match_in_flight(ctx: Context):
                    f"{r.num_output_placeholders}, but its steps in flight will sample {want}")
 
 
-@invariant(cites="#36755, #47900, #48141")
+@invariant(cites="#36755, #47900, #48141", scope="request")
 def output_is_the_sampled_sequence(ctx: Context):
     """Each output token is a token the worker sampled at that position: none
     lost, none delivered twice, none shifted, across preemptions with output in
@@ -285,7 +319,7 @@ def output_is_the_sampled_sequence(ctx: Context):
     scheduler that resumes it before the output drains, or applies the output
     to the reset counters, appends a position twice or skips one. Witnessed by
     a request whose output a preemption interrupted."""
-    for r in ctx.obs.requests.values():
+    for r in ctx.requests():
         sampled = ctx.ghost.sampled_at.get(r.request_id, {})
         ctx.witness(bool(r.output_token_ids) and r.num_preemptions > 0)
         prompt_len = r.num_prompt_tokens
@@ -301,7 +335,7 @@ def _is_loaded_one_token_prompt(ctx: Context, r) -> bool:
     return r.num_tokens == 1 and r.request_id in ctx.ghost.just_loaded
 
 
-@invariant(cites="seed 004 (_preempt_request)")
+@invariant(cites="seed 004 (_preempt_request)", scope="request")
 def idle_waiting_holds_no_blocks(ctx: Context):
     """A WAITING or PREEMPTED request with no computed tokens holds no blocks,
     except, until it runs, a one-token prompt whose async load just finished:
@@ -317,7 +351,7 @@ def idle_waiting_holds_no_blocks(ctx: Context):
                 yield f"{r.request_id} is {r.status.name} with 0 computed tokens but holds blocks {_blocks(r)}"
 
 
-@invariant(cites="seed 004 (_preempt_request)")
+@invariant(cites="seed 004 (_preempt_request)", scope="request")
 def preempted_means_preempted(ctx: Context):
     """A PREEMPTED request has been preempted at least once.
 
@@ -331,7 +365,7 @@ def preempted_means_preempted(ctx: Context):
                 yield f"{r.request_id} is PREEMPTED with num_preemptions={r.num_preemptions}"
 
 
-@invariant(cites="seed 004 (allocate_slots)")
+@invariant(cites="seed 004 (allocate_slots)", scope="request")
 def blocks_cover_computed(ctx: Context):
     """Every computed token (and every token an async load targets) has a slot:
     ``len(block_table) * block_size >= num_computed_tokens`` in every group."""
@@ -344,7 +378,7 @@ def blocks_cover_computed(ctx: Context):
                        f"{r.num_computed_tokens} computed tokens")
 
 
-@invariant(cites="seed 003 (#35223); #45474")
+@invariant(cites="seed 003 (#35223); #45474", scope="request")
 def every_group_serves_computed(ctx: Context):
     """In every KV cache group, the blocks a request's next step reads hold a
     block, not ``NULL_BLOCK``: full attention every block under its computed
@@ -376,18 +410,20 @@ def every_group_serves_computed(ctx: Context):
 
 # -- queues and limits --------------------------------------------------------
 
-@invariant(cites="seed 004 (schedule, finish_requests)")
+@invariant(cites="seed 004 (schedule, finish_requests)", scope="request")
 def queues_match_status(ctx: Context):
     """Each live request is in exactly one queue, the one its status names:
     RUNNING in ``running``, WAITING / WAITING_FOR_REMOTE_KVS / PREEMPTED in
     ``waiting``; finished requests in neither."""
     running, waiting = ctx.obs.running, ctx.obs.waiting
     ctx.witness(bool(running) and bool(waiting))
-    for name, queue in (("running", running), ("waiting", waiting)):
-        if len(set(queue)) != len(queue):
+    in_running, in_waiting = set(running), set(waiting)
+    for name, queue, members in (("running", running, in_running),
+                                 ("waiting", waiting, in_waiting)):
+        if len(members) != len(queue):
             yield f"{name} queue has duplicates: {queue}"
-    for r in ctx.obs.requests.values():
-        where = (r.request_id in running, r.request_id in waiting)
+    for r in ctx.requests():
+        where = (r.request_id in in_running, r.request_id in in_waiting)
         want = ((r.status == RequestStatus.RUNNING), r.status.is_waiting)
         if where != want:
             yield f"{r.request_id} is {r.status.name} but in running={where[0]} waiting={where[1]}"
@@ -396,7 +432,7 @@ def queues_match_status(ctx: Context):
             yield f"queue holds unknown request {rid}"
 
 
-@invariant(cites="seed 004 (schedule asserts)")
+@invariant(cites="seed 004 (schedule asserts)", scope="request")
 def within_limits(ctx: Context):
     """At most ``max_num_seqs`` requests run, and no request grows past ``max_model_len``.
     Witnessed when the running queue is full or a request is one token from the limit."""
@@ -430,7 +466,22 @@ def _holders(ctx: Context) -> list[int]:
     return count
 
 
-@invariant(cites="seed 004 (block_pool)")
+def _holders_of(ctx: Context, blocks) -> dict[int, int]:
+    """``_holders`` of ``blocks`` alone (each table read once, in C)."""
+    wanted = set(blocks)
+    count = dict.fromkeys(wanted, 0)
+    for r in ctx.obs.requests.values():
+        for table in r.block_ids:
+            for b in wanted.intersection(table):
+                if b != NULL_BLOCK:  # a block a windowed group gave back
+                    count[b] += table.count(b)
+    for b in chain(ctx.obs.pool.fenced, ctx.obs.pool.pinned):
+        if b in count:  # a fence or pin counts, on NULL_BLOCK too
+            count[b] += 1
+    return count
+
+
+@invariant(cites="seed 004 (block_pool)", scope="block")
 def ref_count_is_holders(ctx: Context):
     """A block's reference count equals the number of block tables holding it
     (finished requests that wait for a KV send included), plus the references a
@@ -440,15 +491,22 @@ def ref_count_is_holders(ctx: Context):
     Protects against double frees and leaks: a block freed while still held is
     handed to another request and overwritten under the first. Witnessed by a
     block two tables share."""
-    holders = ctx.holders()
-    ctx.witness(sum(held >= 2 for held in holders[:len(ctx.obs.pool.ref_cnt)]))
-    for b, (ref, held) in enumerate(zip(ctx.obs.pool.ref_cnt, holders)):
+    ref_cnt = ctx.obs.pool.ref_cnt
+    if ctx.is_narrowed("block"):
+        held = _holders_of(ctx, ctx.blocks())
+        pairs = [(b, ref_cnt[b], held[b]) for b in ctx.blocks()]
+        ctx.witness(sum(held >= 2 for _b, _ref, held in pairs))
+    else:
+        holders = ctx.holders()
+        pairs = zip(range(len(ref_cnt)), ref_cnt, holders)
+        ctx.witness(sum(held >= 2 for held in holders[:len(ref_cnt)]))
+    for b, ref, held in pairs:
         # ``ref == held``: the predicate holds (``held`` flags, each counting 1)
         if ref != held and not is_ref_count_of_holders(ref, [True] * held):
             yield f"block {b}: ref_cnt={ref} but {held} holder(s)"
 
 
-@invariant(cites="seed 004 (block_pool)")
+@invariant(cites="seed 004 (block_pool)", scope="block")
 def free_queue_is_free_blocks(ctx: Context):
     """The free queue holds exactly the blocks with reference count 0, once each;
     no block is both free and held. Witnessed when some blocks are free and some held."""
@@ -458,12 +516,17 @@ def free_queue_is_free_blocks(ctx: Context):
     if len(set(free)) != len(free):
         yield f"free queue has duplicates: {free}"
     free_set = set(free)
-    zero = {b for b, ref in enumerate(pool.ref_cnt) if ref == 0}
-    # the predicate is judged on every block where free and "ref 0" disagree: it
-    # holds wherever they agree (free iff ref 0, both ways)
-    disagree = zero.symmetric_difference(b for b in free_set if b in range(len(pool.ref_cnt)))
+    if ctx.is_narrowed("block"):
+        disagree = [b for b in ctx.blocks() if (b in free_set) != (pool.ref_cnt[b] == 0)]
+    else:
+        zero = {b for b, ref in enumerate(pool.ref_cnt) if ref == 0}
+        # the predicate is judged on every block where free and "ref 0" disagree: it
+        # holds wherever they agree (free iff ref 0, both ways)
+        disagree = zero.symmetric_difference(b for b in free_set
+                                             if b in range(len(pool.ref_cnt)))
     if not all(is_free_iff_unreferenced(b in free_set, pool.ref_cnt[b]) for b in disagree):
-        yield f"free queue {sorted(set(free))} != blocks with ref 0 {sorted(zero)}"
+        zero = [b for b, ref in enumerate(pool.ref_cnt) if ref == 0]
+        yield f"free queue {sorted(free_set)} != blocks with ref 0 {zero}"
 
 
 @invariant(cites="seed 004 (_free_blocks, finished_sending)")
@@ -506,7 +569,7 @@ def finished_request_releases_blocks(ctx: Context):
                    f"send pending")
 
 
-@invariant(cites="seed 004 (cache_full_blocks)")
+@invariant(cites="seed 004 (cache_full_blocks)", scope="block")
 def prefix_cache_is_consistent(ctx: Context):
     """Each prefix-cache entry names a distinct block, but for a group whose
     blocks are larger than the hash block: vLLM caches the block holding a
@@ -516,7 +579,10 @@ def prefix_cache_is_consistent(ctx: Context):
     groups, size = ctx.obs.config.groups, ctx.obs.config.hash_block_size
     seen = {}
     ctx.witness(len(ctx.obs.pool.cached) >= 2)
-    for key, block in ctx.obs.pool.cached:
+    entries = ctx.obs.pool.cached
+    if ctx.is_narrowed("block"):
+        entries = [(key, block) for key, block in entries if block in ctx.scope.blocks]
+    for key, block in entries:
         g = split_cache_key(key)[1]
         if block in seen and not (seen[block] == g < len(groups)
                                   and groups[g].block_size > size):
@@ -526,7 +592,7 @@ def prefix_cache_is_consistent(ctx: Context):
 
 # -- the data oracle ----------------------------------------------------------
 
-@invariant(cites="review of #34616", kind="data")
+@invariant(cites="review of #34616", kind="data", scope="block")
 def no_caching_of_invalid_blocks(ctx: Context):
     """Every block in the prefix cache holds exactly the content its hash names
     (``is_cached_block_valid``: valid content, no load still writing it).
@@ -537,7 +603,8 @@ def no_caching_of_invalid_blocks(ctx: Context):
     Witnessed while the cache is not empty and some held block's load failed
     or is still in flight."""
     ctx.witness(bool(ctx.obs.pool.cached) and ctx.oracle.has_bad_blocks())
-    yield from ctx.oracle.check_cache(ctx.obs)
+    yield from ctx.oracle.check_cache(ctx.obs, ctx.scope.blocks if ctx.is_narrowed("block")
+                                      else None)
 
 
 # -- efficiency: work a correct scheduler need not lose --------------------------
@@ -580,7 +647,7 @@ def no_load_into_free_blocks(ctx: Context):
             yield f"block {block} is free while an async load is still writing it"
 
 
-@invariant(cites="#34616, seed 003", kind="data")
+@invariant(cites="#34616, seed 003", kind="data", scope="request")
 def computed_means_valid(ctx: Context):
     """Every token counted in ``num_computed_tokens`` of a request that is not
     WAITING_FOR_REMOTE_KVS has valid KV: computed, a prefix-cache hit, or loaded

@@ -50,6 +50,7 @@ from kvspec.spec.groups import NULL_BLOCK, split_cache_key
 from kvspec.spec.reads import get_blocks_read, get_positions_read
 from kvspec.spec.predicates import is_cached_block_valid
 from kvspec.spec.registry import Memo
+from kvspec.spec.scope import ChangeLog
 from kvspec.spec.state import GroupSpec, Observation, RequestStatus, RequestView, StepView
 
 GARBAGE = None
@@ -148,6 +149,24 @@ class KVContent:
         self.scheduler_block_size = math.lcm(*(g.block_size for g in self.groups))
         self.slots: list[list] = [[GARBAGE] * self.block_size for _ in range(num_blocks)]
         self.expected_by_hash: dict[Hashable, tuple] = {}
+        #: blocks whose content, or whose "failure not yet reported" mark,
+        #: changed; and hashes learnt: an incremental check judges what they
+        #: touch again (``spec/scope.py``)
+        self.changed_blocks = ChangeLog()
+        self.learned_hashes = ChangeLog()
+        #: every slot write is numbered; each block keeps the number of its last
+        #: write, so a prefix found valid is known unchanged without reading it
+        self.write_clock = 0
+        self.last_write = [0] * num_blocks
+        #: (request id, group) -> (end, the key at end - 1, the table's blocks
+        #: up to end, write clock then): a full-attention prefix found valid
+        #: (``first_invalid`` reads only past it while none of those blocks is
+        #: written again); a cache, never a verdict
+        self._valid_prefix: dict = Memo()
+        #: request id -> its block hashes ``learn`` went through, every one known
+        self._hashes_seen: dict = Memo()
+        #: (block, size) -> (its last write then, its first ``size`` slots)
+        self._contents: dict = Memo()
         #: (hash, group) -> the slots a block of the group cached under it holds
         #: (``_want`` of what the hash names): derived from ``expected_by_hash``,
         #: whose entries never change, so computed once
@@ -207,6 +226,9 @@ class KVContent:
     def _write(self, g: int, blocks, pos: int, value) -> None:
         b, s = self._slot(g, blocks, pos)
         self.slots[b][s] = value
+        self.changed_blocks.add(b)
+        self.write_clock += 1
+        self.last_write[b] = self.write_clock
 
     def _read(self, g: int, blocks, pos: int):
         b, s = self._slot(g, blocks, pos)
@@ -224,18 +246,62 @@ class KVContent:
         return value == get_content(g, keys, pos)
 
     def first_invalid(self, tables, keys, upto: int, before=None,
-                      groups: set[int] | None = None) -> int | None:
+                      groups: set[int] | None = None, request_id: str | None = None
+                      ) -> int | None:
         """The first position a step starting at ``upto`` reads, in any group
         (or in ``groups``), that does not hold valid content (None if all do):
         the groups in order, each read position in order.
-        ``before``: as for ``_is_valid``."""
+        ``before``: as for ``_is_valid``. ``request_id``: whose tables these
+        are; a full-attention prefix found valid for it before, and unwritten
+        since, is not read again (``_get_valid_prefix``)."""
         for g, group in enumerate(self.groups):
             if groups is None or g in groups:
-                bad = self._first_invalid_in(g, group, tables[g] if g < len(tables) else (),
-                                             keys, get_positions_read(group, upto), before)
+                table = tables[g] if g < len(tables) else ()
+                positions = get_positions_read(group, upto)
+                remember = request_id is not None and group.kind == "full_attention" \
+                    and positions.start == 0 and type(keys) is list
+                if remember:
+                    positions = range(self._get_valid_prefix(request_id, g, table, keys,
+                                                             upto, before), positions.stop)
+                bad = self._first_invalid_in(g, group, table, keys, positions, before)
                 if bad is not None:
                     return bad
+                if remember:
+                    self._note_valid_prefix(request_id, g, table, keys, upto, before)
         return None
+
+    def _get_valid_prefix(self, request_id: str, g: int, table, keys, upto: int,
+                          before=None) -> int:
+        """Where reading must begin: the end of the prefix last found valid for
+        this request and group, if its blocks still start the table, the keys
+        up to it are the same (they chain: the last one names them all), and
+        no block of it was written since (nor is read through ``before``); else 0."""
+        known = self._valid_prefix.get((request_id, g))
+        if known is None:
+            return 0
+        end, key, blocks, clock = known
+        if end > upto or end > len(keys) or keys[end - 1] != key or \
+                table[:len(blocks)] != blocks or \
+                max(map(self.last_write.__getitem__, blocks)) > clock:
+            return 0
+        if before:
+            written = {b for b, _s in before}
+            if not written.isdisjoint(blocks):
+                return next(i for i, b in enumerate(blocks) if b in written) * self._size(g)
+        return end
+
+    def _note_valid_prefix(self, request_id: str, g: int, table, keys, upto: int,
+                           before) -> None:
+        """Remember the whole blocks below ``upto`` as valid (up to the first one
+        the step writes itself: read through ``before``, not its slots)."""
+        count = min(upto // self._size(g), len(table))
+        if before:
+            written = {b for b, _s in before}
+            count = next((i for i in range(count) if table[i] in written), count)
+        if count:
+            end = count * self._size(g)
+            self._valid_prefix[(request_id, g)] = (end, keys[end - 1], tuple(table[:count]),
+                                                   self.write_clock)
 
     def _first_invalid_in(self, g: int, group: GroupSpec, blocks, keys, positions: range,
                           before) -> int | None:
@@ -324,6 +390,7 @@ class KVContent:
         self._compute(step, obs, report, pending or {})
         self.unreported[report.step_id] = set(report.invalid_block_ids) | {
             b for rid in report.garbage_readers for b in _held(obs.requests[rid])}
+        self.changed_blocks.extend(self.unreported[report.step_id])
         return report
 
     def get_unreported_blocks(self) -> set[int]:
@@ -335,10 +402,13 @@ class KVContent:
         """A step's output is back: its writes land again over every slot no
         later step has written since (a load not ordered with the stream that
         wrote there in between is lost)."""
-        self.unreported.pop(step_id, None)
+        self.changed_blocks.extend(self.unreported.pop(step_id, ()))
         for slot, value in self.in_flight.pop(step_id, {}).items():
             if self.stream_writer.get(slot) == step_id:
                 self.slots[slot[0]][slot[1]] = value
+                self.changed_blocks.add(slot[0])
+                self.write_clock += 1
+                self.last_write[slot[0]] = self.write_clock
 
     def _run_load(self, job: LoadJob, failing: bool, fail_offset: int, fail_blocks: int,
                   report: ExecReport, fail_group: int = 0) -> None:
@@ -433,7 +503,7 @@ class KVContent:
         while changed:
             changed = False
             for rid, (tables, keys, start, n) in writes.items():
-                bad = self.first_invalid(tables, keys, start, before[rid])
+                bad = self.first_invalid(tables, keys, start, before[rid], request_id=rid)
                 if bad is None or rid in report.garbage_readers:
                     continue
                 report.garbage_readers[rid] = bad
@@ -499,15 +569,26 @@ class KVContent:
         """Record what each block hash names, from the requests' hash chains."""
         size, span = self.hash_block_size, self.block_size
         for r in obs.requests.values():
-            if not r.block_hashes:
+            hashes = r.block_hashes
+            # the hashes it had at the last call, all known then: only later ones are news
+            seen = self._hashes_seen.get(r.request_id, ())
+            if hashes == seen:
                 continue
+            start = len(seen) if hashes[:len(seen)] == seen else 0
             keys = self.book.keys(r.request_id, r.all_token_ids)
-            for i, h in enumerate(r.block_hashes):
-                end = (i + 1) * size
-                if h not in self.expected_by_hash and end <= len(keys):
-                    # the hash names the prefix up to ``end``: a group's block
-                    # named by it holds the keys from the block's start to it
-                    self.expected_by_hash[h] = (end, tuple(keys[max(0, end - span):end]))
+            done = len(hashes)
+            for i in range(start, len(hashes)):
+                h, end = hashes[i], (i + 1) * size
+                if h in self.expected_by_hash:
+                    continue
+                if end > len(keys):  # named past the known tokens: not yet
+                    done = min(done, i)
+                    continue
+                # the hash names the prefix up to ``end``: a group's block
+                # named by it holds the keys from the block's start to it
+                self.expected_by_hash[h] = (end, tuple(keys[max(0, end - span):end]))
+                self.learned_hashes.add(h)
+            self._hashes_seen[r.request_id] = tuple(hashes[:done])
 
     def loading_blocks(self, held_requests=frozenset()) -> set[int]:
         """Blocks an async load in flight is still writing: the loads under way,
@@ -525,13 +606,16 @@ class KVContent:
                 for b in table[job.start // self._size(g):end // self._size(g) + 1]
                 if b != NULL_BLOCK}
 
-    def check_cache(self, obs: Observation) -> Iterator[str]:
-        """``is_cached_block_valid`` on every prefix-cache entry, with the valid and
-        loading bits the pool proof reasons about."""
+    def check_cache(self, obs: Observation, blocks=None) -> Iterator[str]:
+        """``is_cached_block_valid`` on every prefix-cache entry (on those naming
+        ``blocks``, when given), with the valid and loading bits the pool proof
+        reasons about."""
         loading = self.loading_blocks()
         unreported = self.get_unreported_blocks()
         slots, wants = self.slots, self._wants_by_key
         for key, block in obs.pool.cached:
+            if blocks is not None and block not in blocks:
+                continue
             want = wants.get(key)
             if want is not None and want[0]:  # ``holds_named`` of a full-attention-like group
                 valid = slots[block][:len(want[1])] == want[1]
@@ -604,8 +688,16 @@ class KVContent:
         and its last slot (all a last-state group keeps)."""
         blocks = {block for _key, block in obs.pool.cached}
         sizes = {g.block_size for g in self.groups}
-        return ({tuple(self.slots[b][:size]) for b in blocks for size in sizes},
+        return ({self._get_block_content(b, size) for b in blocks for size in sizes},
                 {self.slots[b][-1] for b in blocks})
+
+    def _get_block_content(self, block: int, size: int) -> tuple:
+        """The block's first ``size`` slots, as a tuple (remembered until it is written)."""
+        known = self._contents.get((block, size))
+        if known is None or known[0] != self.last_write[block]:
+            known = self._contents[(block, size)] = (self.last_write[block],
+                                                     tuple(self.slots[block][:size]))
+        return known[1]
 
     def note_step_start(self, obs: Observation) -> None:
         """A step begins: what the cache offers now (a block computed again over
@@ -636,7 +728,7 @@ class KVContent:
         step began (the cache's eviction order decides whether it stays). Not
         judged while a load failure is outstanding: which cached hashes a
         recovery drops as suspect is the scheduler's trade (a hit at most)."""
-        if self.has_outstanding_failure():
+        if not self.completed or self.has_outstanding_failure():
             return
         offered = self.get_offered(obs)
         for rid, g, index, block, expected in self.completed:
@@ -659,7 +751,8 @@ class KVContent:
         keys = self.book.keys(r.request_id, r.all_token_ids)
         real = min(r.num_computed_tokens - r.num_output_placeholders, len(keys))
         bad = self.first_invalid(r.block_ids, keys, real,
-                                 groups=self._judged_groups(real, r.num_computed_tokens))
+                                 groups=self._judged_groups(real, r.num_computed_tokens),
+                                 request_id=r.request_id)
         if bad is not None:
             yield (f"{r.request_id}: token {bad} is counted as computed "
                    f"(num_computed={r.num_computed_tokens}) but its KV is not valid")

@@ -28,6 +28,7 @@ import attrs
 #: what a claim needs to be evaluated, in the order the docs list them
 KINDS = ("state", "data", "relation", "model", "liveness", "connector")
 ROLES = ("safety", "design", "efficiency", "contract")
+SCOPES = ("all", "request", "block")
 
 
 @attrs.frozen
@@ -46,6 +47,12 @@ class Invariant:
     #: for a relation: the action it relates before and after of; for a
     #: connector claim: the call it judges (lookup, load, finish)
     action: str = ""
+    #: what a state or data claim is a conjunction over, so that an incremental
+    #: check may judge only what changed (``spec/scope.py``): "request" (each
+    #: live request alone: its view, its ghost entries, its blocks' content),
+    #: "block" (each block alone: its count, holders, free and cached entries,
+    #: content), or "all" (judged whole at every check)
+    scope: str = "all"
 
     def applies_to(self, action: str) -> bool:
         return self.action == action
@@ -73,9 +80,10 @@ REGISTRY: dict[str, Invariant] = {}
 
 
 def invariant(cites: str, kind: str = "state", role: str = "safety",
-              unwitnessed_because: str = "", action: str = ""):
+              unwitnessed_because: str = "", action: str = "", scope: str = "all"):
     """Register a claim; a relation named ``<action>_relation`` relates that action."""
-    assert kind in KINDS and role in ROLES, (kind, role)
+    assert kind in KINDS and role in ROLES and scope in SCOPES, (kind, role, scope)
+    assert scope == "all" or kind in ("state", "data"), (kind, scope)
 
     def register(fn):
         name = fn.__name__
@@ -85,7 +93,7 @@ def invariant(cites: str, kind: str = "state", role: str = "safety",
         REGISTRY[name] = Invariant(name, fn, cites, kind, role,
                                    " ".join(unwitnessed_because.split()),
                                    action or name.removesuffix("_relation") if kind == "relation"
-                                   else action)
+                                   else action, scope)
         return fn
     return register
 

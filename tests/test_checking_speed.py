@@ -209,5 +209,5 @@ def test_state_broken_between_two_steps_is_caught_at_the_next():
     cached = {b for _k, b in runner.obs.pool.cached}
     held = {b for r in runner.obs.requests.values() for b in r.block_ids[0]}
     victim = min(cached - held) if cached - held else min(cached)
-    runner.content.slots[victim][0] = GARBAGE  # the worker's KV there is lost
+    runner.content._write(0, (victim,), 0, GARBAGE)  # the worker's KV there is lost
     assert "no_caching_of_invalid_blocks" in _caught_at_next_step(runner)

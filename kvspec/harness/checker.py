@@ -1,15 +1,26 @@
 """The claims a run checks, evaluated on what each call left: the state and
 data claims on a ``Context``, the relations on a ``Transition``, the
-conformance claim on a ``ModelStep``. Claims are pure; this only counts."""
+conformance claim on a ``ModelStep``. Claims are pure; this only counts, and
+narrows a check to what changed since the claims last held
+(``incremental.py``)."""
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 
+from kvspec.harness.incremental import FULL_CHECK_EVERY, Incremental
 from kvspec.spec.invariants import Context
-from kvspec.spec.registry import REGISTRY, Violation, evaluate
+from kvspec.spec.registry import REGISTRY, Invariant, Violation, evaluate
 
 ALL_KINDS = ("state", "data", "relation", "model", "liveness", "connector")
+
+
+class IncrementalGap(AssertionError):
+    """An incremental check judged differently from a full check of the same
+    state (``KVSPEC_SHADOW_CHECKS=1``): a change the harness did not see.
+    A harness bug, never a finding: it stops the run, it is not reported."""
+
 
 #: claim name -> [evaluations, seconds] while profiling (``--profile-claims``,
 #: bench/bench_claims.py); None: not profiling (no clock read per claim)
@@ -30,7 +41,8 @@ def stop_profile() -> dict[str, list]:
 
 
 class Checker:
-    def __init__(self, kinds=ALL_KINDS, design_rules: bool = True, ignore=frozenset()) -> None:
+    def __init__(self, kinds=ALL_KINDS, design_rules: bool = True, ignore=frozenset(),
+                 full_every: int = FULL_CHECK_EVERY) -> None:
         #: which kinds of claims are checked ("data" alone: the data oracle only)
         self.kinds = tuple(kinds)
         #: whether claims of role "design" (vLLM's design rules) are checked too
@@ -39,26 +51,78 @@ class Checker:
         self.ignore = frozenset(ignore)
         self.checks: Counter = Counter()
         self.witnessed: Counter = Counter()
+        self.incremental = Incremental(full_every)
+        #: the claims each kind of check evaluates, in registry order (worked out once)
+        self._plans: dict[tuple, tuple[Invariant, ...]] = {}
+        #: the last state judged (``check_full`` judges it whole at a run's end)
+        self.last_checked: Context | None = None
+        #: judge every incremental check whole as well and raise ``IncrementalGap``
+        #: if they differ (tests/test_incremental.py)
+        self.shadow = os.environ.get("KVSPEC_SHADOW_CHECKS", "") not in ("", "0")
 
     def is_checked(self, inv) -> bool:
         return (inv.kind in self.kinds and (inv.role != "design" or self.design_rules)
                 and inv.name not in self.ignore)
 
-    def get_subject(self, inv, ctx: Context, kinds, transition, model_step):
-        """What ``inv`` judges after this call, or None: it does not apply."""
-        if inv.kind == "relation":
-            return transition if transition and inv.applies_to(transition.action) else None
-        if inv.kind == "model":
-            return model_step
-        return ctx if inv.kind in kinds else None
+    def get_plan(self, kinds, action: str | None, has_model: bool) -> tuple[Invariant, ...]:
+        """The claims a check of ``kinds`` after ``action`` evaluates."""
+        key = (tuple(kinds), action, has_model, self.kinds, self.design_rules, self.ignore)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = tuple(
+                inv for inv in REGISTRY.values() if self.is_checked(inv) and (
+                    inv.applies_to(action) if inv.kind == "relation" else
+                    has_model if inv.kind == "model" else inv.kind in kinds))
+        return plan
 
     def check(self, ctx: Context, kinds=("state", "data"), transition=None,
-              model_step=None) -> list[Violation]:
+              model_step=None, full: bool = False) -> list[Violation]:
+        """Every claim of ``kinds`` on ``ctx``, the relations of ``transition``,
+        the model on ``model_step``; the state and data claims judge only what
+        changed since they last held, unless ``full`` or the interval came round."""
+        action = transition.action if transition is not None else None
+        plan = self.get_plan(kinds, action, model_step is not None)
+        narrowable = any(inv.scope != "all" for inv in plan)
+        ctx.scope = None if full or not narrowable else self.incremental.get_scope(ctx)
+        found, narrowed = [], []
+        for inv in plan:
+            if inv.kind in ("state", "data"):
+                if ctx.scope is not None and self.is_unchanged(inv, ctx.scope):
+                    continue
+                ctx.judging = inv.scope
+                judged = self.judge(inv, ctx)
+                narrowed += judged
+                found += judged
+            else:
+                found += self.judge(inv, transition if inv.kind == "relation" else model_step)
+        ctx.judging = "all"
+        if self.shadow and ctx.scope is not None:
+            compare_with_full(ctx, plan, narrowed)
+        if narrowable and not narrowed:  # a baseline only where the claims held
+            self.incremental.advance(ctx, ctx.scope)
+        self.last_checked = ctx
+        return found
+
+    @staticmethod
+    def is_unchanged(inv: Invariant, scope) -> bool:
+        """Nothing a conjunct of ``inv`` reads changed: it holds as it did."""
+        return (inv.scope == "request" and not scope.requests) or \
+            (inv.scope == "block" and not scope.blocks)
+
+    def check_full(self) -> list[Violation]:
+        """The state and data claims that incremental checks narrow, judged
+        whole on the last state checked (the end of a run): a gap in what the
+        harness saw change cannot outlive the run."""
+        ctx = self.last_checked
+        if ctx is None or ctx.scope is None:
+            return []  # nothing checked, or the last check was whole
+        ctx.scope = None
         found = []
-        for inv in REGISTRY.values():
-            subject = self.get_subject(inv, ctx, kinds, transition, model_step)
-            if subject is not None and self.is_checked(inv):
-                found += self.judge(inv, subject)
+        for inv in self.get_plan(("state", "data") if ctx.synced else ("state",), None, False):
+            if inv.scope != "all":
+                ctx.judging = inv.scope
+                found += self.judge(inv, ctx)
+        ctx.judging = "all"
         return found
 
     def check_calls(self, calls) -> list[Violation]:
@@ -82,3 +146,20 @@ class Checker:
         self.checks[inv.name] += 1
         self.witnessed[inv.name] += witnessed
         return [Violation(inv.name, m, inv.doc) for m in messages]
+
+
+def compare_with_full(ctx: Context, plan, narrowed: list[Violation]) -> None:
+    """Judge ``ctx`` whole; raise ``IncrementalGap`` unless it finds exactly
+    what the narrowed check found."""
+    scope, ctx.scope = ctx.scope, None
+    whole = set()
+    for inv in plan:
+        if inv.kind in ("state", "data"):
+            ctx.judging = inv.scope
+            whole.update((inv.name, m) for m in evaluate(inv, ctx)[0])
+    ctx.scope, ctx.judging = scope, "all"
+    got = {(v.invariant, v.message) for v in narrowed}
+    if got != whole:
+        raise IncrementalGap(f"missed {sorted(whole - got)}, extra {sorted(got - whole)} "
+                             f"(changed requests {sorted(scope.requests)}, "
+                             f"blocks {sorted(scope.blocks)})")

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 from collections import Counter
 
+import attrs
+
 import kvspec.spec.catalogue  # noqa: F401  (registers every claim, in one order)
 from kvspec.harness.batch_queue import BatchQueue, InFlight
-from kvspec.harness.checker import ALL_KINDS, Checker
+from kvspec.harness.checker import ALL_KINDS, Checker, IncrementalGap
 from kvspec.harness.env import EnvConnector, EnvironmentContractViolation, get_request_spec
 from kvspec.harness.features import (FEATURES, OUTSIDE_MODEL, count_async_schedule,
                                      count_delivery, count_step)
 from kvspec.harness.hints import compute_hints, get_invalid_holders
+from kvspec.harness.incremental import get_full_every
 from kvspec.harness.judge import Judge
 from kvspec.harness.kv_modes import KV_CLAIM, KV_MODES, KVWorkerError
 from kvspec.harness.model_runner import ModelRunner
@@ -39,9 +42,14 @@ ENVIRONMENT_CONTRACT = ("The environment answered outside the connector contract
 
 class Runner:
     def __init__(self, target_name: str, config: Config, kinds=ALL_KINDS,
-                 design_rules: bool = True, ignore=frozenset(), kv: str = "symbolic") -> None:
+                 design_rules: bool = True, ignore=frozenset(), kv: str = "symbolic",
+                 full_every: int | None = None) -> None:
         self.target_name, self.config, self.kv = target_name, config, kv
-        self.checker = Checker(kinds, design_rules, ignore)
+        #: state and data claims judge only what each call changed, and
+        #: everything every ``full_every`` checks (None: ``get_full_every``)
+        #: and at the end (``finish``)
+        self.checker = Checker(kinds, design_rules, ignore,
+                               get_full_every() if full_every is None else full_every)
         self.checks, self.witnessed = self.checker.checks, self.checker.witnessed
         self.content = KVContent(config.num_blocks, config.block_size, config.groups)
         self.env = EnvConnector(self.content, self._observe_request)
@@ -78,7 +86,7 @@ class Runner:
                           + self.model_runner.take_violations(self.target))
         except (ConnectorContractError, EnvironmentContractViolation) as exc:
             violations = [Violation("environment_contract", str(exc), ENVIRONMENT_CONTRACT)]
-        except (Counterexample, TargetCannotMap, KVWorkerError):
+        except (Counterexample, TargetCannotMap, KVWorkerError, IncrementalGap):
             raise
         except Exception as exc:  # the target crashed: a finding, not a harness error
             violations = [Violation("target_crashed", f"{type(exc).__name__}: {exc}",
@@ -101,9 +109,23 @@ class Runner:
         try:
             for action in actions:
                 self.apply(action)
+            self.finish()
         except Counterexample as exc:
             return exc
         return None
+
+    def finish(self) -> None:
+        """The end of a run: the last state judged whole (``Checker.check_full``);
+        a violation an incremental check missed is the last action's."""
+        found = self.checker.check_full()
+        if found:
+            if self.log:  # the last action's line says what it broke
+                last = self.log[-1]
+                self.log[-1] = attrs.evolve(last, violations=last.violations + tuple(found))
+            self.violation_counts.update(v.invariant for v in found)
+            lost = [v for v in found if is_lost_performance(v)]
+            if len(lost) < len(found):
+                raise Counterexample([v for v in found if v not in lost], self)
 
     def _settle(self, t: Transition, lowered_ok=frozenset(),
                 model_step: ModelStep | None = None) -> list[Violation]:
@@ -262,4 +284,4 @@ class Runner:
             if violations:
                 return violations
             record_step(self.log, self.violation_counts, {"op": "drain.step"}, self.obs, ())
-        return self.judge.check_liveness(self.obs)
+        return self.checker.check_full() + self.judge.check_liveness(self.obs)

@@ -52,6 +52,8 @@ class ImplTarget:
             sched_config, connector if config.kv_connector else None)
         self._outputs: list = []  # scheduler outputs whose model output is pending
         self._requests: dict[str, object] = {}  # every request added, to see how it ended
+        #: the pool's cache_version when its prefix cache was last read, and what it read
+        self._cached_seen: tuple = (None, ())
 
     def add_request(self, spec: RequestSpec) -> None:
         from kvspec.impl import Request
@@ -112,6 +114,15 @@ class ImplTarget:
             num_output_placeholders=r.num_output_placeholders, priority=r.priority,
             eos_token_id=r.eos_token_id)
 
+    def _observe_cached(self, pool) -> tuple:
+        """The prefix cache's (hash, block id) entries, read again only when the
+        pool says it changed (``cache_version``: its only writers bump it)."""
+        version = getattr(pool, "cache_version", None)
+        if version is None or version != self._cached_seen[0]:
+            self._cached_seen = (version, tuple([(h, block_id) for h, copies in
+                                                 pool.cached.items() for block_id in copies]))
+        return self._cached_seen[1]
+
     def observe(self) -> Observation:
         s = self.scheduler
         pool = s.kv.pool
@@ -122,7 +133,7 @@ class ImplTarget:
             running=tuple(r.request_id for r in s.running),
             pool=PoolView(ref_cnt=tuple(map(_REF_CNT, pool.blocks)),
                           free_queue=tuple(map(_BLOCK_ID, pool.free_queue)),
-                          cached=tuple((h, b.block_id) for h, b in pool.get_cached_entries()),
+                          cached=self._observe_cached(pool),
                           fenced=s.in_flight.get_fenced_block_ids()),
             sending=tuple(rid for rid, r in requests.items() if r.status.is_finished))
 

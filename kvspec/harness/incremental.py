@@ -1,0 +1,189 @@
+"""Incremental checking: what changed since the claims last held, as a
+``Scope`` (``spec/scope.py``), and when to check everything instead.
+
+A check's baseline is the last state judged in the same mode (synced or not:
+``computed_within_tokens`` and the data claims read it). What changed since
+is read from four places, each cheap next to judging every conjunct:
+
+- the observation: request views that differ (attrs equality), requests that
+  came or left, queue membership, reference counts, free-queue, prefix-cache,
+  fenced and pinned entries;
+- the ghost's log of the requests its history events touched (``spec/history.py``);
+- the data oracle's log of blocks whose content or unreported-failure mark
+  changed, the hashes it learnt, and the blocks async loads now write;
+- holders: every block a changed request held before or holds now, and every
+  request holding a block whose content changed.
+
+Everything is judged at the first check of each mode, every ``full_every``
+checks, and at the end of a run (``Runner.finish``, the healed phase).
+"""
+from __future__ import annotations
+
+import os
+
+import attrs
+
+from kvspec.spec.groups import GROUP_KEY
+from kvspec.spec.invariants import Context
+from kvspec.spec.scope import Scope
+from kvspec.spec.state import Observation, PoolView
+
+#: a full check after this many incremental ones, per mode (1: every check is full)
+FULL_CHECK_EVERY = 64
+#: overrides it for a whole run, its workers included (``--full-check-every``)
+FULL_CHECK_EVERY_ENV = "KVSPEC_FULL_CHECK_EVERY"
+
+
+def get_full_every() -> int:
+    """The interval this process checks everything at (``FULL_CHECK_EVERY_ENV``)."""
+    raw = os.environ.get(FULL_CHECK_EVERY_ENV, "").strip()
+    if not raw:
+        return FULL_CHECK_EVERY
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{FULL_CHECK_EVERY_ENV}={raw!r}: a whole number of checks, at least 1")
+    return int(raw)
+
+
+@attrs.define
+class Baseline:
+    """The last state judged in one mode, and the logs' marks then."""
+
+    obs: Observation
+    ghost_mark: int
+    block_mark: int
+    hash_mark: int
+    loading: frozenset
+    #: incremental checks since the last full one
+    since_full: int
+    #: the prefix-cache keys then (``get_changed_content``), worked out when first needed
+    cached_keys: dict | None = None
+
+    def get_cached_keys(self) -> dict:
+        if self.cached_keys is None:
+            self.cached_keys = dict(self.obs.pool.cached)
+        return self.cached_keys
+
+
+class Incremental:
+    def __init__(self, full_every: int = FULL_CHECK_EVERY) -> None:
+        if full_every < 1:
+            raise ValueError(f"full_every must be at least 1, not {full_every}")
+        self.full_every = full_every
+        self.baselines: dict[bool, Baseline] = {}
+        #: checks made, and how many of them judged everything
+        self.checks = self.full_checks = 0
+
+    def get_scope(self, ctx: Context) -> Scope | None:
+        """What ``ctx`` must judge, or None: everything."""
+        base = self.baselines.get(ctx.synced)
+        if base is None or base.since_full + 1 >= self.full_every or ctx.oracle is None:
+            return None
+        return compute_scope(base, ctx)
+
+    def advance(self, ctx: Context, scope: Scope | None) -> None:
+        """``ctx`` was judged (with ``scope``): it is its mode's baseline now."""
+        base = self.baselines.get(ctx.synced)
+        self.checks += 1
+        self.full_checks += scope is None
+        oracle = ctx.oracle
+        self.baselines[ctx.synced] = Baseline(
+            ctx.obs, ctx.ghost.touched.mark(),
+            oracle.changed_blocks.mark() if oracle else 0,
+            oracle.learned_hashes.mark() if oracle else 0,
+            frozenset(oracle.loading_blocks()) if oracle else frozenset(),
+            0 if scope is None or base is None else base.since_full + 1)
+        self._trim(ctx)
+
+    def _trim(self, ctx: Context) -> None:
+        marks = self.baselines.values()
+        ctx.ghost.touched.trim(min(b.ghost_mark for b in marks))
+        if ctx.oracle is not None:
+            ctx.oracle.changed_blocks.trim(min(b.block_mark for b in marks))
+            ctx.oracle.learned_hashes.trim(min(b.hash_mark for b in marks))
+
+
+def compute_scope(base: Baseline, ctx: Context) -> Scope | None:
+    """The requests and blocks whose conjuncts may have changed since ``base``
+    (None: the pool changed shape, judge everything)."""
+    before, after = base.obs, ctx.obs
+    if before.pool.num_blocks != after.pool.num_blocks:
+        return None
+    requests = get_changed_requests(before, after)
+    requests.update(ctx.ghost.touched.since(base.ghost_mark))
+    blocks = get_changed_pool_blocks(before.pool, after.pool)
+    for rid in requests:
+        blocks |= get_table_changes(before.requests.get(rid), after.requests.get(rid))
+    content = get_changed_content(base, ctx)
+    if content:
+        blocks |= content
+        requests.update(get_holders_of(after, content, requests))
+    return Scope(frozenset(requests), frozenset(blocks))
+
+
+def get_changed_requests(before: Observation, after: Observation) -> set[str]:
+    """Requests whose view differs, that came or left, or whose queue membership changed."""
+    old = before.requests
+    changed = {rid for rid, r in after.requests.items()
+               if old.get(rid) is not r and old.get(rid) != r}
+    changed.update(rid for rid in old if rid not in after.requests)
+    for queue_before, queue_after in ((before.running, after.running),
+                                      (before.waiting, after.waiting)):
+        if queue_before != queue_after:
+            changed |= set(queue_before).symmetric_difference(queue_after)
+    return changed
+
+
+def get_changed_pool_blocks(before: PoolView, after: PoolView) -> set[int]:
+    """Blocks whose count, free-queue entry, prefix-cache entries, fences or pins changed."""
+    blocks: set[int] = set()
+    if before.ref_cnt != after.ref_cnt:
+        blocks.update(b for b, (x, y) in enumerate(zip(before.ref_cnt, after.ref_cnt)) if x != y)
+    if before.free_queue != after.free_queue:
+        blocks |= set(before.free_queue).symmetric_difference(after.free_queue)
+    if before.cached != after.cached:
+        blocks.update(b for _key, b in set(before.cached).symmetric_difference(after.cached))
+    for old, new in ((before.fenced, after.fenced), (before.pinned, after.pinned)):
+        if old != new:
+            blocks.update(old, new)
+    return blocks
+
+
+def get_changed_content(base: Baseline, ctx: Context) -> set[int]:
+    """Blocks whose content, unreported-failure mark or async load changed, and
+    cached blocks named by a hash learnt since (judgeable only now)."""
+    oracle = ctx.oracle
+    content = set(oracle.changed_blocks.since(base.block_mark))
+    content |= base.loading.symmetric_difference(oracle.loading_blocks())
+    learned = oracle.learned_hashes.since(base.hash_mark)
+    if learned:
+        # a key cached before its hash was learnt was not judgeable then (one
+        # cached since is in the scope already): its blocks are judged now
+        keys = set(learned).union(*(((GROUP_KEY, g, h) for h in learned)
+                                    for g in range(1, len(oracle.groups))))
+        older = keys.intersection(base.get_cached_keys())
+        if older:
+            content.update(b for key, b in ctx.obs.pool.cached if key in older)
+    return content
+
+
+def get_table_changes(before, after) -> set[int]:
+    """Blocks a request holds a different number of times (its holders changed):
+    what a table gained or lost at its end, or every block of a table that changed otherwise."""
+    old = before.block_ids if before is not None else ()
+    new = after.block_ids if after is not None else ()
+    if old == new:
+        return set()
+    changed: set[int] = set()
+    for g in range(max(len(old), len(new))):
+        a, b = old[g] if g < len(old) else (), new[g] if g < len(new) else ()
+        if a == b:
+            continue
+        short, long = (a, b) if len(a) <= len(b) else (b, a)
+        changed.update(long[len(short):] if long[:len(short)] == short else (*a, *b))
+    return changed
+
+
+def get_holders_of(obs: Observation, blocks: set[int], known: set[str]) -> list[str]:
+    """Requests (beyond ``known``) holding one of ``blocks``."""
+    return [rid for rid, r in obs.requests.items() if rid not in known
+            and any(not blocks.isdisjoint(table) for table in r.block_ids)]
