@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from drivers import WORKLOAD, compare, environment, parse_args, write_and_print
+from drivers import PRODUCTION, WORKLOADS, compare, environment, parse_args, write_and_print
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results.json"
 
@@ -26,11 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(__doc__, DEFAULT_OUT, argv)
 
     rows = [compare("impl", n, args.seconds, (1, 999)) for n in args.concurrency]
+    if args.production:
+        rows.append(compare("impl", args.production, args.seconds, (1, 999), PRODUCTION))
     result = {
         "note": ("steps/s of the reference implementation; bare and checked were measured "
                  "side by side in one run, so ratios compare, absolute numbers depend on "
                  "the machine"),
-        **environment(args.seconds), "workload": WORKLOAD, "results": rows,
+        **environment(args.seconds), "workloads": WORKLOADS, "results": rows,
     }
     write_and_print(result, args.out)
     return 0

@@ -28,7 +28,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from drivers import WORKLOAD, compare, environment, parse_args, write_and_print  # noqa: E402
+from drivers import (PRODUCTION, WORKLOADS, compare, environment, parse_args,  # noqa: E402
+                     write_and_print)
 
 TARGET = "vllm"
 TOKEN_RANGE = (1, 120)  # inside the tiny model's vocabulary (128); 0 is EOS
@@ -50,10 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     rows = []
-    for n in args.concurrency:
-        rows.append(compare(TARGET, n, args.seconds, TOKEN_RANGE))
-        print(f"N={n}: bare {rows[-1]['bare']['steps_per_s']:.1f} steps/s, checked "
-              f"{rows[-1]['checked']['steps_per_s']:.1f} steps/s", file=sys.stderr, flush=True)
+    runs = [(n, None) for n in args.concurrency] + \
+        ([(args.production, PRODUCTION)] if args.production else [])
+    for n, shape in runs:
+        rows.append(compare(TARGET, n, args.seconds, TOKEN_RANGE, *([shape] if shape else [])))
+        print(f"{rows[-1]['workload']} N={n}: bare {rows[-1]['bare']['steps_per_s']:.1f} "
+              f"steps/s, checked {rows[-1]['checked']['steps_per_s']:.1f} steps/s",
+              file=sys.stderr, flush=True)
     result = {
         "note": ("steps/s of the installed vLLM's v1 Scheduler driven in-process through "
                  "the kvspec 'vllm' target; bare and checked were measured side by side in "
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                  "its load"),
         "target": TARGET, "vllm": vllm_version(), "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
-        **environment(args.seconds), "workload": WORKLOAD, "results": rows,
+        **environment(args.seconds), "workloads": WORKLOADS, "results": rows,
     }
     print(f"{result['vllm']}, python {result['python']}")
     write_and_print(result, args.out)

@@ -8,6 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import attrs
+
 from kvspec.harness.env import EnvConnector, RequestSpec, sampled_token
 from kvspec.harness.runner import Runner
 from kvspec.harness.target import make_config
@@ -15,37 +17,74 @@ from kvspec.harness.targets import make_target
 from kvspec.spec.oracle import KVContent
 from kvspec.spec.state import WorkerOutcome
 
-BLOCK_SIZE = 4
-PROMPT_LEN = 16
-PREFIX_LEN = 8
-NUM_PREFIXES = 8
-MAX_TOKENS = 32
 WARMUP_STEPS = 8
 REPO = Path(__file__).resolve().parents[1]
 
 
-def bench_config(n: int):
-    seq_len = PROMPT_LEN + MAX_TOKENS
-    blocks_per_seq = -(-seq_len // BLOCK_SIZE)
-    return make_config(block_size=BLOCK_SIZE, num_blocks=n * blocks_per_seq + n,
-                       max_num_batched_tokens=max(n * 4, 64), max_num_seqs=n,
-                       max_model_len=seq_len + BLOCK_SIZE)
+@attrs.frozen
+class Shape:
+    """The requests and pool of one benchmark workload."""
+
+    name: str
+    block_size: int
+    prompt_len: int
+    #: the first ``prefix_len`` tokens of a prompt are one of ``num_prefixes`` shared ones
+    prefix_len: int
+    num_prefixes: int
+    max_tokens: int
+    #: None: just enough for ``N`` requests to run to the end, plus one block each
+    num_blocks: int | None = None
+    #: None: ``max(4 N, 64)``
+    max_num_batched_tokens: int | None = None
+
+    def get_num_blocks(self, n: int) -> int:
+        blocks_per_seq = -(-(self.prompt_len + self.max_tokens) // self.block_size)
+        return self.num_blocks or n * blocks_per_seq + n
+
+    def describe(self) -> dict:
+        return {"name": self.name, "block_size": self.block_size,
+                "prompt_len": self.prompt_len, "shared_prefix_len": self.prefix_len,
+                "num_prefixes": self.num_prefixes, "max_tokens": self.max_tokens,
+                "max_model_len": self.prompt_len + self.max_tokens + self.block_size,
+                "max_num_batched_tokens": self.max_num_batched_tokens or "max(4 * N, 64)",
+                "num_blocks": self.num_blocks or
+                "N * ceil((prompt_len + max_tokens) / block_size) + N"}
+
+
+#: the small workload every concurrency runs (the fuzzer's scale)
+SMALL = Shape("small", block_size=4, prompt_len=16, prefix_len=8, num_prefixes=8, max_tokens=32)
+#: issue 30's production-sized configuration: vLLM's default block size and
+#: chunked-prefill budget, 2,000-token prompts sharing 1,000-token prefixes,
+#: a 10,000-block pool
+PRODUCTION = Shape("production", block_size=16, prompt_len=2000, prefix_len=1000,
+                   num_prefixes=8, max_tokens=32, num_blocks=10_000,
+                   max_num_batched_tokens=8192)
+#: how many requests the production row keeps alive
+PRODUCTION_CONCURRENCY = 64
+
+
+def bench_config(n: int, shape: Shape = SMALL):
+    return make_config(block_size=shape.block_size, num_blocks=shape.get_num_blocks(n),
+                       max_num_batched_tokens=shape.max_num_batched_tokens or max(n * 4, 64),
+                       max_num_seqs=n,
+                       max_model_len=shape.prompt_len + shape.max_tokens + shape.block_size)
 
 
 class Workload:
-    """Deterministic stream of requests sharing a few 8-token prefixes."""
+    """Deterministic stream of requests sharing a few prefixes."""
 
-    def __init__(self, token_range: tuple[int, int], seed: int = 0) -> None:
+    def __init__(self, token_range: tuple[int, int], shape: Shape = SMALL, seed: int = 0) -> None:
         self.rng = random.Random(seed)
-        self.token_range = token_range
-        self.prefixes = [[self.rng.randint(*token_range) for _ in range(PREFIX_LEN)]
-                         for _ in range(NUM_PREFIXES)]
+        self.token_range, self.shape = token_range, shape
+        self.prefixes = [[self.rng.randint(*token_range) for _ in range(shape.prefix_len)]
+                         for _ in range(shape.num_prefixes)]
         self.count = 0
 
     def next(self) -> tuple[str, list[int]]:
         rid = f"r{self.count}"
-        prefix = self.prefixes[self.count % NUM_PREFIXES]
-        suffix = [self.rng.randint(*self.token_range) for _ in range(PROMPT_LEN - PREFIX_LEN)]
+        prefix = self.prefixes[self.count % self.shape.num_prefixes]
+        suffix = [self.rng.randint(*self.token_range)
+                  for _ in range(self.shape.prompt_len - self.shape.prefix_len)]
         self.count += 1
         return rid, prefix + suffix
 
@@ -53,10 +92,10 @@ class Workload:
 class _Driver:
     """Keeps ``n`` requests of the workload alive; subclasses say how one is added."""
 
-    def __init__(self, n: int, token_range: tuple[int, int]) -> None:
-        self.workload = Workload(token_range)
+    def __init__(self, n: int, token_range: tuple[int, int], shape: Shape = SMALL) -> None:
+        self.workload = Workload(token_range, shape)
         self.live: set[str] = set()
-        self.n = n
+        self.n, self.shape = n, shape
 
     def _top_up(self) -> None:
         while len(self.live) < self.n:
@@ -71,12 +110,14 @@ class _Driver:
 class CheckedDriver(_Driver):
     """Steps through the Runner: every relation, invariant and the data oracle."""
 
-    def __init__(self, target: str, n: int, token_range: tuple[int, int]) -> None:
-        super().__init__(n, token_range)
-        self.runner = Runner(target, bench_config(n))
+    def __init__(self, target: str, n: int, token_range: tuple[int, int],
+                 shape: Shape = SMALL) -> None:
+        super().__init__(n, token_range, shape)
+        self.runner = Runner(target, bench_config(n, shape))
 
     def _add(self, rid: str, prompt: list[int]) -> None:
-        self.runner.apply({"op": "add", "id": rid, "prompt": prompt, "max_tokens": MAX_TOKENS})
+        self.runner.apply({"op": "add", "id": rid, "prompt": prompt,
+                           "max_tokens": self.shape.max_tokens})
 
     def step(self) -> None:
         self._top_up()
@@ -88,16 +129,17 @@ class CheckedDriver(_Driver):
 class BareDriver(_Driver):
     """The same target and connector, stepped directly: no checks, no oracle."""
 
-    def __init__(self, target: str, n: int, token_range: tuple[int, int]) -> None:
-        super().__init__(n, token_range)
-        cfg = bench_config(n)
+    def __init__(self, target: str, n: int, token_range: tuple[int, int],
+                 shape: Shape = SMALL) -> None:
+        super().__init__(n, token_range, shape)
+        cfg = bench_config(n, shape)
         content = KVContent(cfg.num_blocks, cfg.block_size)
         self.env = EnvConnector(content, lambda rid: self.target.observe_request(rid))
         self.target = make_target(target, cfg, self.env)
         self.requests = self.target.scheduler.requests
 
     def _add(self, rid: str, prompt: list[int]) -> None:
-        spec = RequestSpec(rid, tuple(prompt), MAX_TOKENS)
+        spec = RequestSpec(rid, tuple(prompt), self.shape.max_tokens)
         self.env.plan(spec)
         self.target.add_request(spec)
 
@@ -119,6 +161,9 @@ def parse_args(doc: str, default_out: Path, argv: list[str] | None):
     ap.add_argument("--seconds", type=float, default=5.0,
                     help="timed wall clock per configuration and mode (default 5)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 256])
+    ap.add_argument("--production", type=int, default=PRODUCTION_CONCURRENCY, metavar="N",
+                    help="concurrency of the production-sized row (10,000 blocks, "
+                         f"2,000-token prompts; default {PRODUCTION_CONCURRENCY}; 0: leave it out)")
     ap.add_argument("--out", type=Path, default=default_out)
     return ap.parse_args(argv)
 
@@ -158,12 +203,13 @@ def git_commit() -> str:
         return "unknown"
 
 
-def compare(target: str, n: int, seconds: float, token_range: tuple[int, int]) -> dict:
+def compare(target: str, n: int, seconds: float, token_range: tuple[int, int],
+            shape: Shape = SMALL) -> dict:
     """Bare, then checked, stepping of one configuration, side by side."""
-    bare = measure(lambda: BareDriver(target, n, token_range), seconds)
-    checked = measure(lambda: CheckedDriver(target, n, token_range), seconds)
+    bare = measure(lambda: BareDriver(target, n, token_range, shape), seconds)
+    checked = measure(lambda: CheckedDriver(target, n, token_range, shape), seconds)
     ratio = checked["steps_per_s"] / bare["steps_per_s"] if bare["steps_per_s"] else None
-    return {"concurrency": n, "bare": bare, "checked": checked,
+    return {"workload": shape.name, "concurrency": n, "bare": bare, "checked": checked,
             "checked_over_bare": round(ratio, 5) if ratio is not None else None,
             "overhead_x": round(1 / ratio, 2) if ratio else None}
 
@@ -181,21 +227,19 @@ def environment(seconds: float) -> dict:
             "warmup_steps": WARMUP_STEPS}
 
 
-WORKLOAD = {"block_size": BLOCK_SIZE, "prompt_len": PROMPT_LEN,
-            "shared_prefix_len": PREFIX_LEN, "num_prefixes": NUM_PREFIXES,
-            "max_tokens": MAX_TOKENS, "max_model_len": PROMPT_LEN + MAX_TOKENS + BLOCK_SIZE,
-            "max_num_batched_tokens": "max(4 * N, 64)",
-            "num_blocks": "N * ceil((prompt_len + max_tokens) / block_size) + N"}
+WORKLOADS = {shape.name: shape.describe() for shape in (SMALL, PRODUCTION)}
 
 
 def write_and_print(result: dict, out: Path) -> None:
     import json
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    print(f"{'N':>5}  {'bare steps/s':>13}  {'checked steps/s':>16}  {'checked/bare':>12}")
+    print(f"{'workload':>10} {'N':>5}  {'bare steps/s':>13}  {'checked steps/s':>16}  "
+          f"{'checked/bare':>12}")
     for row in result["results"]:
         ratio = row["checked_over_bare"]
-        print(f"{row['concurrency']:>5}  {row['bare']['steps_per_s']:>13.2f}  "
+        print(f"{row.get('workload', 'small'):>10} {row['concurrency']:>5}  "
+              f"{row['bare']['steps_per_s']:>13.2f}  "
               f"{row['checked']['steps_per_s']:>16.2f}  "
               f"{(f'{ratio:.4f}' if ratio is not None else 'n/a'):>12}")
     print(f"wrote {out}")
