@@ -26,7 +26,7 @@ from kvspec.spec.predicates import (is_blocks_cover_computed, is_cached_le_compu
                                     is_ref_count_of_holders, is_stats_ordered,
                                     is_unscheduled_without_output, is_waiting_with_work)
 from kvspec.spec.arith import compute_real_computed
-from kvspec.spec.reads import get_blocks_read
+from kvspec.spec.reads import get_blocks_read, get_positions_read
 from kvspec.spec.registry import Memo, Witnessing, invariant
 from kvspec.spec.scope import Scope
 from kvspec.spec.state import Observation, RequestStatus, RequestView
@@ -378,6 +378,20 @@ def blocks_cover_computed(ctx: Context):
                        f"{r.num_computed_tokens} computed tokens")
 
 
+def get_first_missing_read(group, table, real: int) -> list[int]:
+    """The first index of a block a step from ``real`` reads that ``table`` does
+    not hold (past its end, or ``NULL_BLOCK``), as a list of at most one; for
+    full attention, its first ``NULL_BLOCK`` wherever it is."""
+    if group.kind != "full_attention":
+        return [i for i in get_blocks_read(group, real)
+                if i >= len(table) or table[i] == NULL_BLOCK][:1]
+    if NULL_BLOCK in table:
+        return [table.index(NULL_BLOCK)]
+    # every block from 0 is read: the first one missing is the first past the table
+    read = get_positions_read(group, real)
+    return [len(table)] if read and (read.stop - 1) // group.block_size >= len(table) else []
+
+
 @invariant(cites="seed 003 (#35223); #45474", scope="request")
 def every_group_serves_computed(ctx: Context):
     """In every KV cache group, the blocks a request's next step reads hold a
@@ -398,10 +412,7 @@ def every_group_serves_computed(ctx: Context):
         real = get_real_computed(r)
         for g, table in enumerate(r.block_ids):
             ctx.witness(NULL_BLOCK in table)
-            missing = [i for i in get_blocks_read(groups[g], real)
-                       if i >= len(table) or table[i] == NULL_BLOCK]
-            if groups[g].kind == "full_attention" and NULL_BLOCK in table:
-                missing = [table.index(NULL_BLOCK)]
+            missing = get_first_missing_read(groups[g], table, real)
             if missing:
                 yield (f"{r.request_id}: group {g} ({groups[g].kind}) reads block "
                        f"{missing[0]} from {real} computed tokens, but its table holds "

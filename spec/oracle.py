@@ -42,11 +42,13 @@ runs after the steps launched before it.
 from __future__ import annotations
 
 import math
+from collections import Counter
+from operator import itemgetter
 from typing import Hashable, Iterator
 
 import attrs
 
-from kvspec.spec.groups import NULL_BLOCK, split_cache_key
+from kvspec.spec.groups import NULL_BLOCK, get_group_cache_key, split_cache_key
 from kvspec.spec.reads import get_blocks_read, get_positions_read
 from kvspec.spec.predicates import is_cached_block_valid
 from kvspec.spec.registry import Memo
@@ -125,6 +127,15 @@ class ExecReport:
     step_id: int = -1
 
 
+_SECOND = itemgetter(1)
+
+
+def _uncount(counter: Counter, value) -> None:
+    counter[value] -= 1
+    if counter[value] <= 0:
+        del counter[value]
+
+
 def _count_holders(obs: Observation) -> dict[int, int]:
     count: dict[int, int] = {}
     for r in obs.requests.values():
@@ -165,8 +176,8 @@ class KVContent:
         self._valid_prefix: dict = Memo()
         #: request id -> its block hashes ``learn`` went through, every one known
         self._hashes_seen: dict = Memo()
-        #: (block, size) -> (its last write then, its first ``size`` slots)
-        self._contents: dict = Memo()
+        #: ``get_offered``'s books: per cached block what it offered, and counts
+        self._offered: dict = Memo()
         #: (hash, group) -> the slots a block of the group cached under it holds
         #: (``_want`` of what the hash names): derived from ``expected_by_hash``,
         #: whose entries never change, so computed once
@@ -202,8 +213,8 @@ class KVContent:
         #: what the prefix cache offered when the last step began: block
         #: contents, and the (hash, group) keys cached (a block being loaded
         #: there holds its content only once the load lands)
-        self.offered_at_start: tuple[set, set] = (set(), set())
-        self.keys_at_start: set = set()
+        self.offered_at_start: tuple[frozenset, frozenset] = (frozenset(), frozenset())
+        self.keys_at_start: frozenset = frozenset()
 
     # -- addressing ---------------------------------------------------------
     def _keeps_one_state(self, g: int) -> bool:
@@ -224,7 +235,10 @@ class KVContent:
         return blocks[pos // size], slot
 
     def _write(self, g: int, blocks, pos: int, value) -> None:
-        b, s = self._slot(g, blocks, pos)
+        self._write_slot(*self._slot(g, blocks, pos), value)
+
+    def _write_slot(self, b: int, s: int, value) -> None:
+        """Every slot write goes through here: logged, and numbered."""
         self.slots[b][s] = value
         self.changed_blocks.add(b)
         self.write_clock += 1
@@ -405,10 +419,7 @@ class KVContent:
         self.changed_blocks.extend(self.unreported.pop(step_id, ()))
         for slot, value in self.in_flight.pop(step_id, {}).items():
             if self.stream_writer.get(slot) == step_id:
-                self.slots[slot[0]][slot[1]] = value
-                self.changed_blocks.add(slot[0])
-                self.write_clock += 1
-                self.last_write[slot[0]] = self.write_clock
+                self._write_slot(slot[0], slot[1], value)
 
     def _run_load(self, job: LoadJob, failing: bool, fail_offset: int, fail_blocks: int,
                   report: ExecReport, fail_group: int = 0) -> None:
@@ -455,15 +466,16 @@ class KVContent:
     def _compute(self, step: StepView, obs: Observation, report: ExecReport,
                  pending: dict[str, tuple[int, ...]]) -> None:
         writes = self._plan_writes(step, obs, pending)
+        step_slots = {rid: self._get_step_slots(tables, start, n)
+                      for rid, (tables, _keys, start, n) in writes.items()}
         # taken before any write: a last-state read sees the state the step found
-        before = {rid: self._found_by_step(tables, start, n)
-                  for rid, (tables, _keys, start, n) in writes.items()}
-        self._apply_writes(writes, _count_holders(obs))
+        before = {rid: self._found_by_step(step_slots[rid]) for rid in writes}
+        self._apply_writes(writes, step_slots, _count_holders(obs))
         self.completed = [done for rid, (tables, keys, start, n) in writes.items()
                           for done in self._completed_blocks(rid, obs.requests[rid], tables,
                                                              keys, start, n)]
         self._spread_garbage(writes, before, report)
-        self._record_stream_writes(writes, report.step_id)
+        self._record_stream_writes(step_slots, report.step_id)
 
     def _plan_writes(self, step: StepView, obs: Observation,
                      pending: dict[str, tuple[int, ...]]) -> dict[str, tuple]:
@@ -478,21 +490,21 @@ class KVContent:
             writes[rid] = (req.block_ids, keys, step.num_computed_before[rid], n)
         return writes
 
-    def _apply_writes(self, writes: dict[str, tuple], holders: dict[int, int]) -> None:
+    def _apply_writes(self, writes: dict[str, tuple], step_slots: dict[str, list],
+                      holders: dict[int, int]) -> None:
         """Every scheduled position's content, in order (a last-state block
         ends with its last position's state); slots two requests write are
         recorded, and failed blocks written again are no longer failed."""
         writer: dict[tuple[int, int], str] = {}
         self.double_writes = []
         recomputed = set()
-        for rid, (tables, keys, start, n) in writes.items():
-            for g, table, pos in self._computed_slots(tables, start, n):
-                self._write(g, table, pos, get_content(g, keys, pos))
-                slot = self._slot(g, table, pos)
-                if slot[0] in self.failed_blocks:
-                    recomputed.add(slot[0])
-                if writer.setdefault(slot, rid) != rid:
-                    self.double_writes.append((*slot, writer[slot], rid))
+        for rid, (_tables, keys, _start, _n) in writes.items():
+            for g, pos, b, s in step_slots[rid]:
+                self._write_slot(b, s, get_content(g, keys, pos))
+                if b in self.failed_blocks:
+                    recomputed.add(b)
+                if writer.setdefault((b, s), rid) != rid:
+                    self.double_writes.append((b, s, writer[(b, s)], rid))
         self.shared_recomputes = sum(holders.get(b, 0) >= 2 for b in recomputed)
         self.failed_blocks -= recomputed
 
@@ -537,14 +549,23 @@ class KVContent:
         hit_end = -(-(index + 1) * self._size(g) // align) * align
         return index in get_blocks_read(self.groups[g], hit_end)
 
-    def _found_by_step(self, tables, start: int, n: int) -> dict[tuple[int, int], object]:
-        """What the slots a step computing ``[start, start + n)`` writes held
-        before its compute: a last-state read of the block the step goes on
-        writing (resuming mid-block) sees the state there, not the step's own."""
-        found = {}
-        for g, table, pos in self._computed_slots(tables, start, n):
-            b, s = self._slot(g, table, pos)
-            found[(b, s)] = self.slots[b][s]
+    def _found_by_step(self, step_slots: list) -> dict[tuple[int, int], object]:
+        """What the slots a step writes (``_get_step_slots``) held before its
+        compute: a last-state read of the block the step goes on writing
+        (resuming mid-block) sees the state there, not the step's own."""
+        return {(b, s): self.slots[b][s] for _g, _pos, b, s in step_slots}
+
+    def _get_step_slots(self, tables, start: int, n: int) -> list[tuple[int, int, int, int]]:
+        """(group, position, block, slot) of every slot a step computing
+        ``[start, start + n)`` writes, in ``_computed_slots`` order, each
+        ``_slot`` worked out once for every pass over them."""
+        found = []
+        for g, table in enumerate(tables):
+            size, one_state = self._size(g), self._keeps_one_state(g)
+            for pos in range(start, start + n):
+                index = pos // size
+                if index < len(table) and table[index] != NULL_BLOCK:
+                    found.append((g, pos, table[index], size - 1 if one_state else pos % size))
         return found
 
     def _computed_slots(self, tables, start: int, n: int):
@@ -556,13 +577,12 @@ class KVContent:
                 if index < len(table) and table[index] != NULL_BLOCK:
                     yield g, table, pos
 
-    def _record_stream_writes(self, writes: dict, step_id: int) -> None:
+    def _record_stream_writes(self, step_slots: dict[str, list], step_id: int) -> None:
         mine = self.in_flight[step_id]
-        for tables, _keys, start, n in writes.values():
-            for g, table, pos in self._computed_slots(tables, start, n):
-                slot = self._slot(g, table, pos)  # a last-state block: its one state
-                self.stream_writer[slot] = step_id
-                mine[slot] = self.slots[slot[0]][slot[1]]
+        for slots in step_slots.values():
+            for _g, _pos, b, s in slots:  # a last-state block: its one state
+                self.stream_writer[(b, s)] = step_id
+                mine[(b, s)] = self.slots[b][s]
 
     # -- checks ---------------------------------------------------------------
     def learn(self, obs: Observation) -> None:
@@ -683,34 +703,48 @@ class KVContent:
         """A failed load's garbage not yet recomputed, or not yet reported."""
         return bool(self.failed_blocks or self.get_unreported_blocks())
 
-    def get_offered(self, obs: Observation) -> tuple[set, set]:
-        """What the prefix cache offers, by content: every cached block's slots,
-        and its last slot (all a last-state group keeps)."""
-        blocks = {block for _key, block in obs.pool.cached}
-        sizes = {g.block_size for g in self.groups}
-        return ({self._get_block_content(b, size) for b in blocks for size in sizes},
-                {self.slots[b][-1] for b in blocks})
+    def get_offered(self, obs: Observation) -> tuple[Counter, Counter]:
+        """What the prefix cache offers, by content: every cached block's slots
+        (its first ``block_size`` of each group), and its last slot (all a
+        last-state group keeps), each with how many blocks offer it (never
+        0). Kept up to date block by block: a block is read again only when
+        it enters the cache or is written. Live books: read them before the
+        next call."""
+        blocks = set(map(_SECOND, obs.pool.cached))
+        known, contents, lasts = self._offered_books()
+        for b in [b for b, seen in known.items()
+                  if b not in blocks or seen[0] != self.last_write[b]]:
+            _clock, tuples, last = known.pop(b)
+            for value in tuples:
+                _uncount(contents, value)
+            _uncount(lasts, last)
+        sizes = sorted({g.block_size for g in self.groups})
+        for b in blocks.difference(known):
+            tuples, last = [tuple(self.slots[b][:size]) for size in sizes], self.slots[b][-1]
+            known[b] = (self.last_write[b], tuples, last)
+            contents.update(tuples)
+            lasts[last] += 1
+        return contents, lasts
 
-    def _get_block_content(self, block: int, size: int) -> tuple:
-        """The block's first ``size`` slots, as a tuple (remembered until it is written)."""
-        known = self._contents.get((block, size))
-        if known is None or known[0] != self.last_write[block]:
-            known = self._contents[(block, size)] = (self.last_write[block],
-                                                     tuple(self.slots[block][:size]))
-        return known[1]
+    def _offered_books(self) -> tuple[dict, Counter, Counter]:
+        """``get_offered``'s books (a cache: a copy starts them again): per cached
+        block, its last write and contents when read; how many blocks offer each."""
+        if not self._offered:
+            self._offered.update(known={}, contents=Counter(), lasts=Counter())
+        return self._offered["known"], self._offered["contents"], self._offered["lasts"]
 
     def note_step_start(self, obs: Observation) -> None:
         """A step begins: what the cache offers now (a block computed again over
         a copy the cache held is not the scheduler's to cache twice)."""
-        self.offered_at_start = self.get_offered(obs)
-        self.keys_at_start = {split_cache_key(key) for key, _block in obs.pool.cached}
+        self.offered_at_start = tuple(map(frozenset, self.get_offered(obs)))
+        self.keys_at_start = frozenset(dict(obs.pool.cached))
 
     def _was_offered(self, r: RequestView, g: int, index: int, expected: tuple) -> bool:
         """A copy was in the cache when the step began: by content, or by the
         key of this block of the request (its copy's load may not have landed)."""
         # the hash naming the prefix up to the block's end (hashes chain)
         h = (index + 1) * self._size(g) // self.hash_block_size - 1
-        key = (r.block_hashes[h], g) if h < len(r.block_hashes) else None
+        key = get_group_cache_key(r.block_hashes[h], g) if h < len(r.block_hashes) else None
         return key in self.keys_at_start or \
             self._is_offered(self.offered_at_start, g, expected)
 

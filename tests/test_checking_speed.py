@@ -211,3 +211,21 @@ def test_state_broken_between_two_steps_is_caught_at_the_next():
     victim = min(cached - held) if cached - held else min(cached)
     runner.content._write(0, (victim,), 0, GARBAGE)  # the worker's KV there is lost
     assert "no_caching_of_invalid_blocks" in _caught_at_next_step(runner)
+
+
+def test_the_first_missing_read_is_the_first_of_every_block_read_and_missing():
+    """``every_group_serves_computed`` names the first block a step reads that
+    the table lacks without listing every block read (full attention: the
+    first NULL_BLOCK wherever it is, as before)."""
+    from kvspec.spec.invariants import get_first_missing_read
+    rng = random.Random(3)
+    for _ in range(3000):
+        group = rng.choice([GroupSpec(4), GroupSpec(2), GroupSpec(4, "sliding_window", 5),
+                            GroupSpec(4, "last_state")])
+        table = tuple(rng.choice([NULL_BLOCK, 1, 2, 3]) for _ in range(rng.randint(0, 8)))
+        real = rng.randint(0, 40)
+        missing = [i for i in get_blocks_read(group, real)
+                   if i >= len(table) or table[i] == NULL_BLOCK]
+        if group.kind == "full_attention" and NULL_BLOCK in table:
+            missing = [table.index(NULL_BLOCK)]
+        assert get_first_missing_read(group, table, real) == missing[:1], (group, table, real)
