@@ -11,6 +11,7 @@ from __future__ import annotations
 import attrs
 
 from kvspec.spec.predicates import is_admissible_lowering
+from kvspec.spec.registry import Memo
 from kvspec.spec.scope import ChangeLog
 from kvspec.spec.state import Observation, RequestStatus
 
@@ -42,6 +43,10 @@ class Ghost:
     #: the requests whose entries above each event changed, in order: an
     #: incremental check judges them again (``spec/scope.py``)
     touched: ChangeLog = attrs.field(factory=ChangeLog, eq=False, repr=False)
+    #: per request, the output tokens ``output_is_the_sampled_sequence`` found
+    #: sampled where they stand (what the worker sampled is only ever added
+    #: to, so they stay so while the output starts with them): a cache
+    checked_outputs: dict = attrs.field(factory=Memo, eq=False, repr=False)
 
 
 def process_observation(ghost: Ghost, obs: Observation, answers: dict,

@@ -57,12 +57,10 @@ class Context(Witnessing):
 
     def live(self) -> Iterator[RequestView]:
         """The live requests (in an incremental check of a request claim, the changed ones)."""
-        if self.is_narrowed("request"):
-            return (r for r in self.requests() if not r.status.is_finished)
-        live = self.memo.get("live")
+        key = "changed live" if self.is_narrowed("request") else "live"
+        live = self.memo.get(key)
         if live is None:
-            live = self.memo["live"] = [r for r in self.obs.requests.values()
-                                        if not r.status.is_finished]
+            live = self.memo[key] = [r for r in self.requests() if not r.status.is_finished]
         return iter(live)
 
     def requests(self) -> Iterator[RequestView]:
@@ -319,16 +317,22 @@ def output_is_the_sampled_sequence(ctx: Context):
     scheduler that resumes it before the output drains, or applies the output
     to the reset counters, appends a position twice or skips one. Witnessed by
     a request whose output a preemption interrupted."""
+    checked = ctx.ghost.checked_outputs
     for r in ctx.requests():
         sampled = ctx.ghost.sampled_at.get(r.request_id, {})
-        ctx.witness(bool(r.output_token_ids) and r.num_preemptions > 0)
+        outputs = r.output_token_ids
+        ctx.witness(bool(outputs) and r.num_preemptions > 0)
         prompt_len = r.num_prompt_tokens
-        for i, token in enumerate(r.output_token_ids):
-            pos = prompt_len + i
+        known = checked.get((r.request_id, prompt_len), ())
+        start = len(known) if outputs[:len(known)] == known else 0
+        for i in range(start, len(outputs)):
+            pos, token = prompt_len + i, outputs[i]
             if token not in sampled.get(pos, ()):
                 yield (f"{r.request_id}: output token {i} (position {pos}) is {token}, but "
                        f"the worker sampled {sorted(sampled.get(pos, ())) or 'nothing'} there")
                 break
+        else:
+            checked[(r.request_id, prompt_len)] = outputs
 
 
 def _is_loaded_one_token_prompt(ctx: Context, r) -> bool:

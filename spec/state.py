@@ -33,15 +33,19 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED  # the statuses named FINISHED_*
+        return self._finished  # the statuses named FINISHED_*
 
     @property
     def is_waiting(self) -> bool:
-        return self in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS,
-                        RequestStatus.PREEMPTED)
+        return self._waiting  # WAITING, WAITING_FOR_REMOTE_KVS, PREEMPTED
 
 
 _FINISHED = frozenset(s for s in RequestStatus if s.name.startswith("FINISHED"))
+# worked out once per status: every claim asks of every request (an enum's
+# hash is a Python call)
+for _status in RequestStatus:
+    _status._finished = _status in _FINISHED
+    _status._waiting = _status.name in ("WAITING", "WAITING_FOR_REMOTE_KVS", "PREEMPTED")
 
 #: the most drafts a step schedules per request (vLLM's ``num_speculative_tokens``
 #: on the vLLM target; the environment proposes 0 to this many)

@@ -5,6 +5,7 @@ from operator import attrgetter
 from typing import Callable, Protocol
 
 from kvspec.harness.env import EOS_TOKEN_ID, RequestSpec
+from kvspec.harness.frozen import TupleCache
 from kvspec.spec.state import (Config, GroupSpec, Observation, PoolView, RequestStatus,
                                RequestView, StepView, WorkerOutcome)
 
@@ -54,8 +55,7 @@ class ImplTarget:
         self._requests: dict[str, object] = {}  # every request added, to see how it ended
         #: the pool's cache_version when its prefix cache was last read, and what it read
         self._cached_seen: tuple = (None, ())
-        #: (request id, field) -> (the list as last read, the tuple made of it)
-        self._tuples: dict[tuple, tuple] = {}
+        self._tuples = TupleCache()
 
     def add_request(self, spec: RequestSpec) -> None:
         from kvspec.impl import Request
@@ -103,27 +103,16 @@ class ImplTarget:
             return None
         return self._view(r, tuple(() for _ in self.config.groups))
 
-    def _as_tuple(self, key: tuple, values: list) -> tuple:
-        """``tuple(values)``, the very same object while ``values`` is unchanged:
-        unchanged views then compare by identity, field by field (incremental
-        checking compares every view with the last one judged)."""
-        known = self._tuples.get(key)
-        if known is not None and known[0] == values:
-            return known[1]
-        frozen = tuple(values)
-        self._tuples[key] = (list(values), frozen)
-        return frozen
-
     def _view(self, r, block_ids) -> RequestView:
         return RequestView(
             request_id=r.request_id, status=r.status,
-            prompt_token_ids=self._as_tuple((r.request_id, "prompt"), r.prompt_token_ids),
+            prompt_token_ids=self._tuples.get((r.request_id, "prompt"), r.prompt_token_ids),
             output_token_ids=tuple(r.output_token_ids), max_tokens=r.max_tokens,
             num_computed_tokens=r.num_computed_tokens, num_cached_tokens=r.num_cached_tokens,
             num_external_computed_tokens=r.num_external_computed_tokens,
             num_preemptions=r.num_preemptions,
             block_ids=tuple(tuple(g) for g in block_ids),
-            block_hashes=self._as_tuple((r.request_id, "hashes"), r.block_hashes),
+            block_hashes=self._tuples.get((r.request_id, "hashes"), r.block_hashes),
             spec_token_ids=tuple(r.spec_token_ids),
             num_output_placeholders=r.num_output_placeholders, priority=r.priority,
             eos_token_id=r.eos_token_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import attrs
 
+from kvspec.harness.frozen import TupleCache
 from kvspec.spec.groups import NULL_BLOCK, get_group_cache_key, is_windowed
 from kvspec.spec.state import (STATS_UNSET, Config, Observation, PoolView, RequestStatus,
                                RequestView, StepView)
@@ -32,6 +33,9 @@ class VllmObserver:
         self.m, self.config = m, config
         self._stats: dict[str, object] = {}      # request id -> its PrefillStats object
         self._requests: dict[str, object] = {}   # every request added, to see how it ended
+        self._tuples = TupleCache()              # a view's unchanged prompt and hashes
+        #: vLLM's prefix-cache keys as kvspec's (``_pool_view``)
+        self._cache_keys: dict = {}
         self._admitted: set[str] = set()         # stats recorded (see the module doc)
 
     def note_request(self, request) -> None:
@@ -57,13 +61,12 @@ class VllmObserver:
         """One group's vLLM block ids as kvspec's: the null block is
         ``NULL_BLOCK`` in a group that gives blocks back, and never in a
         full-attention table."""
-        windowed = is_windowed(self.config.groups[group])
-        out = []
-        for b in vllm_ids:
-            if b < NULL_BLOCKS and not windowed:
-                raise AssertionError(f"a full-attention block table holds the null block {b}")
-            out.append(_spec_id(b))
-        return tuple(out)
+        if is_windowed(self.config.groups[group]):
+            return tuple([_spec_id(b) for b in vllm_ids])
+        if vllm_ids and min(vllm_ids) < NULL_BLOCKS:
+            raise AssertionError(f"a full-attention block table holds the null block "
+                                 f"{min(vllm_ids)}")
+        return tuple([b - NULL_BLOCKS for b in vllm_ids])
 
     def get_step_view(self, out, preemptions: dict[str, int]) -> StepView:
         """A ``SchedulerOutput`` as kvspec's step; ``preemptions``: each
@@ -135,13 +138,14 @@ class VllmObserver:
         extra = self._stop_rules(r) if "eos_token_id" in _VIEW_FIELDS else {}
         return RequestView(
             request_id=request_id, status=status,
-            prompt_token_ids=tuple(r.prompt_token_ids),
+            prompt_token_ids=self._tuples.get((request_id, "prompt"), r.prompt_token_ids),
             output_token_ids=tuple(r.output_token_ids), max_tokens=r.max_tokens,
             num_computed_tokens=r.num_computed_tokens, num_cached_tokens=cached,
             num_external_computed_tokens=external,
             num_preemptions=getattr(r, "num_preemptions", 0),
             block_ids=tuple(self._to_spec_ids(t, g) for g, t in enumerate(tables)),
-            block_hashes=tuple(r.block_hashes), spec_token_ids=tuple(r.spec_token_ids),
+            block_hashes=self._tuples.get((request_id, "hashes"), r.block_hashes),
+            spec_token_ids=tuple(r.spec_token_ids),
             num_output_placeholders=getattr(r, "num_output_placeholders", 0),
             priority=r.priority, **extra)
 
@@ -166,13 +170,16 @@ class VllmObserver:
         cached = []
         table = pool.cached_block_hash_to_block
         entries = getattr(table, "_cache", table)  # a BlockHashToBlockMap, or a plain dict
+        keys = self._cache_keys
         for key, value in entries.items():
             found = value.values() if isinstance(value, dict) else [value]
-            block_hash = self.m.get_block_hash(key) if self.m.get_block_hash else key
-            group = self.m.get_group_id(key) if self.m.get_group_id else 0
+            spec_key = keys.get(key)
+            if spec_key is None:  # a key's translation never changes: worked out once
+                block_hash = self.m.get_block_hash(key) if self.m.get_block_hash else key
+                group = self.m.get_group_id(key) if self.m.get_group_id else 0
+                spec_key = keys[key] = get_group_cache_key(block_hash, group)
             for block in found:
-                cached.append((get_group_cache_key(block_hash, group),
-                               block.block_id - NULL_BLOCKS))
+                cached.append((spec_key, block.block_id - NULL_BLOCKS))
         # a hybrid request's deferred free lists the null block of its windowed groups
         fenced = tuple(b.block_id - NULL_BLOCKS for _, held in
                        getattr(self.scheduler, "deferred_frees", ()) for b in held
