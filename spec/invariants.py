@@ -484,12 +484,11 @@ def _holders(ctx: Context) -> list[int]:
 def _holders_of(ctx: Context, blocks) -> dict[int, int]:
     """``_holders`` of ``blocks`` alone (each table read once, in C)."""
     wanted = set(blocks)
-    count = dict.fromkeys(wanted, 0)
-    for r in ctx.obs.requests.values():
-        for table in r.block_ids:
-            for b in wanted.intersection(table):
-                if b != NULL_BLOCK:  # a block a windowed group gave back
-                    count[b] += table.count(b)
+    wanted.discard(NULL_BLOCK)  # a block a windowed group gave back: no table counts it
+    count = dict.fromkeys(blocks, 0)
+    # every table entry read once, in C, keeping only the blocks asked about
+    count.update(Counter(filter(wanted.__contains__, chain.from_iterable(
+        chain.from_iterable(r.block_ids for r in ctx.obs.requests.values())))))
     for b in chain(ctx.obs.pool.fenced, ctx.obs.pool.pinned):
         if b in count:  # a fence or pin counts, on NULL_BLOCK too
             count[b] += 1

@@ -70,6 +70,8 @@ class KeyBook:
 
     def __init__(self) -> None:
         self._book: dict[str, tuple[tuple[int, ...], list[int]]] = {}
+        #: request id -> (prompt, outputs, their keys) as ``keys_of`` last saw them
+        self._views: dict[str, tuple] = {}
 
     def keys(self, request_id: str, tokens: tuple[int, ...]) -> list[int]:
         toks, keys = self._book.get(request_id, ((), []))
@@ -81,8 +83,26 @@ class KeyBook:
             self._book[request_id] = (tuple(tokens), keys)
         return keys
 
+    def keys_of(self, r: RequestView) -> list[int]:
+        """``keys`` of a view's tokens, its prompt and outputs compared apart
+        (no copy of all its tokens; an unchanged prompt is the same tuple)."""
+        known = self._views.get(r.request_id)
+        if known is None or not (known[0] is r.prompt_token_ids
+                                 or known[0] == r.prompt_token_ids) \
+                or r.output_token_ids[:len(known[1])] != known[1]:
+            keys = list(self.keys(r.request_id, r.all_token_ids))
+        else:
+            keys = known[2]
+            prev = keys[-1] if keys else 0
+            for token in r.output_token_ids[len(known[1]):]:
+                prev = hash((prev, token))
+                keys.append(prev)
+        self._views[r.request_id] = (r.prompt_token_ids, r.output_token_ids, keys)
+        return keys
+
     def forget(self, request_id: str) -> None:
         self._book.pop(request_id, None)
+        self._views.pop(request_id, None)
 
 
 #: what a step writes at a position past every token the request has: no
@@ -353,7 +373,7 @@ class KVContent:
     # -- the connector's jobs (registered by the environment) ----------------
     def add_load(self, request: RequestView, block_ids, start: int, num_tokens: int,
                  is_async: bool, values: dict | None = None) -> None:
-        keys = self.book.keys(request.request_id, request.all_token_ids)
+        keys = self.book.keys_of(request)
         self.loads[request.request_id] = LoadJob(
             request.request_id, tuple(tuple(t) for t in block_ids), start, num_tokens,
             is_async, keys, values)
@@ -485,7 +505,7 @@ class KVContent:
             req = obs.requests[rid]
             known = req.all_token_ids + pending.get(rid, ())
             spec = step.scheduled_spec_decode_tokens.get(rid, ())
-            keys = list(self.book.keys(rid, req.all_token_ids))
+            keys = list(self.book.keys_of(req))
             extend_prefix_keys(keys, known + tuple(spec), len(keys))
             writes[rid] = (req.block_ids, keys, step.num_computed_before[rid], n)
         return writes
@@ -595,7 +615,7 @@ class KVContent:
             if hashes == seen:
                 continue
             start = len(seen) if hashes[:len(seen)] == seen else 0
-            keys = self.book.keys(r.request_id, r.all_token_ids)
+            keys = self.book.keys_of(r)
             done = len(hashes)
             for i in range(start, len(hashes)):
                 h, end = hashes[i], (i + 1) * size
@@ -782,7 +802,7 @@ class KVContent:
         placeholders of steps in flight) holds valid KV."""
         if self.unreported and self.get_unreported_blocks() & _held(r):
             return  # a failure the scheduler has not been told of yet
-        keys = self.book.keys(r.request_id, r.all_token_ids)
+        keys = self.book.keys_of(r)
         real = min(r.num_computed_tokens - r.num_output_placeholders, len(keys))
         bad = self.first_invalid(r.block_ids, keys, real,
                                  groups=self._judged_groups(real, r.num_computed_tokens),
