@@ -87,6 +87,9 @@ def combine(summaries: list[dict]) -> dict:
                 violations=shown["violations"], trace=shown["trace"],
                 exit_code=get_worst_code([s["exit_code"] for s in summaries]),
                 seeds=[s["seed"] for s in summaries], workers=len(summaries),
+                state_checks=dict(first.get("state_checks", {}), **{
+                    k: sum(s.get("state_checks", {}).get(k, 0) for s in summaries)
+                    for k in ("incremental", "full")}),
                 traces=[s["trace"] for s in failing],
                 known_findings=[k for s in summaries for k in s.get("known_findings", [])],
                 unwitnessed=sorted(set.intersection(*(set(s["unwitnessed"])

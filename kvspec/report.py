@@ -5,6 +5,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from kvspec.harness.incremental import get_full_every
 from kvspec.spec.catalogue import REGISTRY
 from kvspec.text import command_arg, printable
 
@@ -124,6 +125,10 @@ def json_summary(result, version: str, budget_s: float, profile, design_rules: b
         "design_rules": design_rules, "claims": claims,
         "unwitnessed": unwitnessed(result.checks, result.witnessed, design_rules, profile),
         "features": {f: result.features.get(f, 0) for f in FEATURES},
+        # docs/spec.md, "Incremental checking"
+        "state_checks": {"incremental": result.state_checks.get("incremental", 0),
+                         "full": result.state_checks.get("full", 0),
+                         "full_every": get_full_every()},
         # actions the conformance model did not judge (every step is a model
         # step since issue 25: sync and async, every group's table)
         "not_evaluated": {} if not result.features.get(OUTSIDE_MODEL) else {

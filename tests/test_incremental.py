@@ -240,3 +240,11 @@ def test_a_remembered_valid_prefix_gives_the_first_invalid_position(seed):
                     assert content.first_invalid(frozen, keys, upto, request_id="r") == \
                         reference(content, frozen, keys, upto, None)
     assert skipped > 10  # the remembered prefix was used
+
+
+def test_a_check_counts_its_incremental_and_full_state_checks(tmp_path):
+    """``check --json`` says how many state checks judged only what changed."""
+    from kvspec.harness.fuzz import fuzz
+    result = fuzz("impl", budget=3, seed=1, out_dir=tmp_path, db_dir=tmp_path / "db")
+    checks = result.state_checks
+    assert checks["full"] > 0 and checks["incremental"] > 5 * checks["full"], checks

@@ -55,6 +55,9 @@ class FuzzResult:
     witnessed: dict[str, int] = attrs.Factory(dict)
     #: environment feature -> steps that exercised it (kvspec.harness.runner.FEATURES)
     features: dict[str, int] = attrs.Factory(dict)
+    #: state checks that judged only what a call changed ("incremental") and
+    #: those that judged everything ("full": first ones, the interval, run ends)
+    state_checks: dict[str, int] = attrs.Factory(dict)
     #: known findings met on the way (``Explanation.key`` -> KnownHit)
     known: dict[str, "KnownHit"] = attrs.Factory(dict)
     #: efficiency claims broken on the way (claim -> KnownHit): lost performance,
@@ -328,6 +331,7 @@ def _collect(result: FuzzResult, machine, start: float) -> None:
     result.checks = _prefixed(stats, "check:")
     result.witnessed = _prefixed(stats, "witness:")
     result.features = _prefixed(stats, "feature:")
+    result.state_checks = _prefixed(stats, "state_checks:")
 
 
 def _prefixed(stats, prefix: str) -> dict[str, int]:

@@ -328,6 +328,9 @@ class KVSpecMachine(RuleBasedStateMachine):
             stats.update({f"check:{k}": v for k, v in r.checks.items()})
             stats.update({f"witness:{k}": v for k, v in r.witnessed.items()})
             stats.update({f"feature:{k}": v for k, v in r.features.items()})
+            inc = r.checker.incremental  # how many checks judged what changed, how many all
+            stats.update({"state_checks:incremental": inc.checks - inc.full_checks,
+                          "state_checks:full": inc.full_checks})
 
 
 def machine_for(target: str, on_counterexample=None, kinds=ALL_KINDS,
