@@ -30,8 +30,25 @@ class RunSnapshot:
 class StepRecord:
     index: int
     action: str
-    requests: str
+    #: the requests after the action: their line (``describe_request``), or
+    #: the views it is written from when first read (most lines never are)
+    _requests: object = attrs.field(alias="requests", eq=False, repr=False)
     violations: tuple[Violation, ...] = ()
+
+    @property
+    def requests(self) -> str:
+        if not isinstance(self._requests, str):
+            object.__setattr__(self, "_requests",
+                               " ".join(describe_request(r) for r in self._requests))
+        return self._requests
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StepRecord) and \
+            (self.index, self.action, self.requests, self.violations) == \
+            (other.index, other.action, other.requests, other.violations)
+
+    def __hash__(self) -> int:
+        return hash((self.index, self.action, self.requests, self.violations))
 
 
 def is_lost_performance(v: Violation) -> bool:
@@ -56,8 +73,8 @@ def describe_action(action: dict) -> str:
 
 def record_step(log: list, counts, action: dict, obs, violations) -> None:
     """The action's line in the step log, with the state it left."""
-    requests = " ".join(describe_request(r) for r in obs.requests.values())
-    log.append(StepRecord(len(log), describe_action(action), requests, tuple(violations)))
+    log.append(StepRecord(len(log), describe_action(action), tuple(obs.requests.values()),
+                          tuple(violations)))
     for v in violations:
         counts[v.invariant] += 1
 

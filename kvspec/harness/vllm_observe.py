@@ -5,6 +5,8 @@ schedulers other tests build (``kvspec/observe.py``). The mapping decisions
 are written down in ``vllm_target.py``'s module doc."""
 from __future__ import annotations
 
+from operator import attrgetter
+
 import attrs
 
 from kvspec.harness.frozen import TupleCache
@@ -166,7 +168,7 @@ class VllmObserver:
     def _pool_view(self) -> PoolView:
         pool = self.scheduler.kv_cache_manager.block_pool
         blocks = pool.blocks[NULL_BLOCKS:]
-        free = [b.block_id - NULL_BLOCKS for b in pool.free_block_queue.get_all_free_blocks()]
+        free = [b - NULL_BLOCKS for b in map(_BLOCK_ID, pool.free_block_queue.get_all_free_blocks())]
         cached = []
         table = pool.cached_block_hash_to_block
         entries = getattr(table, "_cache", table)  # a BlockHashToBlockMap, or a plain dict
@@ -186,7 +188,7 @@ class VllmObserver:
                        if b.block_id >= NULL_BLOCKS)
         world = getattr(self, "world", None)
         pinned = () if world is None else tuple(b - NULL_BLOCKS for b in world.get_pins())
-        return PoolView(ref_cnt=tuple(b.ref_cnt for b in blocks), free_queue=tuple(free),
+        return PoolView(ref_cnt=tuple(map(_REF_CNT, blocks)), free_queue=tuple(free),
                         cached=tuple(cached), fenced=fenced, pinned=pinned)
 
     def observe(self) -> Observation:
@@ -203,6 +205,9 @@ class VllmObserver:
             running=tuple(r.request_id for r in s.running), pool=self._pool_view(),
             sending=tuple(rid for rid, r in requests.items() if r.status.is_finished))
 
+
+
+_BLOCK_ID, _REF_CNT = attrgetter("block_id"), attrgetter("ref_cnt")
 
 
 def as_groups(block_ids) -> list:
