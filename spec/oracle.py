@@ -48,7 +48,7 @@ from typing import Hashable, Iterator
 
 import attrs
 
-from kvspec.spec.groups import NULL_BLOCK, get_group_cache_key, split_cache_key
+from kvspec.spec.groups import NULL_BLOCK, split_cache_key
 from kvspec.spec.reads import get_blocks_read, get_positions_read
 from kvspec.spec.predicates import is_cached_block_valid
 from kvspec.spec.registry import Memo
@@ -198,6 +198,8 @@ class KVContent:
         self._hashes_seen: dict = Memo()
         #: ``get_offered``'s books: per cached block what it offered, and counts
         self._offered: dict = Memo()
+        #: prefix-cache key -> its (hash, group), for the keys cached now
+        self._parsed_keys: dict = Memo()
         #: (hash, group) -> the slots a block of the group cached under it holds
         #: (``_want`` of what the hash names): derived from ``expected_by_hash``,
         #: whose entries never change, so computed once
@@ -757,14 +759,25 @@ class KVContent:
         """A step begins: what the cache offers now (a block computed again over
         a copy the cache held is not the scheduler's to cache twice)."""
         self.offered_at_start = tuple(map(frozenset, self.get_offered(obs)))
-        self.keys_at_start = frozenset(dict(obs.pool.cached))
+        self.keys_at_start = self._get_cached_keys(obs)
+
+    def _get_cached_keys(self, obs: Observation) -> frozenset:
+        """The (hash, group) of every prefix-cache key, each key parsed once
+        (``split_cache_key``) while it stays in the cache."""
+        parsed = self._parsed_keys
+        keys = dict(obs.pool.cached).keys()
+        for key in parsed.keys() - keys:
+            del parsed[key]
+        for key in keys - parsed.keys():
+            parsed[key] = split_cache_key(key)
+        return frozenset(parsed.values())
 
     def _was_offered(self, r: RequestView, g: int, index: int, expected: tuple) -> bool:
         """A copy was in the cache when the step began: by content, or by the
         key of this block of the request (its copy's load may not have landed)."""
         # the hash naming the prefix up to the block's end (hashes chain)
         h = (index + 1) * self._size(g) // self.hash_block_size - 1
-        key = get_group_cache_key(r.block_hashes[h], g) if h < len(r.block_hashes) else None
+        key = (r.block_hashes[h], g) if h < len(r.block_hashes) else None
         return key in self.keys_at_start or \
             self._is_offered(self.offered_at_start, g, expected)
 
