@@ -59,8 +59,12 @@ GARBAGE = None
 
 
 def extend_prefix_keys(keys: list[int], tokens, start: int) -> None:
-    prev = keys[start - 1] if start else 0
-    for token in tokens[start:]:
+    append_prefix_keys(keys, tokens[start:], keys[start - 1] if start else 0)
+
+
+def append_prefix_keys(keys: list[int], tokens, prev: int) -> None:
+    """The keys of ``tokens`` following a position whose key is ``prev``."""
+    for token in tokens:
         prev = hash((prev, token))
         keys.append(prev)
 
@@ -93,10 +97,7 @@ class KeyBook:
             keys = list(self.keys(r.request_id, r.all_token_ids))
         else:
             keys = known[2]
-            prev = keys[-1] if keys else 0
-            for token in r.output_token_ids[len(known[1]):]:
-                prev = hash((prev, token))
-                keys.append(prev)
+            append_prefix_keys(keys, r.output_token_ids[len(known[1]):], keys[-1] if keys else 0)
         self._views[r.request_id] = (r.prompt_token_ids, r.output_token_ids, keys)
         return keys
 
@@ -290,6 +291,8 @@ class KVContent:
         ``before``: as for ``_is_valid``. ``request_id``: whose tables these
         are; a full-attention prefix found valid for it before, and unwritten
         since, is not read again (``_get_valid_prefix``)."""
+        # the blocks read through ``before`` (what the step found there), not their slots
+        written = {b for b, _s in before} if before else frozenset()
         for g, group in enumerate(self.groups):
             if groups is None or g in groups:
                 table = tables[g] if g < len(tables) else ()
@@ -298,20 +301,21 @@ class KVContent:
                     and positions.start == 0 and type(keys) is list
                 if remember:
                     positions = range(self._get_valid_prefix(request_id, g, table, keys,
-                                                             upto, before), positions.stop)
-                bad = self._first_invalid_in(g, group, table, keys, positions, before)
+                                                             upto, written), positions.stop)
+                bad = self._first_invalid_in(g, group, table, keys, positions, before, written)
                 if bad is not None:
                     return bad
                 if remember:
-                    self._note_valid_prefix(request_id, g, table, keys, upto, before)
+                    self._note_valid_prefix(request_id, g, table, keys, upto, written)
         return None
 
     def _get_valid_prefix(self, request_id: str, g: int, table, keys, upto: int,
-                          before=None) -> int:
+                          written=frozenset()) -> int:
         """Where reading must begin: the end of the prefix last found valid for
         this request and group, if its blocks still start the table, the keys
         up to it are the same (they chain: the last one names them all), and
-        no block of it was written since (nor is read through ``before``); else 0."""
+        no block of it was written since (nor is read through ``before``: the
+        blocks ``written``); else 0."""
         known = self._valid_prefix.get((request_id, g))
         if known is None:
             return 0
@@ -320,19 +324,16 @@ class KVContent:
                 table[:len(blocks)] != blocks or \
                 max(map(self.last_write.__getitem__, blocks)) > clock:
             return 0
-        if before:
-            written = {b for b, _s in before}
-            if not written.isdisjoint(blocks):
-                return next(i for i, b in enumerate(blocks) if b in written) * self._size(g)
+        if not written.isdisjoint(blocks):
+            return next(i for i, b in enumerate(blocks) if b in written) * self._size(g)
         return end
 
     def _note_valid_prefix(self, request_id: str, g: int, table, keys, upto: int,
-                           before) -> None:
+                           written) -> None:
         """Remember the whole blocks below ``upto`` as valid (up to the first one
-        the step writes itself: read through ``before``, not its slots)."""
+        the step writes itself, ``written``: read through ``before``, not its slots)."""
         count = min(upto // self._size(g), len(table))
-        if before:
-            written = {b for b, _s in before}
+        if written:
             count = next((i for i in range(count) if table[i] in written), count)
         if count:
             end = count * self._size(g)
@@ -340,17 +341,17 @@ class KVContent:
                                                    self.write_clock)
 
     def _first_invalid_in(self, g: int, group: GroupSpec, blocks, keys, positions: range,
-                          before) -> int | None:
+                          before, in_before) -> int | None:
         """``_is_valid`` on each of ``positions`` of group ``g``, in order: the
         first that fails. A block whose read slots are compared as one slice
         (a group keeping one entry per position, no slot of it in ``before``,
         every position within ``keys``) is judged exactly as position by
         position: its slots equal the contents ``get_content`` names; only a
-        block that differs is walked position by position to name the first."""
+        block that differs is walked position by position to name the first.
+        ``in_before``: the blocks of ``before``'s slots."""
         size = group.block_size
         one_state = group.kind == "last_state"
         num_keys, num_blocks = len(keys), len(blocks)
-        in_before = {b for b, _s in before} if before else ()
         pos, end = positions.start, positions.stop
         while pos < end:
             index = pos // size
@@ -496,7 +497,7 @@ class KVContent:
         self.completed = [done for rid, (tables, keys, start, n) in writes.items()
                           for done in self._completed_blocks(rid, obs.requests[rid], tables,
                                                              keys, start, n)]
-        self._spread_garbage(writes, before, report)
+        self._spread_garbage(writes, step_slots, before, report)
         self._record_stream_writes(step_slots, report.step_id)
 
     def _plan_writes(self, step: StepView, obs: Observation,
@@ -530,20 +531,20 @@ class KVContent:
         self.shared_recomputes = sum(holders.get(b, 0) >= 2 for b in recomputed)
         self.failed_blocks -= recomputed
 
-    def _spread_garbage(self, writes: dict[str, tuple], before: dict[str, dict],
-                        report: ExecReport) -> None:
+    def _spread_garbage(self, writes: dict[str, tuple], step_slots: dict[str, list],
+                        before: dict[str, dict], report: ExecReport) -> None:
         """A request that read invalid content writes garbage, to a fixed point."""
         changed = True
         while changed:
             changed = False
-            for rid, (tables, keys, start, n) in writes.items():
+            for rid, (tables, keys, start, _n) in writes.items():
                 bad = self.first_invalid(tables, keys, start, before[rid], request_id=rid)
                 if bad is None or rid in report.garbage_readers:
                     continue
                 report.garbage_readers[rid] = bad
-                for g, table, pos in self._computed_slots(tables, start, n):
-                    self._write(g, table, pos, GARBAGE)
-                    report.garbage_blocks.add(table[pos // self._size(g)])
+                for _g, _pos, b, s in step_slots[rid]:
+                    self._write_slot(b, s, GARBAGE)
+                    report.garbage_blocks.add(b)
                 changed = True
 
     def _completed_blocks(self, rid: str, req: RequestView, tables, keys, start: int, n: int):
@@ -579,8 +580,9 @@ class KVContent:
 
     def _get_step_slots(self, tables, start: int, n: int) -> list[tuple[int, int, int, int]]:
         """(group, position, block, slot) of every slot a step computing
-        ``[start, start + n)`` writes, in ``_computed_slots`` order, each
-        ``_slot`` worked out once for every pass over them."""
+        ``[start, start + n)`` writes (each group's entries that hold a block,
+        group by group, in position order), each ``_slot`` worked out once for
+        every pass over them."""
         found = []
         for g, table in enumerate(tables):
             size, one_state = self._size(g), self._keeps_one_state(g)
@@ -589,15 +591,6 @@ class KVContent:
                 if index < len(table) and table[index] != NULL_BLOCK:
                     found.append((g, pos, table[index], size - 1 if one_state else pos % size))
         return found
-
-    def _computed_slots(self, tables, start: int, n: int):
-        """(group, table, position) of every slot a step computing ``[start,
-        start + n)`` writes: each group's entries that hold a block."""
-        for g, table in enumerate(tables):
-            for pos in range(start, start + n):
-                index = pos // self._size(g)
-                if index < len(table) and table[index] != NULL_BLOCK:
-                    yield g, table, pos
 
     def _record_stream_writes(self, step_slots: dict[str, list], step_id: int) -> None:
         mine = self.in_flight[step_id]

@@ -170,49 +170,6 @@ def test_an_unchanged_request_without_hints_is_the_same_to_the_model():
                 assert not must_recover(before, Hints())
 
 
-def _warm_runner():
-    """A synchronous run of four requests sharing a prefix, six steps in."""
-    from kvspec.harness.runner import Runner
-    from kvspec.harness.target import make_config
-    runner = Runner("impl", make_config(block_size=4, num_blocks=40, max_num_batched_tokens=64,
-                                        max_num_seqs=4, max_model_len=40))
-    for i in range(4):
-        runner.apply({"op": "add", "id": f"r{i}", "prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, i],
-                      "max_tokens": 20})
-    for _ in range(6):
-        runner.apply({"op": "step"})
-    return runner
-
-
-def _caught_at_next_step(runner) -> set[str]:
-    from kvspec.harness.runner import Counterexample
-    with pytest.raises(Counterexample) as exc:
-        runner.apply({"op": "step"})
-    return {v.invariant for v in exc.value.violations}
-
-
-def test_state_broken_between_two_steps_is_caught_at_the_next():
-    """What the checks derive once (per Context, or once per hash) hides no
-    change: a reference count, a computed count or a cached block's content
-    broken after many checked steps is reported at the very next step."""
-    runner = _warm_runner()
-    block = next(b for b in runner.target.scheduler.kv.pool.blocks if b.ref_cnt >= 1)
-    block.ref_cnt += 1
-    assert "ref_count_is_holders" in _caught_at_next_step(runner)
-
-    runner = _warm_runner()
-    request = runner.target.scheduler.requests["r1"]
-    request.num_computed_tokens -= 2
-    assert {"schedule_relation", "transition_admitted_by_model"} <= _caught_at_next_step(runner)
-
-    runner = _warm_runner()
-    cached = {b for _k, b in runner.obs.pool.cached}
-    held = {b for r in runner.obs.requests.values() for b in r.block_ids[0]}
-    victim = min(cached - held) if cached - held else min(cached)
-    runner.content._write(0, (victim,), 0, GARBAGE)  # the worker's KV there is lost
-    assert "no_caching_of_invalid_blocks" in _caught_at_next_step(runner)
-
-
 def test_the_first_missing_read_is_the_first_of_every_block_read_and_missing():
     """``every_group_serves_computed`` names the first block a step reads that
     the table lacks without listing every block read (full attention: the

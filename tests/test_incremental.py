@@ -50,6 +50,28 @@ def _caught_at_next_step(runner: Runner) -> set[str]:
     return {v.invariant for v in exc.value.violations}
 
 
+def test_state_broken_between_two_steps_is_caught_at_the_next():
+    """What the checks derive once (per Context, or once per hash) hides no
+    change: a reference count, a computed count or a cached block's content
+    broken after many checked steps is reported at the very next step."""
+    runner = _warm_runner()
+    block = next(b for b in runner.target.scheduler.kv.pool.blocks if b.ref_cnt >= 1)
+    block.ref_cnt += 1
+    assert "ref_count_is_holders" in _caught_at_next_step(runner)
+
+    runner = _warm_runner()
+    request = runner.target.scheduler.requests["r1"]
+    request.num_computed_tokens -= 2
+    assert {"schedule_relation", "transition_admitted_by_model"} <= _caught_at_next_step(runner)
+
+    runner = _warm_runner()
+    cached = {b for _k, b in runner.obs.pool.cached}
+    held = {b for r in runner.obs.requests.values() for b in r.block_ids[0]}
+    victim = min(cached - held) if cached - held else min(cached)
+    runner.content._write(0, (victim,), 0, GARBAGE)  # the worker's KV there is lost
+    assert "no_caching_of_invalid_blocks" in _caught_at_next_step(runner)
+
+
 def test_the_warm_run_checks_incrementally():
     runner = _warm_runner()
     inc = runner.checker.incremental

@@ -76,14 +76,14 @@ class Checker:
         return plan
 
     def check(self, ctx: Context, kinds=("state", "data"), transition=None,
-              model_step=None, full: bool = False) -> list[Violation]:
+              model_step=None) -> list[Violation]:
         """Every claim of ``kinds`` on ``ctx``, the relations of ``transition``,
         the model on ``model_step``; the state and data claims judge only what
-        changed since they last held, unless ``full`` or the interval came round."""
+        changed since they last held, unless the interval came round."""
         action = transition.action if transition is not None else None
         plan = self.get_plan(kinds, action, model_step is not None)
         narrowable = any(inv.scope != "all" for inv in plan)
-        ctx.scope = None if full or not narrowable else self.incremental.get_scope(ctx)
+        ctx.scope = self.incremental.get_scope(ctx) if narrowable else None
         found, narrowed = [], []
         for inv in plan:
             if inv.kind in ("state", "data"):

@@ -18,6 +18,3 @@ class TupleCache:
         frozen = tuple(values)
         self._tuples[key] = (list(values), frozen)
         return frozen
-
-    def forget(self, key) -> None:
-        self._tuples.pop(key, None)

@@ -11,7 +11,7 @@ is read from four places, each cheap next to judging every conjunct:
 - the ghost's log of the requests its history events touched (``spec/history.py``);
 - the data oracle's log of blocks whose content or unreported-failure mark
   changed, the hashes it learnt, and the blocks async loads now write;
-- holders: every block a changed request held before or holds now, and every
+- holders: the blocks a changed request's tables gained or lost, and every
   request holding a block whose content changed.
 
 Everything is judged at the first check of each mode, every ``full_every``
@@ -23,7 +23,7 @@ import os
 
 import attrs
 
-from kvspec.spec.groups import GROUP_KEY
+from kvspec.spec.groups import get_group_cache_key
 from kvspec.spec.invariants import Context
 from kvspec.spec.scope import Scope
 from kvspec.spec.state import Observation, PoolView
@@ -158,8 +158,7 @@ def get_changed_content(base: Baseline, ctx: Context) -> set[int]:
     if learned:
         # a key cached before its hash was learnt was not judgeable then (one
         # cached since is in the scope already): its blocks are judged now
-        keys = set(learned).union(*(((GROUP_KEY, g, h) for h in learned)
-                                    for g in range(1, len(oracle.groups))))
+        keys = {get_group_cache_key(h, g) for h in learned for g in range(len(oracle.groups))}
         older = keys.intersection(base.get_cached_keys())
         if older:
             content.update(b for key, b in ctx.obs.pool.cached if key in older)

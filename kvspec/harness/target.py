@@ -122,8 +122,8 @@ class ImplTarget:
         pool says it changed (``cache_version``: its only writers bump it)."""
         version = getattr(pool, "cache_version", None)
         if version is None or version != self._cached_seen[0]:
-            self._cached_seen = (version, tuple([(h, block_id) for h, copies in
-                                                 pool.cached.items() for block_id in copies]))
+            self._cached_seen = (version, tuple((h, b.block_id)
+                                                for h, b in pool.get_cached_entries()))
         return self._cached_seen[1]
 
     def observe(self) -> Observation:

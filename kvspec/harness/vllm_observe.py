@@ -168,7 +168,8 @@ class VllmObserver:
     def _pool_view(self) -> PoolView:
         pool = self.scheduler.kv_cache_manager.block_pool
         blocks = pool.blocks[NULL_BLOCKS:]
-        free = [b - NULL_BLOCKS for b in map(_BLOCK_ID, pool.free_block_queue.get_all_free_blocks())]
+        free = [b - NULL_BLOCKS
+                for b in map(_BLOCK_ID, pool.free_block_queue.get_all_free_blocks())]
         cached = []
         table = pool.cached_block_hash_to_block
         entries = getattr(table, "_cache", table)  # a BlockHashToBlockMap, or a plain dict
