@@ -470,8 +470,9 @@ def report(result, design_rules: bool = True, prep=None, first_line: bool = True
         for v in result.counterexample.violations:
             violations[v.invariant] = violations.get(v.invariant, 0) + 1
     console.print(summary_table(result.checks, result.witnessed, violations, design_rules))
-    console.print(f"{result.runs} runs, {result.actions} actions in {result.elapsed:.1f}s "
-                  f"({rate(result)})")
+    from kvspec.run import get_scaled_runs
+    console.print(f"{result.runs} runs{get_scaled_runs(result)}, {result.actions} actions in "
+                  f"{result.elapsed:.1f}s ({rate(result)})")
     profile = prep.profile if prep is not None else None
     for name, why in unwitnessed(result.checks, result.witnessed, design_rules, profile).items():
         console.print(f"[yellow]never witnessed:[/] {name}" + (f" ({why})" if why else ""))
@@ -526,6 +527,24 @@ FULL_CHECK_EVERY_HELP = (
     "strong (docs/spec.md, 'Incremental checking')")
 
 
+SCALE_HELP = (
+    "run sizes: small (the fuzzer's pools of tens of blocks and prompts of tens of tokens), "
+    "production (every run production-sized: block size 16, ~1,000-10,000 blocks, 64-256 "
+    "concurrent requests, waves of 1,000-4,000-token prompts sharing long prefixes), or mixed "
+    "(default: one batch in 16 is four production-sized runs; `runs_by_scale` in --json)")
+
+
+def set_scale(value: str | None) -> None:
+    """``--scale``: for this process and the workers it starts."""
+    from kvspec.harness.machine import SCALE_ENV, get_scale
+    if value is not None:
+        os.environ[SCALE_ENV] = value
+    try:
+        get_scale()
+    except ValueError as exc:  # a bad value: one line, not a traceback
+        fail(str(exc).replace(f"{SCALE_ENV}=", "--scale ") if value is not None else str(exc))
+
+
 def set_full_check_every(value: int | None) -> None:
     """``--full-check-every``: for this process and the workers it starts."""
     from kvspec.harness.incremental import FULL_CHECK_EVERY_ENV, get_full_every
@@ -559,11 +578,13 @@ def check(target: str = typer.Option(None, help="target to check (default: impl,
                                               help="time every claim; print the costliest"),
           full_check_every: int = typer.Option(None, "--full-check-every", min=1,
                                                help=FULL_CHECK_EVERY_HELP),
+          scale: str = typer.Option(None, "--scale", help=SCALE_HELP),
           connector: str = typer.Option(None, "--connector", help=CONNECTOR_HELP),
           connector_config: str = typer.Option(None, "--connector-config",
                                                help=CONNECTOR_CONFIG_HELP)):
     """Check every invariant on a target within a budget; exit 1 on a new violation."""
     set_full_check_every(full_check_every)
+    set_scale(scale)
     target = default_target(target, vllm, connector)
     fuzz_and_report(resolve_target(target, strict, fixes, plant, connector, connector_config),
                     budget, seed, out, DEFAULT_DB,
@@ -594,11 +615,13 @@ def fuzz_cmd(target: str = typer.Option(None, help="target to fuzz (default: imp
           workers: int = typer.Option(1, "--workers", help=WORKERS_HELP),
           full_check_every: int = typer.Option(None, "--full-check-every", min=1,
                                                help=FULL_CHECK_EVERY_HELP),
+          scale: str = typer.Option(None, "--scale", help=SCALE_HELP),
           connector: str = typer.Option(None, "--connector", help=CONNECTOR_HELP),
           connector_config: str = typer.Option(None, "--connector-config",
                                                help=CONNECTOR_CONFIG_HELP)):
     """Fuzz a target; every failure is saved as a trace and shown as a step table."""
     set_full_check_every(full_check_every)
+    set_scale(scale)
     target = resolve_target(default_target(target, vllm, connector), strict, fixes, plant,
                             connector, connector_config)
     if workers != 1:

@@ -91,6 +91,22 @@ contract of `docs/findings/README.md`): a synchronous hit leaves the last
 token to compute, and a finished load is not offered again before a
 preemption. Liveness is checked only in a final healed phase with no faults.
 
+## Run sizes
+
+Most runs are small (pools of tens of blocks, prompts of tens of tokens,
+a few requests): a small state reaches the corner cases fast, and Hypothesis
+shrinks a failure to a few steps. Some bugs need size (thousands of blocks in
+the free queue, a deep waiting queue, long shared prefixes evicted and hit
+again), so some runs are production-sized (`kvspec/harness/machine.py`,
+`ProductionMachine`): vLLM's block size (16), a pool of about 1,000 to 10,000
+blocks, a 1,024 to 8,192-token budget, 64 to 256 concurrent requests, a
+4,096-token context, and waves of 16 to 64 requests whose 1,000 to 4,000-token
+prompts share long prefixes, beside the small rules and faults. They draw the
+same configuration as a small run, scaled, and are traces like any other.
+`kvspec check` and `fuzz` run one batch in 16 at that size by default
+(`--scale mixed`; `small`, `production`), and count them (`runs_by_scale` in
+`--json`).
+
 ## Scope notes
 
 `num_cached_tokens <= num_computed_tokens` is claimed only for a request that

@@ -90,6 +90,8 @@ def combine(summaries: list[dict]) -> dict:
                 state_checks=dict(first.get("state_checks", {}), **{
                     k: sum(s.get("state_checks", {}).get(k, 0) for s in summaries)
                     for k in ("incremental", "full")}),
+                runs_by_scale={k: sum(s.get("runs_by_scale", {}).get(k, 0) for s in summaries)
+                               for k in ("small", "production")},
                 traces=[s["trace"] for s in failing],
                 known_findings=[k for s in summaries for k in s.get("known_findings", [])],
                 unwitnessed=sorted(set.intersection(*(set(s["unwitnessed"])

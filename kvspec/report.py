@@ -129,6 +129,9 @@ def json_summary(result, version: str, budget_s: float, profile, design_rules: b
         "state_checks": {"incremental": result.state_checks.get("incremental", 0),
                          "full": result.state_checks.get("full", 0),
                          "full_every": get_full_every()},
+        # issue 30: production-sized runs (kvspec.harness.machine.ProductionMachine)
+        "runs_by_scale": {"small": result.scales.get("small", 0),
+                          "production": result.scales.get("production", 0)},
         # actions the conformance model did not judge (every step is a model
         # step since issue 25: sync and async, every group's table)
         "not_evaluated": {} if not result.features.get(OUTSIDE_MODEL) else {

@@ -91,16 +91,18 @@ def prepare(target: str, seconds: float, profile, asked: dict[str, str], gaps: d
 def execute(prep: Prepared, seed: int, out: Path, db: Path | None, design_rules: bool, kv: str,
             console, on_run: Callable[[int], None] | None = None, trace_name=None,
             max_examples: int | None = None):
-    """Fuzz within the budget; progress as a bar on a terminal, as lines in a log."""
+    """Fuzz within the budget, at the run sizes ``--scale`` set (``get_scale``);
+    progress as a bar on a terminal, as lines in a log."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvspec.harness.fuzz import fuzz
+    from kvspec.harness.machine import get_scale
 
     def event(line: str) -> None:
         print(f"kvspec: {line}", file=sys.stderr, flush=True)
     common = dict(profile=prep.profile, design_rules=design_rules, kv=kv,
                   recogniser=prep.recogniser, on_event=event, on_run=on_run,
-                  trace_name=trace_name, max_examples=max_examples)
+                  trace_name=trace_name, max_examples=max_examples, scale=get_scale())
     if not console.is_terminal:  # a log: a plain line at a steady interval
         from kvspec.cli import PROGRESS_EVERY, progress_line
         return fuzz(prep.target, prep.seconds, seed, out, db,
@@ -113,8 +115,15 @@ def execute(prep: Prepared, seed: int, out: Path, db: Path | None, design_rules:
         def tick(result):
             what = "shrinking" if result.shrink_started is not None else "fuzzing"
             progress.update(task, completed=min(result.elapsed, prep.seconds),
-                            description=f"{what}: {result.runs} runs, {result.actions} actions")
+                            description=f"{what}: {result.runs} runs"
+                            f"{get_scaled_runs(result)}, {result.actions} actions")
         return fuzz(prep.target, prep.seconds, seed, out, db, progress=tick, **common)
+
+
+def get_scaled_runs(result) -> str:
+    """" (N production-sized)" where a campaign ran any."""
+    n = result.scales.get("production", 0)
+    return f" ({n} production-sized)" if n else ""
 
 
 def verdict(result, prep: Prepared) -> tuple[str, int]:
@@ -172,6 +181,7 @@ def default_check(target: str, budget: float, seed: int, out: Path, base=None, *
     (the FuzzResult, the Prepared run)."""
     from kvspec.cli import target_profile, target_gaps
     from kvspec.harness.fuzz import fuzz
+    from kvspec.harness.machine import get_scale
     prep = prepare(target, budget, target_profile(target, quiet=True), {}, target_gaps(target),
                    base)
     result = fuzz(target, budget, seed, out, profile=prep.profile, recogniser=prep.recogniser,

@@ -201,6 +201,9 @@ class KVContent:
         self._offered: dict = Memo()
         #: prefix-cache key -> its (hash, group), for the keys cached now
         self._parsed_keys: dict = Memo()
+        #: the prefix-cache entries ``_get_cached_keys`` last read (a target keeps
+        #: the very same tuple while its cache is unchanged) and what they gave
+        self._last_cached_keys: dict = Memo()
         #: (hash, group) -> the slots a block of the group cached under it holds
         #: (``_want`` of what the hash names): derived from ``expected_by_hash``,
         #: whose entries never change, so computed once
@@ -725,16 +728,27 @@ class KVContent:
         0). Kept up to date block by block: a block is read again only when
         it enters the cache or is written. Live books: read them before the
         next call."""
-        blocks = set(map(_SECOND, obs.pool.cached))
         known, contents, lasts = self._offered_books()
-        for b in [b for b, seen in known.items()
-                  if b not in blocks or seen[0] != self.last_write[b]]:
+        books, log = self._offered, self.changed_blocks
+        if books.get("entries") is obs.pool.cached and log.active and \
+                books["mark"] >= log.offset:
+            # the very entries of the last call (``known`` holds their blocks):
+            # only a block written since is read again
+            stale = new = known.keys() & set(log.since(books["mark"]))
+        else:
+            blocks = set(map(_SECOND, obs.pool.cached))
+            stale = [b for b, seen in known.items()
+                     if b not in blocks or seen[0] != self.last_write[b]]
+            new = blocks.difference(known.keys() - set(stale))
+        books.update(entries=obs.pool.cached, mark=log.offset + len(log.items),
+                     version=books.get("version", 0) + bool(stale or new))
+        for b in stale:
             _clock, tuples, last = known.pop(b)
             for value in tuples:
                 _uncount(contents, value)
             _uncount(lasts, last)
         sizes = sorted({g.block_size for g in self.groups})
-        for b in blocks.difference(known):
+        for b in new:
             tuples, last = [tuple(self.slots[b][:size]) for size in sizes], self.slots[b][-1]
             known[b] = (self.last_write[b], tuples, last)
             contents.update(tuples)
@@ -751,19 +765,26 @@ class KVContent:
     def note_step_start(self, obs: Observation) -> None:
         """A step begins: what the cache offers now (a block computed again over
         a copy the cache held is not the scheduler's to cache twice)."""
-        self.offered_at_start = tuple(map(frozenset, self.get_offered(obs)))
+        offered, books = self.get_offered(obs), self._offered
+        if books.get("snapshot_version") != books["version"]:  # else: what it was
+            self.offered_at_start = tuple(map(frozenset, offered))
+            books["snapshot_version"] = books["version"]
         self.keys_at_start = self._get_cached_keys(obs)
 
     def _get_cached_keys(self, obs: Observation) -> frozenset:
         """The (hash, group) of every prefix-cache key, each key parsed once
         (``split_cache_key``) while it stays in the cache."""
-        parsed = self._parsed_keys
-        keys = dict(obs.pool.cached).keys()
+        parsed, last = self._parsed_keys, self._last_cached_keys
+        cached = obs.pool.cached
+        if last.get("entries") is cached:  # the very entries of the last call
+            return last["keys"]
+        keys = dict(cached).keys()
         for key in parsed.keys() - keys:
             del parsed[key]
         for key in keys - parsed.keys():
             parsed[key] = split_cache_key(key)
-        return frozenset(parsed.values())
+        last.update(entries=cached, keys=frozenset(parsed.values()))
+        return last["keys"]
 
     def _was_offered(self, r: RequestView, g: int, index: int, expected: tuple) -> bool:
         """A copy was in the cache when the step began: by content, or by the

@@ -186,3 +186,89 @@ def test_the_first_missing_read_is_the_first_of_every_block_read_and_missing():
         if group.kind == "full_attention" and NULL_BLOCK in table:
             missing = [table.index(NULL_BLOCK)]
         assert get_first_missing_read(group, table, real) == missing[:1], (group, table, real)
+
+
+def _offered_from_scratch(content: KVContent, obs) -> tuple:
+    """``get_offered``'s definition: every cached block's slots as each block
+    size keeps them, and its last slot, counted over the blocks cached now."""
+    from collections import Counter
+    sizes = sorted({g.block_size for g in content.groups})
+    contents, lasts = Counter(), Counter()
+    for b in {b for _key, b in obs.pool.cached}:
+        contents.update(tuple(content.slots[b][:size]) for size in sizes)
+        lasts[content.slots[b][-1]] += 1
+    return contents, lasts
+
+
+@pytest.mark.parametrize("target", ["impl", "mutant:cache_failed_block"])
+def test_the_offered_books_are_what_the_cache_offers(target, monkeypatch):
+    """``get_offered`` reads again only blocks that entered the cache or were
+    written since its last call (by the write log while the target hands back
+    the very same entries): after every call its books equal a count from
+    scratch, and the step's snapshot equals them at the step's start, on
+    random runs with load failures, preemptions, resets and several groups."""
+    from hypothesis import HealthCheck, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from kvspec.harness.machine import machine_for
+    original_offered, original_start = KVContent.get_offered, KVContent.note_step_start
+    calls = {"offered": 0, "fast": 0}
+
+    def get_offered(self, obs):
+        fast = self._offered.get("entries") is obs.pool.cached
+        got = original_offered(self, obs)
+        assert tuple(map(dict, got)) == tuple(map(dict, _offered_from_scratch(self, obs)))
+        calls["offered"] += 1
+        calls["fast"] += fast
+        return got
+
+    def note_step_start(self, obs):
+        original_start(self, obs)
+        want = tuple(map(frozenset, _offered_from_scratch(self, obs)))
+        assert self.offered_at_start == want
+    monkeypatch.setattr(KVContent, "get_offered", get_offered)
+    monkeypatch.setattr(KVContent, "note_step_start", note_step_start)
+    # a mutant's violation ends its run quietly: the books are what is judged here
+    machine = machine_for(target, on_counterexample=lambda exc: True)
+    machine._hypothesis_internal_use_seed = 11
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=20, stateful_step_count=25, deadline=None, database=None,
+        suppress_health_check=list(HealthCheck)))
+    assert calls["offered"] > 200 and calls["fast"] > 100, calls
+
+
+@pytest.mark.parametrize("groups", GROUPS, ids=range(len(GROUPS)))
+@pytest.mark.parametrize("logged", [True, False], ids=["write-log", "no-log"])
+def test_the_offered_books_follow_writes_and_entries(groups, logged):
+    """The same books, at random: blocks cached and evicted (a new entries tuple,
+    or the very same one kept), slots written in between, a copy of the
+    oracle; the write log read by another reader (trimmed) or by none."""
+    from types import SimpleNamespace
+    rng = random.Random(7)
+    content = KVContent(12, 4, groups)
+    if logged:
+        reader = content.changed_blocks.mark()
+    entries = ()
+    fast = 0
+    for _ in range(400):
+        for roll in [rng.random() for _ in range(rng.randint(1, 3))]:
+            if roll < 0.2:
+                entries = tuple({(rng.randrange(6), rng.randrange(12))
+                                 for _ in range(rng.randint(0, 6))})
+            elif roll < 0.7:
+                b = rng.randrange(12)
+                content._write_slot(b, rng.randrange(len(content.slots[b])),
+                                    rng.choice([GARBAGE, 1, 2, 3]))
+            elif roll < 0.75:
+                content = copy.deepcopy(content)
+            elif logged and roll < 0.85:  # the other reader moves on: the log forgets
+                reader = content.changed_blocks.offset + len(content.changed_blocks.items)
+                content.changed_blocks.trim(reader - rng.randint(0, 1))
+        obs = SimpleNamespace(pool=SimpleNamespace(cached=entries))
+        fast += content._offered.get("entries") is entries and content.changed_blocks.active
+        got = content.get_offered(obs)
+        assert tuple(map(dict, got)) == tuple(map(dict, _offered_from_scratch(content, obs)))
+        content.note_step_start(obs)
+        want = tuple(map(frozenset, _offered_from_scratch(content, obs)))
+        assert content.offered_at_start == want
+    assert fast > 100 if logged else fast == 0

@@ -18,6 +18,7 @@ import os
 import re
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -28,7 +29,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvspec.harness.example_db import open_database
 from kvspec.harness.heartbeat import periodic
 from kvspec.harness.interrupt import interruptible, is_interrupted, stop_if_interrupted
-from kvspec.harness.machine import machine_for
+from kvspec.harness.machine import SCALES, machine_for
 from kvspec.harness.minimize import minimize
 from kvspec.harness.profiles import MODELLED
 from kvspec.harness.runner import ALL_KINDS, Counterexample, is_lost_performance
@@ -58,6 +59,8 @@ class FuzzResult:
     #: state checks that judged only what a call changed ("incremental") and
     #: those that judged everything ("full": first ones, the interval, run ends)
     state_checks: dict[str, int] = attrs.Factory(dict)
+    #: runs per size ("small", "production": ``machine.ProductionMachine``)
+    scales: dict[str, int] = attrs.Factory(dict)
     #: known findings met on the way (``Explanation.key`` -> KnownHit)
     known: dict[str, "KnownHit"] = attrs.Factory(dict)
     #: efficiency claims broken on the way (claim -> KnownHit): lost performance,
@@ -114,7 +117,7 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
          kv: str = "symbolic", recogniser=None,
          on_event: Callable[[str], None] | None = None,
          on_run: Callable[[int], None] | None = None,
-         max_examples: int | None = None) -> FuzzResult:
+         max_examples: int | None = None, scale: str = "small") -> FuzzResult:
     """Fuzz ``target`` for ``budget`` seconds, shrinking included. ``progress``
     is called after each batch; ``kv``: the worker's KV, symbolic or torch (real
     tensors); ``heartbeat``, if given, every ``heartbeat_every`` seconds from a
@@ -124,7 +127,9 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
     shrinking begun); ``on_run``: called as each run starts (coverage contexts).
     ``max_examples``: a budget in runs instead of seconds, so that a seed explores
     the same way on any machine: no time limit applies (to shrinking neither), and
-    the example database is written but not replayed first."""
+    the example database is written but not replayed first. ``scale``: "small"
+    runs, "production"-sized ones (``machine.ProductionMachine``), or "mixed":
+    one batch in ``PRODUCTION_EVERY`` is ``PRODUCTION_BATCH`` production-sized runs."""
     start = time.monotonic()
     by_examples = max_examples is not None
     deadline = math.inf if by_examples else start + budget
@@ -169,27 +174,33 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
         state["last"] = exc
         return False
 
-    machine = machine_for(target, on_counterexample=on_counterexample, kinds=kinds,
-                          profile=profile, design_rules=design_rules, kv=kv,
-                          deadline=None if by_examples else deadline)
+    if scale not in SCALES:
+        raise ValueError(f"scale {scale!r}: one of {', '.join(SCALES)}")
+    stats = Counter()  # one count for the small and the production-sized runs
+    machines = {size: machine_for(target, on_counterexample=on_counterexample, kinds=kinds,
+                                  profile=profile, design_rules=design_rules, kv=kv,
+                                  deadline=None if by_examples else deadline, scale=size,
+                                  stats=stats)
+                for size in ("small", "production")}
+    machine = machines["small"]
     if on_run is not None:
-        original_init = machine.__init__
-
-        def init(self) -> None:
-            on_run(type(self).stats["runs"] + 1)
-            original_init(self)
-        machine.__init__ = init
+        for m in machines.values():
+            _tell_run_starts(m, on_run)
     database = open_database(db_dir)  # a directory, redis://, github-artifact:
     stop = _start_heartbeat(heartbeat, heartbeat_every, machine, result, start)
-    batch = 0
+    batch = planned = 0  # batches begun, runs asked of them
     try:
         with interruptible():
-            while (batch * batch_examples < max_examples if by_examples
+            while (planned < max_examples if by_examples
                    else time.monotonic() < deadline):
                 stop_if_interrupted()
+                size = get_batch_scale(scale, batch)
+                machine = machines[size]
                 machine._hypothesis_internal_use_seed = derive_seed(seed, batch)
-                examples = (min(batch_examples, max_examples - batch * batch_examples)
-                            if by_examples else batch_examples)
+                examples = batch_examples if size == "small" else PRODUCTION_BATCH
+                if by_examples:
+                    examples = min(examples, max_examples - planned)
+                planned += examples
                 batch += 1
                 try:
                     run_state_machine_as_test(machine, settings=settings(
@@ -233,6 +244,30 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
         stop.set()
         pending.unlink(missing_ok=True)
     return result
+
+
+#: under ``scale="mixed"``, one batch in this many is production-sized ...
+PRODUCTION_EVERY = 16
+#: ... and runs this many runs: a production-sized run takes seconds, a small one
+#: tens of milliseconds. (Hypothesis begins every batch with its simplest example,
+#: the same each time: a batch of one would run nothing else.)
+PRODUCTION_BATCH = 4
+
+
+def get_batch_scale(scale: str, batch: int) -> str:
+    """The size of the runs of ``batch`` (0-based) under ``scale``."""
+    if scale == "mixed":
+        return "production" if batch % PRODUCTION_EVERY == PRODUCTION_EVERY - 1 else "small"
+    return scale
+
+
+def _tell_run_starts(machine, on_run: Callable[[int], None]) -> None:
+    original_init = machine.__init__
+
+    def init(self) -> None:
+        on_run(type(self).stats["runs"] + 1)
+        original_init(self)
+    machine.__init__ = init
 
 
 #: how often a new counterexample's saved trace is replayed before it is reported
@@ -332,6 +367,7 @@ def _collect(result: FuzzResult, machine, start: float) -> None:
     result.witnessed = _prefixed(stats, "witness:")
     result.features = _prefixed(stats, "feature:")
     result.state_checks = _prefixed(stats, "state_checks:")
+    result.scales = _prefixed(stats, "scale:")
 
 
 def _prefixed(stats, prefix: str) -> dict[str, int]:

@@ -6,6 +6,7 @@ teardown, by a healed phase (``drain``) in which every request must finish.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from typing import Callable
@@ -24,6 +25,22 @@ from kvspec.spec.state import BATCH_QUEUE_DEPTH, MAX_DRAFTS, SYNC_MAX_DRAFTS, Gr
 PREFIXES = ((1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5), (2, 4, 6, 1, 3, 5, 7, 2, 4, 6, 1, 3),
             (7, 7, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5))
 MAX_REQUESTS = 8
+#: the run sizes ``fuzz`` and ``check`` draw (``--scale``): "small" (the rules'
+#: draws as they are), "production" (every run production-sized,
+#: ``ProductionMachine``), "mixed" (one batch in ``PRODUCTION_EVERY`` is)
+SCALES = ("small", "mixed", "production")
+#: what ``kvspec check`` and ``fuzz`` run by default; ``--scale`` sets it for a
+#: whole campaign, its workers included
+DEFAULT_SCALE = "mixed"
+SCALE_ENV = "KVSPEC_SCALE"
+
+
+def get_scale() -> str:
+    """The run sizes this process's campaigns draw (``SCALE_ENV``)."""
+    raw = os.environ.get(SCALE_ENV, "").strip() or DEFAULT_SCALE
+    if raw not in SCALES:
+        raise ValueError(f"{SCALE_ENV}={raw!r}: one of {', '.join(SCALES)}")
+    return raw
 
 # Faults and events name requests by index; most counterexamples involve the
 # first few requests, so draw from those (a larger range rarely hits a live one).
@@ -86,6 +103,28 @@ def make_prompt(index: int, prefix: int, prefix_len: int, suffix_len: int) -> li
     return list(PREFIXES[prefix][:prefix_len]) + [10 + index * 7 + k for k in range(suffix_len)]
 
 
+#: what each run's configuration is drawn from (``_size`` scales it)
+CONFIG_DRAWS = dict(
+    block_size=st.sampled_from([2, 3, 4]), spare_blocks=st.integers(1, 12),
+    budget=st.integers(4, 24), max_num_seqs=st.integers(1, 4),
+    max_model_len=st.integers(12, 24), threshold=st.sampled_from([0, 0, 1, 3, 5]),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    failure_policy=st.sampled_from(["recompute", "recompute", "fail"]),
+    swarm=swarms, scheduling=st.sampled_from(["async", "async", "sync"]),
+    kv_role=st.sampled_from(["kv_both", "kv_both", "kv_consumer", "kv_producer"]),
+    # "best_effort": the connector does not require KV delivery (the
+    # offloading connectors); "none": no connector at all
+    connector=st.sampled_from(["default", "default", "best_effort", "none"]),
+    # steps in flight: 2, or a pipeline's depth
+    batches=st.sampled_from([2, 2, 3, 4]),
+    async_drafts=st.sampled_from([0, 2, MAX_DRAFTS]),
+    # one group half the time: most claims are about the scheduler, not the groups
+    layout=st.sampled_from(["full"] * (len(LAYOUTS) - 1) + sorted(set(LAYOUTS) - {"full"})),
+    window=st.integers(1, 9),
+    # a mixed layout: whose blocks are the larger
+    larger=st.sampled_from(["full_attention", "sliding_window"]))
+
+
 class KVSpecMachine(RuleBasedStateMachine):
     target_name = "impl"
     kinds = ALL_KINDS
@@ -100,6 +139,10 @@ class KVSpecMachine(RuleBasedStateMachine):
     #: shrinking too (a shrink candidate then passes, and shrinking stops)
     deadline: float | None = None
     stats: Counter = Counter()
+    #: how big a run is ("small" or "production"): counted per run
+    scale: str = "small"
+    #: requests one run may add
+    max_requests: int = MAX_REQUESTS
 
     def __init__(self) -> None:
         super().__init__()
@@ -110,6 +153,7 @@ class KVSpecMachine(RuleBasedStateMachine):
         self.dead = False
         self.swarm = Swarm()
         type(self).stats["runs"] += 1
+        type(self).stats[f"scale:{self.scale}"] += 1
 
     def _apply(self, action: dict) -> None:
         stop_if_interrupted()
@@ -136,31 +180,15 @@ class KVSpecMachine(RuleBasedStateMachine):
     def _ids(self, indices) -> list[str]:
         return [f"r{i}" for i in sorted(indices) if i < self.next_index]
 
-    @initialize(block_size=st.sampled_from([2, 3, 4]), spare_blocks=st.integers(1, 12),
-                budget=st.integers(4, 24), max_num_seqs=st.integers(1, 4),
-                max_model_len=st.integers(12, 24), threshold=st.sampled_from([0, 0, 1, 3, 5]),
-                policy=st.sampled_from(["fcfs", "priority"]),
-                failure_policy=st.sampled_from(["recompute", "recompute", "fail"]),
-                swarm=swarms, scheduling=st.sampled_from(["async", "async", "sync"]),
-                kv_role=st.sampled_from(["kv_both", "kv_both", "kv_consumer", "kv_producer"]),
-                # "best_effort": the connector does not require KV delivery (the
-                # offloading connectors); "none": no connector at all
-                connector=st.sampled_from(["default", "default", "best_effort", "none"]),
-                # steps in flight: 2, or a pipeline's depth
-                batches=st.sampled_from([2, 2, 3, 4]),
-                async_drafts=st.sampled_from([0, 2, MAX_DRAFTS]),
-                # one group half the time: most claims are about the scheduler,
-                # not the groups
-                layout=st.sampled_from(["full"] * (len(LAYOUTS) - 1)
-                                       + sorted(set(LAYOUTS) - {"full"})),
-                window=st.integers(1, 9),
-                # a mixed layout: whose blocks are the larger
-                larger=st.sampled_from(["full_attention", "sliding_window"]))
+    @initialize(**CONFIG_DRAWS)
     def configure(self, block_size, spare_blocks, budget, max_num_seqs, max_model_len,
                   threshold, policy, failure_policy, swarm, scheduling, kv_role, async_drafts,
                   layout="full", window=1, connector="default", batches=2,
                   larger="full_attention"):
         self.swarm = swarm
+        block_size, spare_blocks, budget, max_num_seqs, max_model_len, threshold, window = \
+            self._size(block_size, spare_blocks, budget, max_num_seqs, max_model_len,
+                       threshold, window)
         layout = self._drawable(layout)
         groups = make_groups(layout, block_size, window, larger)
         if scheduling not in self.profile.scheduling:
@@ -199,6 +227,11 @@ class KVSpecMachine(RuleBasedStateMachine):
                              num_speculative_tokens=async_drafts, groups=groups)
         self.runner = Runner(self.target_name, config, self.kinds, self.design_rules, kv=self.kv)
 
+    def _size(self, *drawn: int) -> tuple[int, ...]:
+        """block_size, spare_blocks, budget, max_num_seqs, max_model_len,
+        threshold and window, as this run's scale makes them of the draws."""
+        return drawn
+
     def _drawable(self, layout: str) -> str:
         """The layout drawn, or, where the profile leaves it out, the one it
         allows that is nearest: hybrid for hybrid (so a target that maps fewer
@@ -218,7 +251,7 @@ class KVSpecMachine(RuleBasedStateMachine):
         plan = self.runner.env.plans.get(rid)
         return allowed == "async" and plan is not None and plan.load_async
 
-    @precondition(lambda self: self.next_index < MAX_REQUESTS)
+    @precondition(lambda self: self.next_index < self.max_requests)
     @rule(prefix=st.integers(0, 2), prefix_len=st.integers(0, 12), suffix_len=st.integers(1, 6),
           max_tokens=st.integers(1, 6), priority=st.integers(0, 2), ext=st.integers(0, 18),
           load_async=st.booleans(), none=st.integers(0, 2), send=st.booleans(),
@@ -244,13 +277,13 @@ class KVSpecMachine(RuleBasedStateMachine):
         self.next_index += 1
         self._apply(action)
 
-    @precondition(lambda self: self.next_index < MAX_REQUESTS - 1)
+    @precondition(lambda self: self.next_index < self.max_requests - 1)
     @rule(prefix=st.integers(0, 2), prefix_len=st.integers(4, 12), count=st.integers(2, 3),
           ext=st.integers(2, 12), load_async=st.booleans())
     def add_burst(self, prefix, prefix_len, count, ext, load_async):
         """Requests sharing a system prompt arrive together; the first finds its
         prefix in the external store, the others hit what it brings in."""
-        for k in range(min(count, MAX_REQUESTS - self.next_index)):
+        for k in range(min(count, self.max_requests - self.next_index)):
             prompt = make_prompt(self.next_index, prefix, prefix_len, 1 + k)
             prompt = prompt[:self.runner.config.max_model_len - 1]
             first = k == 0
@@ -333,12 +366,80 @@ class KVSpecMachine(RuleBasedStateMachine):
                           "state_checks:full": inc.full_checks})
 
 
+#: production-sized runs (issue 30): long shared prefixes for the waves' prompts
+LONG_PREFIXES = tuple(tuple(1 + (p * 7919 + k * 104_729) % 997 for k in range(3000))
+                      for p in range(3))
+#: the longest prompt a wave adds (vLLM's tests use 1,600-token prompts; production
+#: prompts run to thousands)
+MAX_WAVE_PROMPT = 4000
+#: the production model's context: every wave prompt and its outputs fit
+PRODUCTION_MODEL_LEN = 4096
+#: vLLM's default block size
+PRODUCTION_BLOCK_SIZE = 16
+
+
+#: what a wave of long requests is drawn from
+WAVE_DRAWS = dict(prefix=st.integers(0, 2), count=st.integers(16, 64),
+                  prefix_len=st.integers(500, 3000), suffix_len=st.integers(500, 1000),
+                  max_tokens=st.integers(1, 32), ext=st.integers(0, MAX_WAVE_PROMPT),
+                  load_async=st.booleans(), send=st.booleans(), offload=st.booleans())
+
+
+class ProductionMachine(KVSpecMachine):
+    """Runs at production size, so that bugs that need size show: vLLM's block
+    size, a pool of about 1,000 to 10,000 blocks, a 1,024 to 8,192-token budget,
+    64 to 256 concurrent requests, a 4,096-token context, and waves of 16 to 64
+    requests whose prompts of 1,000 to 4,000 tokens share long prefixes. The
+    same draws as a small run, scaled (``_size``), so a failure shrinks the same
+    way; the small rules stay (short requests beside the long ones)."""
+
+    scale = "production"
+    max_requests = 256
+
+    def _size(self, block_size, spare_blocks, budget, max_num_seqs, max_model_len,
+              threshold, window):
+        return (PRODUCTION_BLOCK_SIZE, spare_blocks * 800, 1024 * max(1, budget // 3),
+                64 * max_num_seqs, PRODUCTION_MODEL_LEN, threshold * 256, window * 128)
+
+    @initialize(**CONFIG_DRAWS, first_wave=st.fixed_dictionaries(WAVE_DRAWS))
+    def configure(self, first_wave, **drawn):
+        """A production run begins with a wave: every run is large, whatever the
+        rules draw after it."""
+        super().configure(**drawn)
+        self.add_wave(**first_wave)
+
+    @precondition(lambda self: self.next_index < self.max_requests)
+    @rule(**WAVE_DRAWS)
+    def add_wave(self, prefix, count, prefix_len, suffix_len, max_tokens, ext, load_async,
+                 send, offload):
+        """Many long requests arrive together sharing a system prompt; each has
+        its own suffix, the store holds the first ``ext`` tokens of each."""
+        config = self.runner.config
+        for _ in range(min(count, self.max_requests - self.next_index)):
+            i = self.next_index
+            prompt = list(LONG_PREFIXES[prefix][:prefix_len]) + [
+                10 + i * 7 + k for k in range(suffix_len)]
+            prompt = prompt[:min(MAX_WAVE_PROMPT, config.max_model_len - max_tokens)]
+            self.next_index += 1
+            load = self.swarm.load_async(load_async)
+            self._apply({"op": "add", "id": f"r{i}", "prompt": prompt, "max_tokens": max_tokens,
+                         "ext": self._ext(ext, prompt), "async": load,
+                         "send": send and config.is_kv_producer
+                         and (self.profile.async_load_with_send or not load),
+                         "offload": self.swarm.offload(offload) and config.is_kv_consumer})
+
+
 def machine_for(target: str, on_counterexample=None, kinds=ALL_KINDS,
                 profile: EnvProfile = MODELLED, design_rules: bool = True,
-                kv: str = "symbolic", deadline: float | None = None) -> type[KVSpecMachine]:
-    """A fresh machine class bound to one target (class attributes are per class)."""
-    return type(f"KVSpecMachine_{target.replace(':', '_')}", (KVSpecMachine,),
+                kv: str = "symbolic", deadline: float | None = None,
+                scale: str = "small", stats: Counter | None = None) -> type[KVSpecMachine]:
+    """A fresh machine class bound to one target (class attributes are per class);
+    ``scale`` "production": every run production-sized. Machines given the same
+    ``stats`` count into it."""
+    base = ProductionMachine if scale == "production" else KVSpecMachine
+    return type(f"{base.__name__}_{target.replace(':', '_')}", (base,),
                 {"target_name": target, "on_counterexample": staticmethod(on_counterexample)
-                 if on_counterexample else None, "stats": Counter(), "kinds": tuple(kinds),
+                 if on_counterexample else None,
+                 "stats": Counter() if stats is None else stats, "kinds": tuple(kinds),
                  "profile": profile, "design_rules": design_rules, "kv": kv,
                  "deadline": deadline})

@@ -121,9 +121,10 @@ class ImplTarget:
         """The prefix cache's (hash, block id) entries, read again only when the
         pool says it changed (``cache_version``: its only writers bump it)."""
         version = getattr(pool, "cache_version", None)
-        if version is None or version != self._cached_seen[0]:
-            self._cached_seen = (version, tuple((h, b.block_id)
-                                                for h, b in pool.get_cached_entries()))
+        if version is None:  # a pool without the version (a mutant's own): read it all
+            return tuple((h, b.block_id) for h, b in pool.get_cached_entries())
+        if version != self._cached_seen[0]:
+            self._cached_seen = (version, pool.get_cached_entry_ids())
         return self._cached_seen[1]
 
     def observe(self) -> Observation:
