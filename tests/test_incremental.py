@@ -270,3 +270,21 @@ def test_a_check_counts_its_incremental_and_full_state_checks(tmp_path):
     result = fuzz("impl", budget=3, seed=1, out_dir=tmp_path, db_dir=tmp_path / "db")
     checks = result.state_checks
     assert checks["full"] > 0 and checks["incremental"] > 5 * checks["full"], checks
+
+
+def test_changed_positions_are_where_the_tuples_differ():
+    """``get_changed_positions`` (slices compared whole) against its definition,
+    on lengths around the slice size and changes at its edges."""
+    import random
+
+    from kvspec.harness.incremental import CHUNK, get_changed_positions
+    rng = random.Random(5)
+    for n in (0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7, 10_000):
+        old = tuple(rng.randint(0, 3) for _ in range(n))
+        for k in (0, 1, 2, 40):
+            new = list(old)
+            edges = [i for i in (0, CHUNK - 1, CHUNK, n - 1) if 0 <= i < n]
+            for i in edges[:k] + [rng.randrange(n) for _ in range(k)] if n else []:
+                new[i] += 1
+            want = [i for i in range(n) if old[i] != new[i]]
+            assert get_changed_positions(old, tuple(new)) == want

@@ -137,7 +137,7 @@ def get_changed_pool_blocks(before: PoolView, after: PoolView) -> set[int]:
     """Blocks whose count, free-queue entry, prefix-cache entries, fences or pins changed."""
     blocks: set[int] = set()
     if before.ref_cnt != after.ref_cnt:
-        blocks.update(b for b, (x, y) in enumerate(zip(before.ref_cnt, after.ref_cnt)) if x != y)
+        blocks.update(get_changed_positions(before.ref_cnt, after.ref_cnt))
     if before.free_queue != after.free_queue:
         blocks |= set(before.free_queue).symmetric_difference(after.free_queue)
     if before.cached != after.cached:
@@ -146,6 +146,22 @@ def get_changed_pool_blocks(before: PoolView, after: PoolView) -> set[int]:
         if old != new:
             blocks.update(old, new)
     return blocks
+
+
+#: ``get_changed_positions`` compares this many entries at once (a C loop)
+CHUNK = 64
+
+
+def get_changed_positions(old: tuple, new: tuple) -> list[int]:
+    """The positions at which two tuples of the same length differ: slices
+    compared whole, position by position only inside a slice that differs
+    (a step changes a few counts of a pool of thousands)."""
+    changed = []
+    for start in range(0, len(new), CHUNK):
+        end = start + CHUNK
+        if old[start:end] != new[start:end]:
+            changed += [i for i in range(start, min(end, len(new))) if old[i] != new[i]]
+    return changed
 
 
 def get_changed_content(base: Baseline, ctx: Context) -> set[int]:

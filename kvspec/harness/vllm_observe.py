@@ -38,6 +38,8 @@ class VllmObserver:
         self._tuples = TupleCache()              # a view's unchanged prompt and hashes
         #: vLLM's prefix-cache keys as kvspec's (``_pool_view``)
         self._cache_keys: dict = {}
+        #: the prefix-cache entries last observed (``_pool_view``)
+        self._last_cached: tuple = ()
         self._admitted: set[str] = set()         # stats recorded (see the module doc)
 
     def note_request(self, request) -> None:
@@ -189,8 +191,11 @@ class VllmObserver:
                        if b.block_id >= NULL_BLOCKS)
         world = getattr(self, "world", None)
         pinned = () if world is None else tuple(b - NULL_BLOCKS for b in world.get_pins())
+        cached = tuple(cached)
+        if cached != self._last_cached:  # else the very same tuple as last time:
+            self._last_cached = cached  # those who read it compare it by identity
         return PoolView(ref_cnt=tuple(map(_REF_CNT, blocks)), free_queue=tuple(free),
-                        cached=tuple(cached), fenced=fenced, pinned=pinned)
+                        cached=self._last_cached, fenced=fenced, pinned=pinned)
 
     def observe(self) -> Observation:
         s = self.scheduler
