@@ -94,8 +94,10 @@ class ImplTarget:
         return self.scheduler.reset_prefix_cache(running)
 
     def observe_request(self, request_id: str) -> RequestView:
+        # each group's block ids read once, straight into the view's tuples
+        tables = self.scheduler.kv.get_blocks(request_id)
         return self._view(self.scheduler.requests[request_id],
-                          self.scheduler.kv.get_block_ids(request_id))
+                          [map(_BLOCK_ID, group) for group in tables])
 
     def final_view(self, request_id: str) -> RequestView | None:
         r = self._requests.get(request_id)
