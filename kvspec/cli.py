@@ -534,15 +534,24 @@ SCALE_HELP = (
     "(default: one batch in 16 is four production-sized runs; `runs_by_scale` in --json)")
 
 
-def set_scale(value: str | None) -> None:
-    """``--scale``: for this process and the workers it starts."""
-    from kvspec.harness.machine import SCALE_ENV, get_scale
+def set_scale(value: str | None, kv: str = "symbolic") -> None:
+    """``--scale``: for this process and the workers it starts. Production
+    prompts need more tokens than ``--kv torch``'s tiny model has: under it
+    ``mixed`` runs small, and ``production`` is refused."""
+    from kvspec.harness.machine import SCALE_ENV, SCALES, get_scale
+    if value is not None and value not in SCALES:  # a bad value: one line, not a traceback
+        fail(f"--scale {value!r}: one of {', '.join(SCALES)}")
     if value is not None:
         os.environ[SCALE_ENV] = value
     try:
-        get_scale()
-    except ValueError as exc:  # a bad value: one line, not a traceback
-        fail(str(exc).replace(f"{SCALE_ENV}=", "--scale ") if value is not None else str(exc))
+        scale = get_scale()
+    except ValueError as exc:
+        fail(str(exc))
+    if kv == "torch" and scale != "small":
+        if value == "production":
+            fail("--scale production: not with --kv torch (the tiny model's vocabulary "
+                 "holds fewer tokens than production prompts use)")
+        os.environ[SCALE_ENV] = "small"
 
 
 def set_full_check_every(value: int | None) -> None:
@@ -584,7 +593,7 @@ def check(target: str = typer.Option(None, help="target to check (default: impl,
                                                help=CONNECTOR_CONFIG_HELP)):
     """Check every invariant on a target within a budget; exit 1 on a new violation."""
     set_full_check_every(full_check_every)
-    set_scale(scale)
+    set_scale(scale, kv)
     target = default_target(target, vllm, connector)
     fuzz_and_report(resolve_target(target, strict, fixes, plant, connector, connector_config),
                     budget, seed, out, DEFAULT_DB,
@@ -621,7 +630,7 @@ def fuzz_cmd(target: str = typer.Option(None, help="target to fuzz (default: imp
                                                help=CONNECTOR_CONFIG_HELP)):
     """Fuzz a target; every failure is saved as a trace and shown as a step table."""
     set_full_check_every(full_check_every)
-    set_scale(scale)
+    set_scale(scale, kv)
     target = resolve_target(default_target(target, vllm, connector), strict, fixes, plant,
                             connector, connector_config)
     if workers != 1:
@@ -653,7 +662,10 @@ def fuzz_in_parallel(argv: list[str], workers: int, seed: int, out: Path, db: st
     summaries = [s for _, s, _ in results if s is not None]
     if summaries:
         summary = dict(parallel.combine(summaries), examples_budget=examples)
-        print(f"kvspec: campaign: {summary['runs']} runs, {summary['actions']} actions in "
+        scaled = summary.get("runs_by_scale", {}).get("production", 0)
+        print(f"kvspec: campaign: {summary['runs']} runs"
+              f"{f' ({scaled} production-sized)' if scaled else ''}, "
+              f"{summary['actions']} actions in "
               f"{summary['elapsed_s']:.1f}s ({summary['actions_per_s']} actions/s over "
               f"{len(summaries)} workers)", file=sys.stderr, flush=True)
         write_reports(summary, as_json, junit, markdown)
@@ -835,6 +847,7 @@ def review(base: str = typer.Argument(..., help="the vLLM before the change: a s
            markdown: Path = typer.Option(None, help="the Markdown review (default: "
                                                     "OUT/review.md)"),
            as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
+           scale: str = typer.Option(None, "--scale", help=SCALE_HELP),
            connector: str = typer.Option(None, "--connector", help=CONNECTOR_HELP),
            connector_config: str = typer.Option(None, "--connector-config",
                                                 help=CONNECTOR_CONFIG_HELP)):
@@ -848,6 +861,7 @@ def review(base: str = typer.Argument(..., help="the vLLM before the change: a s
     global console
     started = _time.monotonic()
     seconds = parse_budget_or_fail(budget)
+    set_scale(scale)  # the check on HEAD draws as `kvspec check` does
     try:
         base_src = vllm_source.resolve(base, repo)
         head_src = vllm_source.resolve(head, repo)

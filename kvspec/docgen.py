@@ -101,11 +101,21 @@ again), so some runs are production-sized (`kvspec/harness/machine.py`,
 `ProductionMachine`): vLLM's block size (16), a pool of about 1,000 to 10,000
 blocks, a 1,024 to 8,192-token budget, 64 to 256 concurrent requests, a
 4,096-token context, and waves of 16 to 64 requests whose 1,000 to 4,000-token
-prompts share long prefixes, beside the small rules and faults. They draw the
-same configuration as a small run, scaled, and are traces like any other.
-`kvspec check` and `fuzz` run one batch in 16 at that size by default
-(`--scale mixed`; `small`, `production`), and count them (`runs_by_scale` in
-`--json`).
+prompts share long prefixes, beside the small rules and faults (whose drawn
+request indices spread over the run's requests). They draw the same
+configuration as a small run, scaled, and are traces like any other: a wave
+stops adding requests before the trace would be too large to replay (the
+size limits of `kvspec replay`), so 256 concurrent requests are drawn as
+capacity (`max_num_seqs`) while a run holds as many long requests as replay
+allows (about 60 to 200). The healed phase's step bound allows four times
+the slowest schedule a correct scheduler would choose (every request
+prefilled alone in budget-sized chunks, then decoded alone), capped at one
+step per token as before; a campaign's deadline ends a drain without a
+verdict. `kvspec check`, `fuzz` and `review` run one batch in 16 at that size
+by default (`--scale mixed`; `small`, `production`), try a production-sized
+failure kept in the example database first, and count the runs
+(`runs_by_scale` in `--json`). Under `--kv torch` runs stay small: the tiny
+model's vocabulary holds fewer tokens than production prompts use.
 
 ## Scope notes
 

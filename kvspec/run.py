@@ -178,10 +178,11 @@ def describe_source(console, prep: Prepared) -> None:
 def default_check(target: str, budget: float, seed: int, out: Path, base=None, **fuzz_args):
     """The default check as ``kvspec check`` runs it (the target's whole
     environment, its fixes, known findings recognised), for tests and benches:
-    (the FuzzResult, the Prepared run)."""
+    (the FuzzResult, the Prepared run). Small runs only, unless ``scale`` says
+    otherwise: what it measures (bench_planted.py) needs no size, and a
+    production-sized batch would spend seconds of a short budget."""
     from kvspec.cli import target_profile, target_gaps
     from kvspec.harness.fuzz import fuzz
-    from kvspec.harness.machine import get_scale
     prep = prepare(target, budget, target_profile(target, quiet=True), {}, target_gaps(target),
                    base)
     result = fuzz(target, budget, seed, out, profile=prep.profile, recogniser=prep.recogniser,

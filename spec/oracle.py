@@ -730,7 +730,8 @@ class KVContent:
         next call."""
         known, contents, lasts = self._offered_books()
         books, log = self._offered, self.changed_blocks
-        if books.get("entries") is obs.pool.cached and log.active and \
+        # the log kept every write since the last call only if it was on then
+        if books.get("entries") is obs.pool.cached and books.get("logged") and \
                 books["mark"] >= log.offset:
             # the very entries of the last call (``known`` holds their blocks):
             # only a block written since is read again
@@ -741,7 +742,7 @@ class KVContent:
                      if b not in blocks or seen[0] != self.last_write[b]]
             new = blocks.difference(known.keys() - set(stale))
         books.update(entries=obs.pool.cached, mark=log.offset + len(log.items),
-                     version=books.get("version", 0) + bool(stale or new))
+                     logged=log.active, version=books.get("version", 0) + bool(stale or new))
         for b in stale:
             _clock, tuples, last = known.pop(b)
             for value in tuples:

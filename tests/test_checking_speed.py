@@ -242,12 +242,11 @@ def test_the_offered_books_are_what_the_cache_offers(target, monkeypatch):
 def test_the_offered_books_follow_writes_and_entries(groups, logged):
     """The same books, at random: blocks cached and evicted (a new entries tuple,
     or the very same one kept), slots written in between, a copy of the
-    oracle; the write log read by another reader (trimmed) or by none."""
+    oracle; the write log started by a reader part way (the writes before
+    were never logged) and trimmed as it reads, or never read."""
     from types import SimpleNamespace
     rng = random.Random(7)
     content = KVContent(12, 4, groups)
-    if logged:
-        reader = content.changed_blocks.mark()
     entries = ()
     fast = 0
     for _ in range(400):
@@ -264,6 +263,13 @@ def test_the_offered_books_follow_writes_and_entries(groups, logged):
             elif logged and roll < 0.85:  # the other reader moves on: the log forgets
                 reader = content.changed_blocks.offset + len(content.changed_blocks.items)
                 content.changed_blocks.trim(reader - rng.randint(0, 1))
+            elif logged and roll < 0.9:  # a reader takes its first mark: the log starts
+                if entries and not content.changed_blocks.active:  # right after a write
+                    b = rng.choice(entries)[1]
+                    content._write_slot(b, 0, rng.choice([GARBAGE, 1, 2, 3]))
+                content.changed_blocks.mark()
+            elif roll < 0.93:  # a new oracle: its log not started
+                content = KVContent(12, 4, groups)
         obs = SimpleNamespace(pool=SimpleNamespace(cached=entries))
         fast += content._offered.get("entries") is entries and content.changed_blocks.active
         got = content.get_offered(obs)

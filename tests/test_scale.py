@@ -86,8 +86,76 @@ def test_a_campaign_counts_its_runs_by_scale(tmp_path):
         fuzz("impl", budget=1, seed=0, out_dir=tmp_path, scale="huge")
 
 
-def test_check_json_counts_production_sized_runs(tmp_path, monkeypatch):
-    monkeypatch.delenv(SCALE_ENV, raising=False)
+@pytest.fixture(autouse=True)
+def no_scale_left_behind(monkeypatch):
+    """``--scale`` writes the environment (for the workers): undone after each test."""
+    monkeypatch.setenv(SCALE_ENV, "")
+
+
+def test_a_mixed_campaign_switches_sizes(tmp_path, monkeypatch):
+    from kvspec.harness import fuzz as fuzz_module
+    monkeypatch.setattr(fuzz_module, "PRODUCTION_EVERY", 2)
+    result = fuzz("impl", budget=60, seed=0, out_dir=tmp_path, max_examples=2, step_count=3,
+                  batch_examples=1, scale="mixed")
+    assert result.scales == {"small": 1, "production": 1}, result.scales
+
+
+def test_check_runs_mixed_unless_told(tmp_path, monkeypatch):
+    """What ``kvspec check`` hands the fuzzer: mixed by default, small under
+    ``--kv torch`` (its tiny model's vocabulary), and production refused there."""
+    from kvspec.harness import fuzz as fuzz_module
+    seen, original = [], fuzz_module.fuzz
+
+    def fuzz_spy(*args, **kwargs):
+        seen.append(kwargs["scale"])
+        return original(*args, **{**kwargs, "scale": "small"})
+    monkeypatch.setattr(fuzz_module, "fuzz", fuzz_spy)
+    result = CliRunner().invoke(app, ["check", "--examples", "1", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.stderr
+    refused = CliRunner().invoke(app, ["check", "--kv", "torch", "--scale", "production",
+                                       "--out", str(tmp_path)])
+    assert refused.exit_code == 2 and refused.stderr.strip().splitlines() == [
+        "kvspec: error: --scale production: not with --kv torch (the tiny model's "
+        "vocabulary holds fewer tokens than production prompts use)"]
+    assert seen == ["mixed"]
+
+
+def test_workers_sum_their_runs_by_scale():
+    from kvspec.parallel import combine
+    base = {"claims": [], "elapsed_s": 1.0, "actions": 1, "runs": 1, "violations": [],
+            "verdict": "hold", "verdict_line": "", "trace": None, "exit_code": 0, "seed": 0,
+            "unwitnessed": [], "state_checks": {}}
+    summary = combine([dict(base, runs_by_scale={"small": 3, "production": 1}),
+                       dict(base, runs_by_scale={"small": 2, "production": 0})])
+    assert summary["runs_by_scale"] == {"small": 5, "production": 1}
+
+
+def test_every_production_trace_replays(tmp_path):
+    """Waves stop adding long requests before the trace would be too large to
+    replay (``trace.check_size``): the largest pool and concurrency, waves of 64
+    requests of up to 4,000 tokens, until the limit stops them."""
+    from kvspec.harness.machine import Swarm
+    from kvspec.harness.trace import check_size, load_trace
+    machine = machine_for("impl", scale="production")()
+    wave = dict(prefix=1, count=64, prefix_len=3000, suffix_len=1000, max_tokens=32, ext=0,
+                load_async=False, send=False, offload=False)
+    machine.configure(first_wave=wave, block_size=2, spare_blocks=12, budget=24,
+                      max_num_seqs=4, max_model_len=24, threshold=0, policy="fcfs",
+                      failure_policy="recompute", swarm=Swarm(), scheduling="sync",
+                      kv_role="kv_both", async_drafts=0)
+    for _ in range(4):
+        machine.add_wave(**wave)
+    r = machine.runner
+    assert r.config.num_blocks >= 9_600 and r.config.max_num_seqs == 256
+    adds = [a for a in r.actions if a["op"] == "add"]
+    assert 16 <= len(adds) < 256, len(adds)  # the limit stopped the waves
+    assert check_size(r.config, r.actions + [{"op": "drain"}]) is None
+    path = save_trace(tmp_path / "big.json", target="impl", config=r.config,
+                      actions=r.actions + [{"op": "drain"}], steps=r.log)
+    assert len(load_trace(path)["actions"]) == len(adds) + 1
+
+
+def test_check_json_counts_production_sized_runs(tmp_path):
     result = CliRunner().invoke(app, ["check", "--examples", "2", "--scale", "production",
                                       "--json", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.stderr
@@ -97,7 +165,6 @@ def test_check_json_counts_production_sized_runs(tmp_path, monkeypatch):
 
 
 def test_a_bad_scale_is_one_line(tmp_path, monkeypatch):
-    monkeypatch.delenv(SCALE_ENV, raising=False)
     result = CliRunner().invoke(app, ["check", "--scale", "huge", "--out", str(tmp_path)])
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [
@@ -107,6 +174,5 @@ def test_a_bad_scale_is_one_line(tmp_path, monkeypatch):
         get_scale()
 
 
-def test_the_default_scale_is_mixed(monkeypatch):
-    monkeypatch.delenv(SCALE_ENV, raising=False)
+def test_the_default_scale_is_mixed():
     assert get_scale() == "mixed"

@@ -19,6 +19,7 @@ import re
 import threading
 import time
 from collections import Counter
+from unittest import SkipTest
 from pathlib import Path
 from typing import Callable
 
@@ -189,25 +190,34 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
     database = open_database(db_dir)  # a directory, redis://, github-artifact:
     stop = _start_heartbeat(heartbeat, heartbeat_every, machine, result, start)
     batch = planned = 0  # batches begun, runs asked of them
+    # a production-sized failure the database keeps is tried first, not at the
+    # first production batch (one in PRODUCTION_EVERY): a short check meets it
+    reuse_first = scale == "mixed" and database is not None and not by_examples
     try:
         with interruptible():
             while (planned < max_examples if by_examples
                    else time.monotonic() < deadline):
                 stop_if_interrupted()
-                size = get_batch_scale(scale, batch)
+                phases = PHASES_BY_EXAMPLES if by_examples else PHASES
+                machine_seed = derive_seed(seed, batch)
+                if reuse_first:
+                    size, phases, reuse_first = "production", (Phase.reuse,), False
+                else:
+                    size = get_batch_scale(scale, batch)
+                    batch += 1
                 machine = machines[size]
-                machine._hypothesis_internal_use_seed = derive_seed(seed, batch)
+                machine._hypothesis_internal_use_seed = machine_seed
                 examples = batch_examples if size == "small" else PRODUCTION_BATCH
                 if by_examples:
                     examples = min(examples, max_examples - planned)
-                planned += examples
-                batch += 1
+                planned += examples if Phase.generate in phases else 0
                 try:
                     run_state_machine_as_test(machine, settings=settings(
                         max_examples=examples, stateful_step_count=step_count,
                         deadline=None, database=database, suppress_health_check=list(HealthCheck),
-                        verbosity=Verbosity.quiet, print_blob=False,
-                        phases=PHASES_BY_EXAMPLES if by_examples else PHASES))
+                        verbosity=Verbosity.quiet, print_blob=False, phases=phases))
+                except SkipTest:  # a reuse-only batch with nothing saved: nothing ran
+                    pass
                 except Exception:  # the machine raised: the saved trace holds the shrunk example
                     # an interrupt Hypothesis' engine turned into its own error (one
                     # landing before its runner exists trips `assert state._runner`)

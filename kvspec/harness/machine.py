@@ -17,8 +17,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from kvspec.harness.interrupt import is_interrupted, stop_if_interrupted
 from kvspec.harness.profiles import MODELLED, EnvProfile
-from kvspec.harness.runner import ALL_KINDS, Counterexample, Runner
+from kvspec.harness.runner import ALL_KINDS, BudgetSpent, Counterexample, Runner
 from kvspec.harness.target import make_config
+from kvspec.harness.trace import is_well_within_limits
 from kvspec.spec.state import BATCH_QUEUE_DEPTH, MAX_DRAFTS, SYNC_MAX_DRAFTS, GroupSpec
 
 #: shared prefixes so that prefix caching and shared blocks matter
@@ -162,6 +163,9 @@ class KVSpecMachine(RuleBasedStateMachine):
             return
         try:
             self.runner.apply(action)
+        except BudgetSpent:  # inside a drain: no verdict, the run ends
+            self.dead = True
+            return
         except Counterexample as exc:
             self.failed = True
             if self.on_counterexample is not None and type(self).on_counterexample(exc):
@@ -179,6 +183,10 @@ class KVSpecMachine(RuleBasedStateMachine):
 
     def _ids(self, indices) -> list[str]:
         return [f"r{i}" for i in sorted(indices) if i < self.next_index]
+
+    def _pick(self, drawn) -> list[str]:
+        """The requests a step's drawn indices name (faults, EOS, sends)."""
+        return self._ids(drawn)
 
     @initialize(**CONFIG_DRAWS)
     def configure(self, block_size, spare_blocks, budget, max_num_seqs, max_model_len,
@@ -226,6 +234,7 @@ class KVSpecMachine(RuleBasedStateMachine):
                              # spec decode under async: drafts the worker fills
                              num_speculative_tokens=async_drafts, groups=groups)
         self.runner = Runner(self.target_name, config, self.kinds, self.design_rules, kv=self.kv)
+        self.runner.deadline = self.deadline
 
     def _size(self, *drawn: int) -> tuple[int, ...]:
         """block_size, spare_blocks, budget, max_num_seqs, max_model_len,
@@ -305,19 +314,19 @@ class KVSpecMachine(RuleBasedStateMachine):
         fail_all = fail_roll >= 4 - self.swarm.fault_odds
         if not self.profile.load_failures:
             fail, fail_all = set(), False
-        failing = [rid for rid in self._ids(fail) if self._may_fail(rid)]
+        failing = [rid for rid in self._pick(fail) if self._may_fail(rid)]
         everyone = self._ids(range(self.next_index))
         if fail_all and not all(self._may_fail(rid) for rid in everyone):
             # only some loads may fail: name them (a trace replays what it names)
             failing, fail_all = [rid for rid in everyone if self._may_fail(rid)], False
-        self._apply({"op": "step", "finish_loads": self._ids(finish_loads),
+        self._apply({"op": "step", "finish_loads": self._pick(finish_loads),
                      "fail": failing, "fail_all": fail_all,
                      "fail_offset": fail_offset,
                      **({"fail_blocks": fail_blocks} if fail_blocks > 1 else {}),
                      **({"fail_group": fail_group % len(self.runner.config.groups)}
                         if len(self.runner.config.groups) > 1 else {}),
-                     "eos": self._ids(eos),
-                     "finish_sends": self._ids(finish_sends), "accept": accept,
+                     "eos": self._pick(eos),
+                     "finish_sends": self._pick(finish_sends), "accept": accept,
                      "drafts": self._drafts(drafts)})
 
     def _drafts(self, drawn: int) -> int:
@@ -337,8 +346,8 @@ class KVSpecMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.next_index > 0)
     @rule(index=st.integers(0, MAX_REQUESTS - 1))
     def abort(self, index):
-        if index < self.next_index:
-            self._apply({"op": "abort", "id": f"r{index}"})
+        for rid in self._pick([index]):
+            self._apply({"op": "abort", "id": rid})
 
     @rule(running=st.sampled_from([False, False, True]))
     def reset_prefix_cache(self, running):
@@ -382,7 +391,8 @@ PRODUCTION_BLOCK_SIZE = 16
 WAVE_DRAWS = dict(prefix=st.integers(0, 2), count=st.integers(16, 64),
                   prefix_len=st.integers(500, 3000), suffix_len=st.integers(500, 1000),
                   max_tokens=st.integers(1, 32), ext=st.integers(0, MAX_WAVE_PROMPT),
-                  load_async=st.booleans(), send=st.booleans(), offload=st.booleans())
+                  load_async=st.booleans(), send=st.booleans(), offload=st.booleans(),
+                  priority=st.integers(0, 2))
 
 
 class ProductionMachine(KVSpecMachine):
@@ -401,6 +411,12 @@ class ProductionMachine(KVSpecMachine):
         return (PRODUCTION_BLOCK_SIZE, spare_blocks * 800, 1024 * max(1, budget // 3),
                 64 * max_num_seqs, PRODUCTION_MODEL_LEN, threshold * 256, window * 128)
 
+    def _pick(self, drawn) -> list[str]:
+        """The drawn indices (0 to 7) spread over the run's requests, so that
+        faults, EOS and aborts reach the long requests of every wave."""
+        stride = max(1, self.next_index // 8)
+        return self._ids({i * stride for i in drawn})
+
     @initialize(**CONFIG_DRAWS, first_wave=st.fixed_dictionaries(WAVE_DRAWS))
     def configure(self, first_wave, **drawn):
         """A production run begins with a wave: every run is large, whatever the
@@ -411,7 +427,7 @@ class ProductionMachine(KVSpecMachine):
     @precondition(lambda self: self.next_index < self.max_requests)
     @rule(**WAVE_DRAWS)
     def add_wave(self, prefix, count, prefix_len, suffix_len, max_tokens, ext, load_async,
-                 send, offload):
+                 send, offload, priority=0):
         """Many long requests arrive together sharing a system prompt; each has
         its own suffix, the store holds the first ``ext`` tokens of each."""
         config = self.runner.config
@@ -420,13 +436,17 @@ class ProductionMachine(KVSpecMachine):
             prompt = list(LONG_PREFIXES[prefix][:prefix_len]) + [
                 10 + i * 7 + k for k in range(suffix_len)]
             prompt = prompt[:min(MAX_WAVE_PROMPT, config.max_model_len - max_tokens)]
-            self.next_index += 1
             load = self.swarm.load_async(load_async)
-            self._apply({"op": "add", "id": f"r{i}", "prompt": prompt, "max_tokens": max_tokens,
-                         "ext": self._ext(ext, prompt), "async": load,
-                         "send": send and config.is_kv_producer
-                         and (self.profile.async_load_with_send or not load),
-                         "offload": self.swarm.offload(offload) and config.is_kv_consumer})
+            action = {"op": "add", "id": f"r{i}", "prompt": prompt, "max_tokens": max_tokens,
+                      "priority": priority, "ext": self._ext(ext, prompt), "async": load,
+                      "send": send and config.is_kv_producer
+                      and (self.profile.async_load_with_send or not load),
+                      "offload": self.swarm.offload(offload) and config.is_kv_consumer}
+            # every trace the run saves must replay (kvspec.harness.trace.check_size)
+            if self.dead or not is_well_within_limits(config, [*self.runner.actions, action]):
+                return
+            self.next_index += 1
+            self._apply(action)
 
 
 def machine_for(target: str, on_counterexample=None, kinds=ALL_KINDS,

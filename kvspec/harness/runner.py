@@ -5,6 +5,7 @@ what the fuzzer ran. Judging: ``judge.py``; the worker: ``model_runner.py``;
 steps in flight: ``batch_queue.py``; the ghosts: ``spec/history.py``."""
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import attrs
@@ -12,6 +13,7 @@ import attrs
 import kvspec.spec.catalogue  # noqa: F401  (registers every claim, in one order)
 from kvspec.harness.batch_queue import BatchQueue, InFlight
 from kvspec.harness.checker import ALL_KINDS, Checker, IncrementalGap
+from kvspec.harness.drain import compute_drain_bound
 from kvspec.harness.env import EnvConnector, EnvironmentContractViolation, get_request_spec
 from kvspec.harness.features import (FEATURES, OUTSIDE_MODEL, count_async_schedule,
                                      count_delivery, count_step)
@@ -40,7 +42,15 @@ ENVIRONMENT_CONTRACT = ("The environment answered outside the connector contract
                         "this is not a scheduler bug.")
 
 
+class BudgetSpent(Exception):
+    """The campaign's time ran out inside a drain (a production-sized healed
+    phase may step thousands of times): the run ends without a verdict."""
+
+
 class Runner:
+    #: ``time.monotonic()`` past which a drain stops (``BudgetSpent``); None: never
+    deadline: float | None = None
+
     def __init__(self, target_name: str, config: Config, kinds=ALL_KINDS,
                  design_rules: bool = True, ignore=frozenset(), kv: str = "symbolic",
                  full_every: int | None = None) -> None:
@@ -86,7 +96,7 @@ class Runner:
                           + self.model_runner.take_violations(self.target))
         except (ConnectorContractError, EnvironmentContractViolation) as exc:
             violations = [Violation("environment_contract", str(exc), ENVIRONMENT_CONTRACT)]
-        except (Counterexample, TargetCannotMap, KVWorkerError, IncrementalGap):
+        except (Counterexample, TargetCannotMap, KVWorkerError, IncrementalGap, BudgetSpent):
             raise
         except Exception as exc:  # the target crashed: a finding, not a harness error
             violations = [Violation("target_crashed", f"{type(exc).__name__}: {exc}",
@@ -272,12 +282,15 @@ class Runner:
 
     def _do_drain(self, a: dict) -> list[Violation]:
         """The healed phase: no faults, every load and send completes."""
-        bound = 20 + self.config.num_steps_in_flight + sum(len(r.prompt_token_ids) + r.max_tokens
-                                             for r in self.obs.requests.values())
+        bound = compute_drain_bound(self.config, [(len(r.prompt_token_ids), r.max_tokens)
+                                                  for r in self.obs.requests.values()],
+                                    self.config.num_steps_in_flight)
         history.process_drain(self.ghost, self.obs)
         for _ in range(bound):
             if not self.obs.requests and not len(self.queue) and not self._has_push_work():
                 break
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                raise BudgetSpent()
             healed = {"op": "step", "finish_loads": self.content.pending_async_loads(),
                       "finish_sends": list(self.content.sends)}
             violations = self._do_step(healed) + self.model_runner.take_violations(self.target)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
@@ -30,15 +31,17 @@ import jsonschema
 from jsonschema import validators
 
 from kvspec.text import shown
+from kvspec.harness.drain import DRAIN_SLACK, compute_drain_work
 from kvspec.spec.state import (BATCH_QUEUE_DEPTH, FAILURE_POLICIES, GROUP_KINDS, KV_ROLES,
                                LIMITS, MAX_DRAFTS, POLICIES, Config, GroupSpec,
                                get_default_kv_delivery)
 
 FORMAT = "kvspec-trace/1"
 OPS = ("add", "step", "abort", "reset_prefix_cache", "drain")
-#: larger than any trace kvspec writes by orders of magnitude (they are kilobytes); a
-#: bigger file is not a trace, and parsing one stays within a few hundred MB
-MAX_TRACE_BYTES = 16 << 20
+#: larger than any trace kvspec writes (a small run's are kilobytes, a
+#: production-sized run's some megabytes); a bigger file is not a trace, and
+#: parsing one stays within a few hundred MB
+MAX_TRACE_BYTES = 64 << 20
 #: the most actions a trace may hold (kvspec writes tens; checking one takes ~50 µs)
 MAX_ACTIONS = 10_000
 #: how much of an offending value an error line shows
@@ -324,7 +327,7 @@ def check_semantics(config: Config, actions: list[dict]) -> str | None:
 # -- how much a replay may cost ----------------------------------------------------
 
 #: the most tokens a trace's arrivals may carry (each prompt plus its max_tokens)
-MAX_TRACE_TOKENS = 200_000
+MAX_TRACE_TOKENS = 1_100_000
 #: the most work a replay may take, in units of about 2 µs of the reference target on
 #: one core (measured: a call observes the whole pool, ~2 µs a block, and every
 #: request, ~0.1 ms each): 10^8 units is some ``REPLAY_MINUTES`` minutes
@@ -332,21 +335,28 @@ MAX_REPLAY_WORK = 100_000_000
 REPLAY_MINUTES = 3
 #: work units of one call besides its pool blocks, and of one request it observes
 CALL_UNITS, REQUEST_UNITS = 150, 64
-#: the steps a drain takes beyond its requests' tokens (``Runner._do_drain``)
-DRAIN_SLACK = 20
 
 
 def replay_work(config: Config, actions: list[dict]) -> tuple[int, int, int]:
     """``(tokens, calls, work)``: the tokens of the trace's arrivals, an upper bound
     on the scheduler calls a replay makes (one per action, and a drain steps at
-    most its live requests' tokens plus ``DRAIN_SLACK``; a request still live
-    after a drain is a violation that ends the replay, so no request is drained
-    twice), and that bound times what each call observes."""
+    most ``drain.compute_drain_bound`` of its live requests; a request still
+    live after a drain is a violation that ends the replay, so no request is
+    drained twice), and that bound times what each call observes."""
     adds = [a for a in actions if a["op"] == "add"]
     tokens = sum(len(a["prompt"]) + a["max_tokens"] for a in adds)
     drains = sum(1 for a in actions if a["op"] == "drain")
-    calls = len(actions) + DRAIN_SLACK * drains + tokens
+    drained = compute_drain_work(config, [(len(a["prompt"]), a["max_tokens"]) for a in adds])
+    calls = len(actions) + DRAIN_SLACK * drains + drained
     return tokens, calls, calls * (CALL_UNITS + config.num_blocks + REQUEST_UNITS * len(adds))
+
+
+def is_well_within_limits(config: Config, actions: list[dict], share: float = 0.8) -> bool:
+    """Replaying ``actions`` stays within ``share`` of ``check_size``'s limits:
+    room for what a run adds after (a production-sized run stops adding long
+    requests here, so that every trace it saves replays)."""
+    tokens, _calls, work = replay_work(config, actions)
+    return tokens <= share * MAX_TRACE_TOKENS and work <= share * MAX_REPLAY_WORK
 
 
 def check_size(config: Config, actions: list[dict]) -> str | None:
@@ -426,13 +436,24 @@ def save_trace(path: Path, *, target: str, config: Config, actions: list[dict],
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".trace-", suffix=".json")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=1)
+            f.write(_compact_numbers(json.dumps(payload, indent=1)))
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+#: an array of integers as ``json.dumps(indent=1)`` writes it: one per line
+_NUMBER_ARRAY = re.compile(r"\[\n[-\d,\s]+\]")
+
+
+def _compact_numbers(text: str) -> str:
+    """Every array of integers on one line (a prompt of 4,000 tokens is one
+    line, not 4,000). Only arrays the indenting broke over lines: a string
+    never holds a raw line break, so no text inside a string is touched."""
+    return _NUMBER_ARRAY.sub(lambda m: re.sub(r"\s+", "", m.group()), text)
 
 
 def _source_of(target: str) -> dict:
