@@ -426,7 +426,7 @@ TRACES = {
     # too large: every accepted trace replays in minutes
     "too-many-tokens": (lambda t: (_large_pool(t), edit(actions=[
         {"op": "add", "id": f"r{i}", "prompt": [1] * 1000, "max_tokens": 7000}
-        for i in range(26)])(t)), "too large a trace: its arrivals carry 208000 tokens"),
+        for i in range(140)])(t)), "too large a trace: its arrivals carry 1120000 tokens"),
     "replay-of-hours": (lambda t: (_large_pool(t), edit(actions=[
         {"op": "add", "id": "r0", "prompt": [1] * 3000, "max_tokens": 5000},
         {"op": "drain"}])(t)), "too large a trace: replaying it could take"),
