@@ -130,6 +130,7 @@ def json_summary(result, version: str, budget_s: float, profile, design_rules: b
                          "full": result.state_checks.get("full", 0),
                          "full_every": get_full_every()},
         # issue 30: production-sized runs (kvspec.harness.machine.ProductionMachine)
+        "scale": _get_scale(),
         "runs_by_scale": {"small": result.scales.get("small", 0),
                           "production": result.scales.get("production", 0)},
         # actions the conformance model did not judge (every step is a model
@@ -191,3 +192,9 @@ def zoo_table(rows) -> Table:
         table.add_row(Text(printable(r.name)), Text(printable(r.upstream)), status,
                       *_fmt_detection(r.full), *_fmt_detection(r.oracle_alone))
     return table
+
+
+def _get_scale() -> str:
+    """The run sizes the campaign drew (``--scale``), read where it is reported."""
+    from kvspec.harness.machine import get_scale
+    return get_scale()

@@ -161,6 +161,7 @@ def test_check_json_counts_production_sized_runs(tmp_path):
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["runs_by_scale"] == {"small": 0, "production": 2}, report["runs_by_scale"]
+    assert report["scale"] == "production"
     assert "2 runs (2 production-sized)" in result.stderr
 
 
