@@ -662,10 +662,9 @@ def fuzz_in_parallel(argv: list[str], workers: int, seed: int, out: Path, db: st
     summaries = [s for _, s, _ in results if s is not None]
     if summaries:
         summary = dict(parallel.combine(summaries), examples_budget=examples)
-        scaled = summary.get("runs_by_scale", {}).get("production", 0)
-        print(f"kvspec: campaign: {summary['runs']} runs"
-              f"{f' ({scaled} production-sized)' if scaled else ''}, "
-              f"{summary['actions']} actions in "
+        from kvspec.run import describe_scaled_runs
+        scaled = describe_scaled_runs(summary["runs_by_scale"]["production"])
+        print(f"kvspec: campaign: {summary['runs']} runs{scaled}, {summary['actions']} actions in "
               f"{summary['elapsed_s']:.1f}s ({summary['actions_per_s']} actions/s over "
               f"{len(summaries)} workers)", file=sys.stderr, flush=True)
         write_reports(summary, as_json, junit, markdown)

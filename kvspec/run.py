@@ -122,8 +122,12 @@ def execute(prep: Prepared, seed: int, out: Path, db: Path | None, design_rules:
 
 def get_scaled_runs(result) -> str:
     """" (N production-sized)" where a campaign ran any."""
-    n = result.scales.get("production", 0)
-    return f" ({n} production-sized)" if n else ""
+    return describe_scaled_runs(result.scales.get("production", 0))
+
+
+def describe_scaled_runs(production: int) -> str:
+    """What follows a run count: how many were production-sized, if any."""
+    return f" ({production} production-sized)" if production else ""
 
 
 def verdict(result, prep: Prepared) -> tuple[str, int]:

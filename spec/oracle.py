@@ -735,19 +735,19 @@ class KVContent:
                 books["mark"] >= log.offset:
             # the very entries of the last call (``known`` holds their blocks):
             # only a block written since is read again
-            stale = new = known.keys() & set(log.since(books["mark"]))
+            blocks, stale = None, known.keys() & set(log.since(books["mark"]))
         else:
             blocks = set(map(_SECOND, obs.pool.cached))
             stale = [b for b, seen in known.items()
                      if b not in blocks or seen[0] != self.last_write[b]]
-            new = blocks.difference(known.keys() - set(stale))
-        books.update(entries=obs.pool.cached, mark=log.offset + len(log.items),
-                     logged=log.active, version=books.get("version", 0) + bool(stale or new))
         for b in stale:
             _clock, tuples, last = known.pop(b)
             for value in tuples:
                 _uncount(contents, value)
             _uncount(lasts, last)
+        new = stale if blocks is None else blocks.difference(known)
+        books.update(entries=obs.pool.cached, mark=log.offset + len(log.items),
+                     logged=log.active, version=books.get("version", 0) + bool(stale or new))
         sizes = sorted({g.block_size for g in self.groups})
         for b in new:
             tuples, last = [tuple(self.slots[b][:size]) for size in sizes], self.slots[b][-1]

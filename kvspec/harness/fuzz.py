@@ -19,9 +19,9 @@ import re
 import threading
 import time
 from collections import Counter
-from unittest import SkipTest
 from pathlib import Path
 from typing import Callable
+from unittest import SkipTest
 
 import attrs
 from hypothesis import HealthCheck, Phase, Verbosity, settings

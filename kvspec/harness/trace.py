@@ -30,8 +30,8 @@ import attrs
 import jsonschema
 from jsonschema import validators
 
-from kvspec.text import shown
 from kvspec.harness.drain import DRAIN_SLACK, compute_drain_work
+from kvspec.text import shown
 from kvspec.spec.state import (BATCH_QUEUE_DEPTH, FAILURE_POLICIES, GROUP_KINDS, KV_ROLES,
                                LIMITS, MAX_DRAFTS, POLICIES, Config, GroupSpec,
                                get_default_kv_delivery)
