@@ -115,7 +115,9 @@ verdict. `kvspec check`, `fuzz` and `review` run one batch in 16 at that size
 by default (`--scale mixed`; `small`, `production`), try a production-sized
 failure kept in the example database first, and count the runs
 (`runs_by_scale` in `--json`). Under `--kv torch` runs stay small: the tiny
-model's vocabulary holds fewer tokens than production prompts use.
+model's vocabulary holds fewer tokens than production prompts use. A campaign
+that draws no production-sized run (`--scale small`, `--kv torch`) says so in
+its verdict's first line ("narrowed as asked: scale=small").
 
 ## Scope notes
 

@@ -100,9 +100,12 @@ def execute(prep: Prepared, seed: int, out: Path, db: Path | None, design_rules:
 
     def event(line: str) -> None:
         print(f"kvspec: {line}", file=sys.stderr, flush=True)
+    scale = get_scale()
+    if scale == "small":  # never narrow silently: the verdict's first line says so
+        prep.restrictions.append(get_scale_restriction(kv))
     common = dict(profile=prep.profile, design_rules=design_rules, kv=kv,
                   recogniser=prep.recogniser, on_event=event, on_run=on_run,
-                  trace_name=trace_name, max_examples=max_examples, scale=get_scale())
+                  trace_name=trace_name, max_examples=max_examples, scale=scale)
     if not console.is_terminal:  # a log: a plain line at a steady interval
         from kvspec.cli import PROGRESS_EVERY, progress_line
         return fuzz(prep.target, prep.seconds, seed, out, db,
@@ -118,6 +121,16 @@ def execute(prep: Prepared, seed: int, out: Path, db: Path | None, design_rules:
                             description=f"{what}: {result.runs} runs"
                             f"{get_scaled_runs(result)}, {result.actions} actions")
         return fuzz(prep.target, prep.seconds, seed, out, db, progress=tick, **common)
+
+
+def get_scale_restriction(kv: str):
+    """No production-sized run drawn: asked (``--scale small``), or what
+    ``--kv torch`` asks (its tiny model's vocabulary holds fewer tokens than
+    production prompts use: ``cli.set_scale``)."""
+    from kvspec.verdict import Restriction
+    why = ("--kv torch: its tiny model's vocabulary holds fewer tokens than production "
+           "prompts" if kv == "torch" else "--scale small")
+    return Restriction("scale", "small", f"no production-sized run; {why}", "asked")
 
 
 def get_scaled_runs(result) -> str:

@@ -165,6 +165,22 @@ def test_check_json_counts_production_sized_runs(tmp_path):
     assert "2 runs (2 production-sized)" in result.stderr
 
 
+def test_a_small_only_check_says_so_in_its_first_line(tmp_path):
+    """Leaving production-sized runs out narrows the environment: the verdict's
+    first line and --json's restrictions say so (asked: exit 0 all the same)."""
+    result = CliRunner().invoke(app, ["check", "--examples", "1", "--scale", "small",
+                                      "--json", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert "narrowed as asked: scale=small (no production-sized run; --scale small)" \
+        in report["verdict_line"]
+    assert {"field": "scale", "value": "small", "kind": "asked",
+            "why": "no production-sized run; --scale small"} in report["restrictions"]
+    mixed = CliRunner().invoke(app, ["check", "--examples", "1", "--scale", "mixed",
+                                     "--json", "--out", str(tmp_path)])
+    assert "scale=" not in json.loads(mixed.stdout)["verdict_line"]
+
+
 def test_a_bad_scale_is_one_line(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["check", "--scale", "huge", "--out", str(tmp_path)])
     assert result.exit_code == 2
