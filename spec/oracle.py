@@ -48,7 +48,7 @@ from typing import Hashable, Iterator
 
 import attrs
 
-from kvspec.spec.groups import NULL_BLOCK, split_cache_key
+from kvspec.spec.groups import GROUP_KEY, NULL_BLOCK, split_cache_key
 from kvspec.spec.reads import get_blocks_read, get_positions_read
 from kvspec.spec.predicates import is_cached_block_valid
 from kvspec.spec.registry import Memo
@@ -120,6 +120,52 @@ def get_content(group_index: int, keys, pos: int):
     return keys[pos] if group_index == 0 else (group_index, keys[pos])
 
 
+def get_contents(group_index: int, keys, lo: int, hi: int) -> list:
+    """``get_content`` of positions ``[lo, hi)``, as a list."""
+    if hi > len(keys):
+        return [get_content(group_index, keys, pos) for pos in range(lo, hi)]
+    if group_index == 0:
+        return list(keys[lo:hi])
+    return [(group_index, key) for key in keys[lo:hi]]
+
+
+#: a slot a step does not write, in ``FoundByStep``
+_UNSEEN = ("unseen",)
+
+
+class FoundByStep(dict):
+    """What a step found in the slots it writes (block -> its slots then,
+    ``_UNSEEN`` where the step does not write): its reads of those slots see
+    this, not what it wrote itself."""
+
+    @classmethod
+    def of(cls, before) -> "FoundByStep | None":
+        """``before`` as given to ``first_invalid``: this, or a dict (block,
+        slot) -> value."""
+        if before is None or isinstance(before, cls):
+            return before
+        found = cls()
+        for (b, s), value in before.items():
+            found.setdefault(b, [_UNSEEN] * (s + 1))
+            found[b].extend([_UNSEEN] * (s + 1 - len(found[b])))
+            found[b][s] = value
+        return found
+
+    def take(self, slots: list, b: int, lo: int, hi: int) -> None:
+        """Slots ``[lo, hi)`` of block ``b`` (``slots``: the block's) as they are now."""
+        seen = self.get(b)
+        if seen is None:
+            seen = self[b] = [_UNSEEN] * len(slots)
+        seen[lo:hi] = slots[lo:hi]
+
+    def read(self, slots: list, b: int, s: int):
+        """What the step reads in slot ``s`` of block ``b`` (``slots``: the block's)."""
+        seen = self.get(b)
+        if seen is None or s >= len(seen) or seen[s] is _UNSEEN:
+            return slots[s]
+        return seen[s]
+
+
 @attrs.define
 class LoadJob:
     request_id: str
@@ -148,13 +194,50 @@ class ExecReport:
     step_id: int = -1
 
 
-_SECOND = itemgetter(1)
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
-def _uncount(counter: Counter, value) -> None:
-    counter[value] -= 1
-    if counter[value] <= 0:
-        del counter[value]
+class OfferedAtStart:
+    """What one kind of ``get_offered``'s books offered when a step began,
+    without copying them: the live count, or for a value counted differently
+    since, its count then (``undo``, kept by ``get_offered`` at each value's
+    first change). A copy or a pickle is the frozen set (the copy's books
+    start again from nothing)."""
+
+    def __init__(self, live: Counter) -> None:
+        self.live, self.undo = live, {}
+
+    def __contains__(self, value) -> bool:
+        count = self.undo.get(value)
+        return (self.live.get(value, 0) if count is None else count) > 0
+
+    def __iter__(self):
+        yield from (v for v in self.live if v not in self.undo)
+        yield from (v for v, count in self.undo.items() if count > 0)
+
+    def __deepcopy__(self, memo) -> frozenset:
+        return frozenset(self)
+
+    def __reduce__(self):
+        return frozenset, (tuple(self),)
+
+
+def _is_group_key(key) -> bool:
+    """``key`` has the shape of a group's prefix-cache key (``split_cache_key``)."""
+    return isinstance(key, tuple) and len(key) == 3 and key[0] == GROUP_KEY
+
+
+def _count(counter: Counter, values, by: int, undo: dict | None) -> None:
+    """Add ``by`` to the count of each of ``values`` (a count reaching 0 is
+    dropped), noting in ``undo`` each value's count before its first change."""
+    for value in values:
+        count = counter.get(value, 0)
+        if undo is not None and value not in undo:
+            undo[value] = count
+        if count + by > 0:
+            counter[value] = count + by
+        else:
+            counter.pop(value, None)
 
 
 def _count_holders(obs: Observation) -> dict[int, int]:
@@ -199,10 +282,8 @@ class KVContent:
         self._hashes_seen: dict = Memo()
         #: ``get_offered``'s books: per cached block what it offered, and counts
         self._offered: dict = Memo()
-        #: prefix-cache key -> its (hash, group), for the keys cached now
-        self._parsed_keys: dict = Memo()
         #: the prefix-cache entries ``_get_cached_keys`` last read (a target keeps
-        #: the very same tuple while its cache is unchanged) and what they gave
+        #: the very same tuple while its cache is unchanged) and their keys
         self._last_cached_keys: dict = Memo()
         #: (hash, group) -> the slots a block of the group cached under it holds
         #: (``_want`` of what the hash names): derived from ``expected_by_hash``,
@@ -226,8 +307,10 @@ class KVContent:
         self.shared_recomputes = 0
         #: async scheduling: the step that last wrote each slot in stream order,
         #: and each step in flight's writes (slot -> value), until it completes
-        self.stream_writer: dict[tuple[int, int], int] = {}
-        self.in_flight: dict[int, dict[tuple[int, int], object]] = {}
+        #: (per block, the step id per slot; per step, (block, first slot,
+        #: values) runs)
+        self.stream_writer: dict[int, list] = {}
+        self.in_flight: dict[int, list[tuple[int, int, list]]] = {}
         #: per step in flight, the blocks a failed load of it left bad and the
         #: blocks its readers of bad KV wrote: the scheduler learns of them only
         #: with the step's output, so until then they are not its fault
@@ -239,8 +322,10 @@ class KVContent:
         #: what the prefix cache offered when the last step began: block
         #: contents, and the (hash, group) keys cached (a block being loaded
         #: there holds its content only once the load lands)
-        self.offered_at_start: tuple[frozenset, frozenset] = (frozenset(), frozenset())
-        self.keys_at_start: frozenset = frozenset()
+        #: (``OfferedAtStart`` or a frozen set, per kind of ``get_offered``)
+        self.offered_at_start: tuple = (frozenset(), frozenset())
+        #: the prefix cache's (key, block) entries when the last step began
+        self.cached_at_start: tuple = ()
 
     # -- addressing ---------------------------------------------------------
     def _keeps_one_state(self, g: int) -> bool:
@@ -264,8 +349,15 @@ class KVContent:
         self._write_slot(*self._slot(g, blocks, pos), value)
 
     def _write_slot(self, b: int, s: int, value) -> None:
-        """Every slot write goes through here: logged, and numbered."""
+        """Every slot write goes through here or ``_write_run``: logged, and numbered."""
         self.slots[b][s] = value
+        self.changed_blocks.add(b)
+        self.write_clock += 1
+        self.last_write[b] = self.write_clock
+
+    def _write_run(self, b: int, lo: int, values: list) -> None:
+        """``_write_slot`` of ``values`` into block ``b`` from slot ``lo`` on, as one write."""
+        self.slots[b][lo:lo + len(values)] = values
         self.changed_blocks.add(b)
         self.write_clock += 1
         self.last_write[b] = self.write_clock
@@ -282,7 +374,8 @@ class KVContent:
         if index >= len(blocks) or blocks[index] == NULL_BLOCK:
             return False
         b, s = self._slot(g, blocks, pos)
-        value = before[(b, s)] if before and (b, s) in before else self.slots[b][s]
+        before = FoundByStep.of(before)
+        value = before.read(self.slots[b], b, s) if before else self.slots[b][s]
         return value == get_content(g, keys, pos)
 
     def first_invalid(self, tables, keys, upto: int, before=None,
@@ -295,7 +388,8 @@ class KVContent:
         are; a full-attention prefix found valid for it before, and unwritten
         since, is not read again (``_get_valid_prefix``)."""
         # the blocks read through ``before`` (what the step found there), not their slots
-        written = {b for b, _s in before} if before else frozenset()
+        before = FoundByStep.of(before)
+        written = before.keys() if before else frozenset()
         for g, group in enumerate(self.groups):
             if groups is None or g in groups:
                 table = tables[g] if g < len(tables) else ()
@@ -415,7 +509,7 @@ class KVContent:
         report = ExecReport()
         report.step_id = self.next_step_id
         self.next_step_id += 1
-        self.in_flight[report.step_id] = {}
+        self.in_flight[report.step_id] = []
         for rid in [r for r in finish_async if r in self.loads and self.loads[r].is_async]:
             self._run_load(self.loads.pop(rid), rid in fail, fail_offset, fail_blocks, report,
                            fail_group)
@@ -443,9 +537,14 @@ class KVContent:
         later step has written since (a load not ordered with the stream that
         wrote there in between is lost)."""
         self.changed_blocks.extend(self.unreported.pop(step_id, ()))
-        for slot, value in self.in_flight.pop(step_id, {}).items():
-            if self.stream_writer.get(slot) == step_id:
-                self._write_slot(slot[0], slot[1], value)
+        for b, lo, values in self.in_flight.pop(step_id, ()):
+            writers, hi = self.stream_writer[b], lo + len(values)
+            if writers[lo:hi].count(step_id) == hi - lo:
+                self._write_run(b, lo, values)
+                continue
+            for s in range(lo, hi):
+                if writers[s] == step_id:
+                    self._write_slot(b, s, values[s - lo])
 
     def _run_load(self, job: LoadJob, failing: bool, fail_offset: int, fail_blocks: int,
                   report: ExecReport, fail_group: int = 0) -> None:
@@ -492,16 +591,16 @@ class KVContent:
     def _compute(self, step: StepView, obs: Observation, report: ExecReport,
                  pending: dict[str, tuple[int, ...]]) -> None:
         writes = self._plan_writes(step, obs, pending)
-        step_slots = {rid: self._get_step_slots(tables, start, n)
-                      for rid, (tables, _keys, start, n) in writes.items()}
+        runs = {rid: self._get_step_runs(tables, keys, start, n)
+                for rid, (tables, keys, start, n) in writes.items()}
         # taken before any write: a last-state read sees the state the step found
-        before = {rid: self._found_by_step(step_slots[rid]) for rid in writes}
-        self._apply_writes(writes, step_slots, _count_holders(obs))
+        before = {rid: self._found_by_step(runs[rid]) for rid in writes}
+        self._apply_writes(runs, obs)
         self.completed = [done for rid, (tables, keys, start, n) in writes.items()
                           for done in self._completed_blocks(rid, obs.requests[rid], tables,
                                                              keys, start, n)]
-        self._spread_garbage(writes, step_slots, before, report)
-        self._record_stream_writes(step_slots, report.step_id)
+        self._spread_garbage(writes, runs, before, report)
+        self._record_stream_writes(runs, report.step_id)
 
     def _plan_writes(self, step: StepView, obs: Observation,
                      pending: dict[str, tuple[int, ...]]) -> dict[str, tuple]:
@@ -509,32 +608,52 @@ class KVContent:
         writes = {}
         for rid, n in step.num_scheduled_tokens.items():
             req = obs.requests[rid]
-            known = req.all_token_ids + pending.get(rid, ())
-            spec = step.scheduled_spec_decode_tokens.get(rid, ())
-            keys = list(self.book.keys_of(req))
-            extend_prefix_keys(keys, known + tuple(spec), len(keys))
+            keys = self.book.keys_of(req)
+            # tokens in flight and drafts: keys past the known ones (on a copy)
+            extra = pending.get(rid, ()) + tuple(step.scheduled_spec_decode_tokens.get(rid, ()))
+            if extra:
+                keys = list(keys)
+                append_prefix_keys(keys, extra, keys[-1] if keys else 0)
             writes[rid] = (req.block_ids, keys, step.num_computed_before[rid], n)
         return writes
 
-    def _apply_writes(self, writes: dict[str, tuple], step_slots: dict[str, list],
-                      holders: dict[int, int]) -> None:
+    def _apply_writes(self, runs: dict[str, list], obs: Observation) -> None:
         """Every scheduled position's content, in order (a last-state block
         ends with its last position's state); slots two requests write are
         recorded, and failed blocks written again are no longer failed."""
-        writer: dict[tuple[int, int], str] = {}
+        writers: dict[int, list] = {}
         self.double_writes = []
         recomputed = set()
-        for rid, (_tables, keys, _start, _n) in writes.items():
-            for g, pos, b, s in step_slots[rid]:
-                self._write_slot(b, s, get_content(g, keys, pos))
+        for rid, request_runs in runs.items():
+            for b, lo, values in request_runs:
+                self._write_run(b, lo, values)
                 if b in self.failed_blocks:
                     recomputed.add(b)
-                if writer.setdefault((b, s), rid) != rid:
-                    self.double_writes.append((b, s, writer[(b, s)], rid))
-        self.shared_recomputes = sum(holders.get(b, 0) >= 2 for b in recomputed)
+                self._claim_slots(writers, b, lo, lo + len(values), rid)
+        if recomputed:
+            holders = _count_holders(obs)
+            self.shared_recomputes = sum(holders.get(b, 0) >= 2 for b in recomputed)
+        else:
+            self.shared_recomputes = 0
         self.failed_blocks -= recomputed
 
-    def _spread_garbage(self, writes: dict[str, tuple], step_slots: dict[str, list],
+    def _claim_slots(self, writers: dict[int, list], b: int, lo: int, hi: int,
+                     rid: str) -> None:
+        """``rid`` writes slots ``[lo, hi)`` of block ``b`` this step: a slot
+        another request wrote first is a double write (``double_writes``)."""
+        mine = writers.get(b)
+        if mine is None:  # the block's first writer this step: no slot taken yet
+            mine = writers[b] = [None] * self.block_size
+            mine[lo:hi] = [rid] * (hi - lo)
+            return
+        for s in range(lo, hi):
+            first = mine[s]
+            if first is None:
+                mine[s] = rid
+            elif first != rid:
+                self.double_writes.append((b, s, first, rid))
+
+    def _spread_garbage(self, writes: dict[str, tuple], runs: dict[str, list],
                         before: dict[str, dict], report: ExecReport) -> None:
         """A request that read invalid content writes garbage, to a fixed point."""
         changed = True
@@ -545,8 +664,8 @@ class KVContent:
                 if bad is None or rid in report.garbage_readers:
                     continue
                 report.garbage_readers[rid] = bad
-                for _g, _pos, b, s in step_slots[rid]:
-                    self._write_slot(b, s, GARBAGE)
+                for b, lo, values in runs[rid]:
+                    self._write_run(b, lo, [GARBAGE] * len(values))
                     report.garbage_blocks.add(b)
                 changed = True
 
@@ -575,32 +694,47 @@ class KVContent:
         hit_end = -(-(index + 1) * self._size(g) // align) * align
         return index in get_blocks_read(self.groups[g], hit_end)
 
-    def _found_by_step(self, step_slots: list) -> dict[tuple[int, int], object]:
-        """What the slots a step writes (``_get_step_slots``) held before its
+    def _found_by_step(self, runs: list) -> "FoundByStep":
+        """What the slots a step writes (``_get_step_runs``) held before its
         compute: a last-state read of the block the step goes on writing
         (resuming mid-block) sees the state there, not the step's own."""
-        return {(b, s): self.slots[b][s] for _g, _pos, b, s in step_slots}
-
-    def _get_step_slots(self, tables, start: int, n: int) -> list[tuple[int, int, int, int]]:
-        """(group, position, block, slot) of every slot a step computing
-        ``[start, start + n)`` writes (each group's entries that hold a block,
-        group by group, in position order), each ``_slot`` worked out once for
-        every pass over them."""
-        found = []
-        for g, table in enumerate(tables):
-            size, one_state = self._size(g), self._keeps_one_state(g)
-            for pos in range(start, start + n):
-                index = pos // size
-                if index < len(table) and table[index] != NULL_BLOCK:
-                    found.append((g, pos, table[index], size - 1 if one_state else pos % size))
+        found = FoundByStep()
+        for b, lo, values in runs:
+            found.take(self.slots[b], b, lo, lo + len(values))
         return found
 
-    def _record_stream_writes(self, step_slots: dict[str, list], step_id: int) -> None:
+    def _get_step_runs(self, tables, keys, start: int, n: int) -> list[tuple[int, int, list]]:
+        """(block, first slot, contents) of every run of slots a step computing
+        ``[start, start + n)`` writes: per group, per block that its table
+        holds, in position order, the contents ``get_content`` names (a
+        last-state block: its one state, the last position's)."""
+        runs = []
+        end = start + n
+        for g, table in enumerate(tables if n > 0 else ()):
+            size, one_state = self._size(g), self._keeps_one_state(g)
+            for index in range(start // size, min(-(-end // size), len(table))):
+                b = table[index]
+                if b == NULL_BLOCK:
+                    continue
+                lo, hi = max(start, index * size), min(end, (index + 1) * size)
+                if one_state:
+                    runs.append((b, size - 1, [get_content(g, keys, hi - 1)]))
+                else:
+                    runs.append((b, lo % size, get_contents(g, keys, lo, hi)))
+        return runs
+
+    def _record_stream_writes(self, runs: dict[str, list], step_id: int) -> None:
+        """The step is the last to write its slots in stream order, and what
+        they hold now is what lands again when it completes."""
         mine = self.in_flight[step_id]
-        for slots in step_slots.values():
-            for _g, _pos, b, s in slots:  # a last-state block: its one state
-                self.stream_writer[(b, s)] = step_id
-                mine[(b, s)] = self.slots[b][s]
+        for request_runs in runs.values():
+            for b, lo, values in request_runs:
+                hi = lo + len(values)
+                writers = self.stream_writer.get(b)
+                if writers is None:
+                    writers = self.stream_writer[b] = [None] * self.block_size
+                writers[lo:hi] = [step_id] * (hi - lo)
+                mine.append((b, lo, self.slots[b][lo:hi]))
 
     # -- checks ---------------------------------------------------------------
     def learn(self, obs: Observation) -> None:
@@ -694,14 +828,10 @@ class KVContent:
         start = (end - 1) // self._size(g) * self._size(g)
         return tail[len(tail) - (end - start):]
 
-    def _holds(self, block: int, g: int, expected: tuple) -> bool:
-        """The block holds the content ``expected`` names, as group ``g`` keeps
-        it: every slot (the first ones, for a partial entry), or for a
-        last-state group the state at its end."""
-        return self._holds_want(block, g, self._want(g, expected))
-
     def _holds_want(self, block: int, g: int, want: list) -> bool:
-        """``_holds``, given the slots ``_want`` names."""
+        """The block holds the slots ``want`` (``_want``) as group ``g`` keeps
+        them: every slot (the first ones, for a partial entry), or for a
+        last-state group the state at its end."""
         size = self._size(g)
         if self.groups[g].kind == "last_state":
             return len(want) == size and self.slots[block][size - 1] == want[-1]
@@ -740,21 +870,28 @@ class KVContent:
             blocks = set(map(_SECOND, obs.pool.cached))
             stale = [b for b, seen in known.items()
                      if b not in blocks or seen[0] != self.last_write[b]]
+        undo = self._get_start_undo(contents, lasts)
         for b in stale:
             _clock, tuples, last = known.pop(b)
-            for value in tuples:
-                _uncount(contents, value)
-            _uncount(lasts, last)
+            _count(contents, tuples, -1, undo[0])
+            _count(lasts, (last,), -1, undo[1])
         new = stale if blocks is None else blocks.difference(known)
         books.update(entries=obs.pool.cached, mark=log.offset + len(log.items),
-                     logged=log.active, version=books.get("version", 0) + bool(stale or new))
+                     logged=log.active)
         sizes = sorted({g.block_size for g in self.groups})
         for b in new:
             tuples, last = [tuple(self.slots[b][:size]) for size in sizes], self.slots[b][-1]
             known[b] = (self.last_write[b], tuples, last)
-            contents.update(tuples)
-            lasts[last] += 1
+            _count(contents, tuples, 1, undo[0])
+            _count(lasts, (last,), 1, undo[1])
         return contents, lasts
+
+    def _get_start_undo(self, contents: Counter, lasts: Counter) -> tuple:
+        """Per kind, where ``get_offered`` notes a count's value at the step's
+        start before changing it: the ``OfferedAtStart`` reading these very
+        books (None: the step's start is frozen, or read other books)."""
+        return tuple(view.undo if type(view) is OfferedAtStart and view.live is live else None
+                     for view, live in zip(self.offered_at_start, (contents, lasts)))
 
     def _offered_books(self) -> tuple[dict, Counter, Counter]:
         """``get_offered``'s books (a cache: a copy starts them again): per cached
@@ -766,38 +903,34 @@ class KVContent:
     def note_step_start(self, obs: Observation) -> None:
         """A step begins: what the cache offers now (a block computed again over
         a copy the cache held is not the scheduler's to cache twice)."""
-        offered, books = self.get_offered(obs), self._offered
-        if books.get("snapshot_version") != books["version"]:  # else: what it was
-            self.offered_at_start = tuple(map(frozenset, offered))
-            books["snapshot_version"] = books["version"]
-        self.keys_at_start = self._get_cached_keys(obs)
+        self.offered_at_start = tuple(map(OfferedAtStart, self.get_offered(obs)))
+        self.cached_at_start = obs.pool.cached
 
-    def _get_cached_keys(self, obs: Observation) -> frozenset:
-        """The (hash, group) of every prefix-cache key, each key parsed once
-        (``split_cache_key``) while it stays in the cache."""
-        parsed, last = self._parsed_keys, self._last_cached_keys
-        cached = obs.pool.cached
-        if last.get("entries") is cached:  # the very entries of the last call
-            return last["keys"]
-        keys = dict(cached).keys()
-        for key in parsed.keys() - keys:
-            del parsed[key]
-        for key in keys - parsed.keys():
-            parsed[key] = split_cache_key(key)
-        last.update(entries=cached, keys=frozenset(parsed.values()))
+    def _was_key_cached(self, block_hash, g: int) -> bool:
+        """Some key the cache held when the step began names ``block_hash`` in
+        group ``g`` (``split_cache_key`` of it is ``(block_hash, g)``)."""
+        keys = self._get_cached_keys(self.cached_at_start)
+        if (GROUP_KEY, g, block_hash) in keys:
+            return True
+        return g == 0 and not _is_group_key(block_hash) and block_hash in keys
+
+    def _get_cached_keys(self, cached: tuple) -> set:
+        """The keys of the prefix-cache entries ``cached``, read once per tuple."""
+        last = self._last_cached_keys
+        if last.get("entries") is not cached:  # else: the very entries of the last call
+            last.update(entries=cached, keys=set(map(_FIRST, cached)))
         return last["keys"]
 
-    def _was_offered(self, r: RequestView, g: int, index: int, expected: tuple) -> bool:
+    def _was_offered(self, r: RequestView, g: int, index: int, want: list) -> bool:
         """A copy was in the cache when the step began: by content, or by the
         key of this block of the request (its copy's load may not have landed)."""
         # the hash naming the prefix up to the block's end (hashes chain)
         h = (index + 1) * self._size(g) // self.hash_block_size - 1
-        key = (r.block_hashes[h], g) if h < len(r.block_hashes) else None
-        return key in self.keys_at_start or \
-            self._is_offered(self.offered_at_start, g, expected)
+        return self._is_offered(self.offered_at_start, g, want) or \
+            h < len(r.block_hashes) and self._was_key_cached(r.block_hashes[h], g)
 
-    def _is_offered(self, offered: tuple[set, set], g: int, expected: tuple) -> bool:
-        want = self._want(g, expected)
+    def _is_offered(self, offered: tuple, g: int, want: list) -> bool:
+        """Content ``want`` (``_want``) is among ``offered`` (``get_offered``'s kinds)."""
         if self.groups[g].kind == "last_state":
             return want[-1] in offered[1]
         return tuple(want) in offered[0]
@@ -814,16 +947,17 @@ class KVContent:
             return
         offered = self.get_offered(obs)
         for rid, g, index, block, expected in self.completed:
+            want = self._want(g, expected)
+            if self._is_offered(offered, g, want):  # the usual case: it was cached
+                continue
             r = obs.requests.get(rid)
             if r is None or r.status != RequestStatus.RUNNING or \
                     g >= len(r.block_ids) or r.block_ids[g][index:index + 1] != (block,) or \
-                    not self._holds(block, g, expected) or \
-                    self._was_offered(r, g, index, expected):
+                    not self._holds_want(block, g, want) or self._was_offered(r, g, index, want):
                 continue
-            if not self._is_offered(offered, g, expected):
-                yield (f"{rid}: block {block} (index {index}, group {g}) holds computed "
-                       "content no prefix-cache entry offers: a later request with this "
-                       "prefix recomputes it")
+            yield (f"{rid}: block {block} (index {index}, group {g}) holds computed "
+                   "content no prefix-cache entry offers: a later request with this "
+                   "prefix recomputes it")
 
     def check_request(self, obs: Observation, r: RequestView) -> Iterator[str]:
         """Every real computed token (``num_computed_tokens`` less the output

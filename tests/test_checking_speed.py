@@ -225,7 +225,7 @@ def test_the_offered_books_are_what_the_cache_offers(target, monkeypatch):
     def note_step_start(self, obs):
         original_start(self, obs)
         want = tuple(map(frozenset, _offered_from_scratch(self, obs)))
-        assert self.offered_at_start == want
+        assert tuple(map(frozenset, self.offered_at_start)) == want
     monkeypatch.setattr(KVContent, "get_offered", get_offered)
     monkeypatch.setattr(KVContent, "note_step_start", note_step_start)
     # a mutant's violation ends its run quietly: the books are what is judged here
@@ -248,7 +248,7 @@ def test_the_offered_books_follow_writes_and_entries(groups, logged):
     rng = random.Random(7)
     content = KVContent(12, 4, groups)
     entries = ()
-    fast = 0
+    fast, at_start = 0, (frozenset(), frozenset())
     for _ in range(400):
         for roll in [rng.random() for _ in range(rng.randint(1, 3))]:
             if roll < 0.2:
@@ -269,12 +269,34 @@ def test_the_offered_books_follow_writes_and_entries(groups, logged):
                     content._write_slot(b, 0, rng.choice([GARBAGE, 1, 2, 3]))
                 content.changed_blocks.mark()
             elif roll < 0.93:  # a new oracle: its log not started
-                content = KVContent(12, 4, groups)
+                content, at_start = KVContent(12, 4, groups), (frozenset(), frozenset())
         obs = SimpleNamespace(pool=SimpleNamespace(cached=entries))
         fast += content._offered.get("entries") is entries and content.changed_blocks.active
         got = content.get_offered(obs)
         assert tuple(map(dict, got)) == tuple(map(dict, _offered_from_scratch(content, obs)))
-        content.note_step_start(obs)
-        want = tuple(map(frozenset, _offered_from_scratch(content, obs)))
-        assert content.offered_at_start == want
+        # the last step's start is what it was, whatever the books counted since
+        assert tuple(map(frozenset, content.offered_at_start)) == at_start
+        if rng.random() < 0.5:
+            content.note_step_start(obs)
+            at_start = tuple(map(frozenset, _offered_from_scratch(content, obs)))
+            assert tuple(map(frozenset, content.offered_at_start)) == at_start
     assert fast > 100 if logged else fast == 0
+
+
+def test_a_key_cached_at_the_start_is_one_that_splits_to_it():
+    """``_was_key_cached``: some entry cached when the step began splits
+    (``split_cache_key``) to the hash and group asked, for keys of every
+    shape: plain hashes, group keys (of group 0 too), and hashes that look
+    like group keys."""
+    from kvspec.spec.groups import GROUP_KEY, split_cache_key
+    rng = random.Random(5)
+    hashes = [1, 2, (GROUP_KEY, 1, 2), (GROUP_KEY, 0, 1), "x"]
+    content = KVContent(4, 4)
+    for _ in range(500):
+        keys = [rng.choice(hashes) if rng.random() < 0.5 else
+                (GROUP_KEY, rng.randrange(3), rng.choice(hashes)) for _ in range(rng.randint(0, 5))]
+        content.cached_at_start = tuple((k, b) for b, k in enumerate(keys))
+        split = {split_cache_key(k) for k in keys}
+        for h in hashes:
+            for g in range(3):
+                assert content._was_key_cached(h, g) == ((h, g) in split), (keys, h, g)

@@ -10,17 +10,22 @@ import pickle
 
 from kvspec.harness import checker as checker_module
 from kvspec.harness.fuzz import fuzz
-from kvspec.spec.oracle import KeyBook
+from kvspec.spec.oracle import KeyBook, OfferedAtStart
 from kvspec.spec.registry import REGISTRY
 
 
 class _StatePickler(pickle.Pickler):
     """Pickles what a claim judges, less the oracle's memo of prefix keys (a
-    cache a claim may fill: it changes no answer)."""
+    cache a claim may fill: it changes no answer), and what the cache offered
+    at the step's start as the values it holds (a claim reading the cache
+    brings the live books up to date: the start is the same set, though
+    built of other, equal objects)."""
 
     def reducer_override(self, obj):
         if isinstance(obj, KeyBook):
             return KeyBook, ()
+        if isinstance(obj, OfferedAtStart):
+            return str, (repr(sorted(map(repr, obj))),)
         return NotImplemented
 
 

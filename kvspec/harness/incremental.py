@@ -44,6 +44,30 @@ def get_full_every() -> int:
     return int(raw)
 
 
+class DerivedByIdentity:
+    """A value derived from a tuple, kept for the last few tuples seen: a
+    target hands back the very same prefix-cache tuple while its cache is
+    unchanged, so a baseline's tuple is one an earlier check derived from
+    (each held here, so its id is not reused)."""
+
+    def __init__(self, derive, size: int = 4) -> None:
+        self.derive, self.size = derive, size
+        self.known: list[tuple[tuple, object]] = []
+
+    def __call__(self, values: tuple):
+        for seen, derived in self.known:
+            if seen is values:
+                return derived
+        derived = self.derive(values)
+        self.known = [(values, derived), *self.known[:self.size - 1]]
+        return derived
+
+
+#: the (key, block) entries of a prefix-cache tuple, as a set; its keys, as a dict
+get_entry_set = DerivedByIdentity(frozenset)
+get_key_index = DerivedByIdentity(dict)
+
+
 @attrs.define
 class Baseline:
     """The last state judged in one mode, and the logs' marks then."""
@@ -55,13 +79,10 @@ class Baseline:
     loading: frozenset
     #: incremental checks since the last full one
     since_full: int
-    #: the prefix-cache keys then (``get_changed_content``), worked out when first needed
-    cached_keys: dict | None = None
 
     def get_cached_keys(self) -> dict:
-        if self.cached_keys is None:
-            self.cached_keys = dict(self.obs.pool.cached)
-        return self.cached_keys
+        """The prefix-cache keys then (``get_changed_content``)."""
+        return get_key_index(self.obs.pool.cached)
 
 
 class Incremental:
@@ -141,7 +162,8 @@ def get_changed_pool_blocks(before: PoolView, after: PoolView) -> set[int]:
     if before.free_queue != after.free_queue:
         blocks |= set(before.free_queue).symmetric_difference(after.free_queue)
     if before.cached != after.cached:
-        blocks.update(b for _key, b in set(before.cached).symmetric_difference(after.cached))
+        blocks.update(b for _key, b in
+                      get_entry_set(before.cached).symmetric_difference(get_entry_set(after.cached)))
     for old, new in ((before.fenced, after.fenced), (before.pinned, after.pinned)):
         if old != new:
             blocks.update(old, new)
