@@ -11,12 +11,23 @@ from kvspec.spec.groups import NULL_BLOCK
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash")
+    __slots__ = ("block_id", "block_hash", "_counts")
 
-    def __init__(self, block_id: int) -> None:
+    def __init__(self, block_id: int, counts: list[int] | None = None) -> None:
         self.block_id = block_id
-        self.ref_cnt = 0
         self.block_hash: Hashable | None = None
+        #: where the reference count lives, at ``block_id``: its pool's
+        #: ``ref_cnts`` (one list an observer copies whole), or its own
+        self._counts = counts if counts is not None else {block_id: 0}
+
+    @property
+    def ref_cnt(self) -> int:
+        return self._counts[self.block_id]
+
+    @ref_cnt.setter
+    def ref_cnt(self, value: int) -> None:
+        # the only way to write a count (no slot holds it): ``ref_cnts`` is exact
+        self._counts[self.block_id] = value
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_cnt})"
@@ -43,6 +54,10 @@ class FreeQueue:
     def __iter__(self):
         return iter(self._blocks.values())
 
+    def get_block_ids(self) -> tuple[int, ...]:
+        """The free blocks' ids in eviction order (the keys: no block is read)."""
+        return tuple(self._blocks)
+
     def popleft(self) -> KVCacheBlock:
         _, block = self._blocks.popitem(last=False)
         return block
@@ -56,7 +71,10 @@ class FreeQueue:
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        #: every block's reference count, by block id (``KVCacheBlock.ref_cnt``
+        #: reads and writes it), so that an observer copies them in a C loop
+        self.ref_cnts = [0] * num_blocks
+        self.blocks = [KVCacheBlock(i, self.ref_cnts) for i in range(num_blocks)]
         self.free_queue = FreeQueue(self.blocks)
         self.enable_caching = enable_caching
         self.cached: dict[Hashable, dict[int, KVCacheBlock]] = {}
@@ -79,29 +97,33 @@ class BlockPool:
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         assert num_blocks <= len(self.free_queue), "block pool: not enough free blocks"
         blocks = []
+        counts = self.ref_cnts
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
             self._evict(block)
-            block.ref_cnt = 1
+            counts[block.block_id] = 1
             blocks.append(block)
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on cache hits, pulling free ones out of the queue."""
+        counts = self.ref_cnts
         for block in blocks:
             if block.is_null:
                 continue
-            if block.ref_cnt == 0:
+            if counts[block.block_id] == 0:
                 self.free_queue.remove(block)
-            block.ref_cnt += 1
+            counts[block.block_id] += 1
 
     def free_blocks(self, blocks_in_eviction_order: Iterable[KVCacheBlock]) -> None:
+        counts = self.ref_cnts
         for block in blocks_in_eviction_order:
             if block.is_null:
                 continue
-            assert block.ref_cnt > 0, f"block pool: double free of block {block.block_id}"
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            assert counts[block.block_id] > 0, \
+                f"block pool: double free of block {block.block_id}"
+            counts[block.block_id] -= 1
+            if counts[block.block_id] == 0:
                 self.free_queue.append(block)
 
     def cache_block(self, block: KVCacheBlock, block_hash: Hashable) -> None:

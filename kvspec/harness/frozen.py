@@ -1,7 +1,11 @@
 """Observing a target without copying what did not change: the tuples a view
 is built of are the same objects while the lists they copy are equal, so an
 unchanged view compares with the last one judged by identity, field by field
-(``incremental.py`` compares every view with its baseline)."""
+(``incremental.py`` compares every view with its baseline).
+
+Nothing here trusts a version counter: every list is compared whole with a
+copy of it as last read (a C loop; elements the same objects compare by
+identity), so what a call returns always equals a fresh copy."""
 from __future__ import annotations
 
 
@@ -10,11 +14,47 @@ class TupleCache:
         #: key -> (the list as last read, the tuple made of it)
         self._tuples: dict = {}
 
-    def get(self, key, values) -> tuple:
-        """``tuple(values)``, the very same object while ``values`` is unchanged."""
+    def get(self, key, values, make=tuple, *args) -> tuple:
+        """``make(values, *args)``: ``tuple(values)``, or what ``make`` computes
+        of nothing but ``values`` and ``args`` (each block's id, which never
+        changes: a block without ``__eq__`` compares by identity), the very
+        same object while ``values`` is unchanged."""
         known = self._tuples.get(key)
         if known is not None and known[0] == values:
             return known[1]
-        frozen = tuple(values)
+        frozen = make(values, *args)
         self._tuples[key] = (list(values), frozen)
         return frozen
+
+    def get_equal(self, key, fresh: tuple) -> tuple:
+        """``fresh``, or the tuple returned last time for ``key`` if equal to it."""
+        known = self._tuples.get(key)
+        if known is not None and is_equal(known[1], fresh):
+            return known[1]
+        self._tuples[key] = (None, fresh)
+        return fresh
+
+
+def is_equal(old: tuple, new: tuple) -> bool:
+    """``old == new``, at once where the lengths differ (tuples, unlike
+    lists, compare their common prefix first: 10,000 entries)."""
+    return len(old) == len(new) and old == new
+
+
+class ViewMemo:
+    """One request's last view, the fields it was made of, and the tuples its
+    lists were last copied to (``tuples``)."""
+
+    __slots__ = ("tuples", "fields", "view")
+
+    def __init__(self) -> None:
+        self.tuples = TupleCache()
+        self.fields = None
+        self.view = None
+
+    def get(self, fields, make):
+        """``make(fields)``, the very view made last time while ``fields`` (a
+        tuple or dict of them) are equal: compared one by one, by identity first."""
+        if fields != self.fields:
+            self.fields, self.view = fields, make(fields)
+        return self.view

@@ -4,12 +4,18 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import Callable, Protocol
 
+import attrs
+
 from kvspec.harness.env import EOS_TOKEN_ID, RequestSpec
-from kvspec.harness.frozen import TupleCache
+from kvspec.harness.frozen import TupleCache, ViewMemo
 from kvspec.spec.state import (Config, GroupSpec, Observation, PoolView, RequestStatus,
                                RequestView, StepView, WorkerOutcome)
 
-_REF_CNT, _BLOCK_ID = attrgetter("ref_cnt"), attrgetter("block_id")
+_BLOCK_ID = attrgetter("block_id")
+
+
+def _get_block_ids(blocks) -> tuple[int, ...]:
+    return tuple(map(_BLOCK_ID, blocks))
 
 
 class Target(Protocol):
@@ -55,7 +61,10 @@ class ImplTarget:
         self._requests: dict[str, object] = {}  # every request added, to see how it ended
         #: the pool's cache_version when its prefix cache was last read, and what it read
         self._cached_seen: tuple = (None, ())
-        self._tuples = TupleCache()
+        #: each live request's last view and what it was built of (``_view``)
+        self._seen: dict[str, ViewMemo] = {}
+        #: the pool's counts, free queue and fences as last observed
+        self._pool_tuples = TupleCache()
 
     def add_request(self, spec: RequestSpec) -> None:
         from kvspec.impl import Request
@@ -94,30 +103,33 @@ class ImplTarget:
         return self.scheduler.reset_prefix_cache(running)
 
     def observe_request(self, request_id: str) -> RequestView:
-        # each group's block ids read once, straight into the view's tuples
-        tables = self.scheduler.kv.get_blocks(request_id)
+        seen = self._seen.get(request_id)
+        if seen is None:
+            seen = self._seen[request_id] = ViewMemo()
         return self._view(self.scheduler.requests[request_id],
-                          [map(_BLOCK_ID, group) for group in tables])
+                          self.scheduler.kv.get_blocks(request_id), seen)
 
     def final_view(self, request_id: str) -> RequestView | None:
         r = self._requests.get(request_id)
         if r is None or request_id in self.scheduler.requests:
             return None
-        return self._view(r, tuple(() for _ in self.config.groups))
+        return self._view(r, tuple([] for _ in self.config.groups), ViewMemo())
 
-    def _view(self, r, block_ids) -> RequestView:
-        return RequestView(
-            request_id=r.request_id, status=r.status,
-            prompt_token_ids=self._tuples.get((r.request_id, "prompt"), r.prompt_token_ids),
-            output_token_ids=tuple(r.output_token_ids), max_tokens=r.max_tokens,
-            num_computed_tokens=r.num_computed_tokens, num_cached_tokens=r.num_cached_tokens,
-            num_external_computed_tokens=r.num_external_computed_tokens,
-            num_preemptions=r.num_preemptions,
-            block_ids=tuple(tuple(g) for g in block_ids),
-            block_hashes=self._tuples.get((r.request_id, "hashes"), r.block_hashes),
-            spec_token_ids=tuple(r.spec_token_ids),
-            num_output_placeholders=r.num_output_placeholders, priority=r.priority,
-            eos_token_id=r.eos_token_id)
+    def _view(self, r, tables, seen: ViewMemo) -> RequestView:
+        """``r``'s view, holding ``tables`` (its blocks per group): the very view
+        ``seen`` last time while every field is equal. Each field is read afresh
+        (a mutant writes a request's fields directly); a tuple is the same
+        object while its list is equal, so the fields compare by identity first."""
+        tuples = seen.tuples
+        fields = (r.request_id, r.status, tuples.get("prompt", r.prompt_token_ids),
+                  tuples.get("output", r.output_token_ids), r.max_tokens,
+                  r.num_computed_tokens, r.num_cached_tokens, r.num_external_computed_tokens,
+                  r.num_preemptions,
+                  tuple([tuples.get(g, blocks, _get_block_ids)
+                         for g, blocks in enumerate(tables)]),
+                  tuples.get("hashes", r.block_hashes), tuples.get("spec", r.spec_token_ids),
+                  r.num_output_placeholders, r.priority, r.eos_token_id)
+        return seen.get(fields, _make_view)
 
     def _observe_cached(self, pool) -> tuple:
         """The prefix cache's (hash, block id) entries, read again only when the
@@ -131,17 +143,41 @@ class ImplTarget:
 
     def observe(self) -> Observation:
         s = self.scheduler
-        pool = s.kv.pool
         requests = {rid: self.observe_request(rid) for rid in s.requests}
+        if len(self._seen) > len(requests):  # some left: forget what they were
+            self._seen = {rid: self._seen[rid] for rid in requests}
         return Observation(
             config=self.config, requests=requests,
             waiting=tuple(r.request_id for r in s.waiting),
             running=tuple(r.request_id for r in s.running),
-            pool=PoolView(ref_cnt=tuple(map(_REF_CNT, pool.blocks)),
-                          free_queue=tuple(map(_BLOCK_ID, pool.free_queue)),
-                          cached=self._observe_cached(pool),
-                          fenced=s.in_flight.get_fenced_block_ids()),
+            pool=self._observe_pool(),
             sending=tuple(rid for rid, r in requests.items() if r.status.is_finished))
+
+    def _observe_pool(self) -> PoolView:
+        """Counts and free queue copied whole from the pool's own storage (C
+        loops; no entry is skipped as unchanged), each the same tuple as last
+        time while equal."""
+        s, tuples = self.scheduler, self._pool_tuples
+        pool = s.kv.pool
+        return PoolView(ref_cnt=tuples.get("ref_cnt", pool.ref_cnts),
+                        free_queue=tuples.get_equal("free", pool.free_queue.get_block_ids()),
+                        cached=self._observe_cached(pool),
+                        fenced=tuples.get_equal("fenced", s.in_flight.get_fenced_block_ids()))
+
+
+#: the fields ``ImplTarget._view`` reads, in the order it reads them: the
+#: first of ``RequestView``'s, which it is built of positionally (a keyword
+#: call takes twice as long)
+_VIEW_FIELDS = ("request_id", "status", "prompt_token_ids", "output_token_ids", "max_tokens",
+                "num_computed_tokens", "num_cached_tokens", "num_external_computed_tokens",
+                "num_preemptions", "block_ids", "block_hashes", "spec_token_ids",
+                "num_output_placeholders", "priority", "eos_token_id")
+if tuple(f.name for f in attrs.fields(RequestView))[:len(_VIEW_FIELDS)] != _VIEW_FIELDS:
+    raise TypeError("RequestView's fields moved: ImplTarget._view builds it positionally")
+
+
+def _make_view(fields: tuple) -> RequestView:
+    return RequestView(*fields)
 
 
 def make_config(block_size=4, num_blocks=16, max_num_batched_tokens=16, max_num_seqs=4,

@@ -9,7 +9,7 @@ from operator import attrgetter
 
 import attrs
 
-from kvspec.harness.frozen import TupleCache
+from kvspec.harness.frozen import TupleCache, ViewMemo, is_equal
 from kvspec.spec.groups import NULL_BLOCK, get_group_cache_key, is_windowed
 from kvspec.spec.state import (STATS_UNSET, Config, Observation, PoolView, RequestStatus,
                                RequestView, StepView)
@@ -35,11 +35,16 @@ class VllmObserver:
         self.m, self.config = m, config
         self._stats: dict[str, object] = {}      # request id -> its PrefillStats object
         self._requests: dict[str, object] = {}   # every request added, to see how it ended
-        self._tuples = TupleCache()              # a view's unchanged prompt and hashes
-        #: vLLM's prefix-cache keys as kvspec's (``_pool_view``)
+        #: each live request's last view and what it was built of (``_view``)
+        self._seen: dict[str, ViewMemo] = {}
+        #: the pool's counts and free queue as last observed
+        self._pool_tuples = TupleCache()
+        #: vLLM's prefix-cache keys as kvspec's (``_cached_entries``)
         self._cache_keys: dict = {}
-        #: the prefix-cache entries last observed (``_pool_view``)
+        #: the prefix-cache entries last observed (``_cached_entries``)
         self._last_cached: tuple = ()
+        #: the map they were read of, its keys and values then (None: read it again)
+        self._cached_from: tuple | None = None
         self._admitted: set[str] = set()         # stats recorded (see the module doc)
 
     def note_request(self, request) -> None:
@@ -127,31 +132,40 @@ class VllmObserver:
 
     def observe_request(self, request_id: str) -> RequestView:
         s = self.scheduler
-        return self._view(s.requests[request_id], s.kv_cache_manager.get_block_ids(request_id))
+        seen = self._seen.get(request_id)
+        if seen is None:
+            seen = self._seen[request_id] = ViewMemo()
+        return self._view(s.requests[request_id], s.kv_cache_manager.get_block_ids(request_id),
+                          seen)
 
     def final_view(self, request_id: str) -> RequestView | None:
         r = self._requests.get(request_id)
         if r is None or request_id in self.scheduler.requests:
             return None
-        return self._view(r, tuple(() for _ in self.config.groups))
+        return self._view(r, tuple([] for _ in self.config.groups), ViewMemo())
 
-    def _view(self, r, tables) -> RequestView:
-        request_id = r.request_id
+    def _view(self, r, tables, seen: ViewMemo) -> RequestView:
+        """``r``'s view, holding ``tables`` (its vLLM block ids per group): the
+        very view ``seen`` last time while every field is equal (each read
+        afresh; a tuple is the same object while its list is equal)."""
         status = self._status(r)
         cached, external = self._stats_of(r, status)
         extra = self._stop_rules(r) if "eos_token_id" in _VIEW_FIELDS else {}
-        return RequestView(
-            request_id=request_id, status=status,
-            prompt_token_ids=self._tuples.get((request_id, "prompt"), r.prompt_token_ids),
+        tuples = seen.tuples
+        return seen.get(dict(
+            request_id=r.request_id, status=status,
+            prompt_token_ids=tuples.get("prompt", r.prompt_token_ids),
+            # a ConstantList, equal to no list: a copy (of a few tokens) every time
             output_token_ids=tuple(r.output_token_ids), max_tokens=r.max_tokens,
             num_computed_tokens=r.num_computed_tokens, num_cached_tokens=cached,
             num_external_computed_tokens=external,
             num_preemptions=getattr(r, "num_preemptions", 0),
-            block_ids=tuple(self._to_spec_ids(t, g) for g, t in enumerate(tables)),
-            block_hashes=self._tuples.get((request_id, "hashes"), r.block_hashes),
-            spec_token_ids=tuple(r.spec_token_ids),
+            block_ids=tuple([tuples.get(g, ids, self._to_spec_ids, g)
+                             for g, ids in enumerate(tables)]),
+            block_hashes=tuples.get("hashes", r.block_hashes),
+            spec_token_ids=tuples.get("spec", r.spec_token_ids),
             num_output_placeholders=getattr(r, "num_output_placeholders", 0),
-            priority=r.priority, **extra)
+            priority=r.priority, **extra), _make_view)
 
     def _stop_rules(self, r) -> dict:
         """What ends ``r`` besides its length (newer kvspec states carry it)."""
@@ -168,38 +182,66 @@ class VllmObserver:
         return extra
 
     def _pool_view(self) -> PoolView:
+        """Counts and free queue read whole, each the same tuple as last time while equal."""
         pool = self.scheduler.kv_cache_manager.block_pool
-        blocks = pool.blocks[NULL_BLOCKS:]
+        tuples = self._pool_tuples
         free = [b - NULL_BLOCKS
                 for b in map(_BLOCK_ID, pool.free_block_queue.get_all_free_blocks())]
-        cached = []
-        table = pool.cached_block_hash_to_block
-        entries = getattr(table, "_cache", table)  # a BlockHashToBlockMap, or a plain dict
-        keys = self._cache_keys
-        for key, value in entries.items():
-            found = value.values() if isinstance(value, dict) else [value]
-            spec_key = keys.get(key)
-            if spec_key is None:  # a key's translation never changes: worked out once
-                block_hash = self.m.get_block_hash(key) if self.m.get_block_hash else key
-                group = self.m.get_group_id(key) if self.m.get_group_id else 0
-                spec_key = keys[key] = get_group_cache_key(block_hash, group)
-            for block in found:
-                cached.append((spec_key, block.block_id - NULL_BLOCKS))
         # a hybrid request's deferred free lists the null block of its windowed groups
         fenced = tuple(b.block_id - NULL_BLOCKS for _, held in
                        getattr(self.scheduler, "deferred_frees", ()) for b in held
                        if b.block_id >= NULL_BLOCKS)
         world = getattr(self, "world", None)
         pinned = () if world is None else tuple(b - NULL_BLOCKS for b in world.get_pins())
-        cached = tuple(cached)
-        if cached != self._last_cached:  # else the very same tuple as last time:
-            self._last_cached = cached  # those who read it compare it by identity
-        return PoolView(ref_cnt=tuple(map(_REF_CNT, blocks)), free_queue=tuple(free),
-                        cached=self._last_cached, fenced=fenced, pinned=pinned)
+        return PoolView(
+            ref_cnt=tuples.get_equal("ref_cnt", tuple(map(_REF_CNT, pool.blocks[NULL_BLOCKS:]))),
+            free_queue=tuples.get_equal("free", tuple(free)),
+            cached=self._cached_entries(pool.cached_block_hash_to_block), fenced=fenced,
+            pinned=pinned)
+
+    def _cached_entries(self, table) -> tuple:
+        """Every prefix-cache entry as kvspec's (key, block id), in the map's
+        order; the very tuple of last time while equal. Not translated again
+        while the map holds equal keys and equal blocks in the same order (a
+        block compares its id first; in one pool ids are distinct) and held
+        no dict of several copies (one may change in place)."""
+        entries = getattr(table, "_cache", table)  # a BlockHashToBlockMap, or a plain dict
+        keys, values = list(entries), list(entries.values())
+        last = self._cached_from
+        if last is not None and last[0] is entries and last[1] == keys and last[2] == values:
+            return self._last_cached
+        spec_keys = self._get_spec_keys(keys)
+        try:  # one block per key, read in C loops (10,000 entries in production)
+            cached = tuple(zip(spec_keys, [b - NULL_BLOCKS for b in map(_BLOCK_ID, values)]))
+            self._cached_from = (entries, keys, values)
+        except AttributeError:  # a key holds a dict of several copies
+            cached = tuple((spec_key, block.block_id - NULL_BLOCKS)
+                           for spec_key, value in zip(spec_keys, values)
+                           for block in (value.values() if isinstance(value, dict) else [value]))
+            self._cached_from = None
+        if not is_equal(cached, self._last_cached):  # else the very same tuple as last
+            self._last_cached = cached  # time: those who read it compare it by identity
+        return self._last_cached
+
+    def _get_spec_keys(self, keys: list) -> list:
+        """vLLM prefix-cache keys as kvspec's (a key's translation never
+        changes: each worked out once)."""
+        known = self._cache_keys
+        spec_keys = list(map(known.get, keys))
+        i = 0
+        for _ in range(spec_keys.count(None)):  # the new ones, found in C loops
+            i = spec_keys.index(None, i)
+            key = keys[i]
+            block_hash = self.m.get_block_hash(key) if self.m.get_block_hash else key
+            group = self.m.get_group_id(key) if self.m.get_group_id else 0
+            spec_keys[i] = known[key] = get_group_cache_key(block_hash, group)
+        return spec_keys
 
     def observe(self) -> Observation:
         s = self.scheduler
         requests = {rid: self.observe_request(rid) for rid in s.requests}
+        if len(self._seen) > len(requests):  # some left: forget what they were
+            self._seen = {rid: self._seen[rid] for rid in requests}
         for rid in [rid for rid in self._stats if rid not in s.requests]:
             del self._stats[rid]
             self._admitted.discard(rid)
@@ -214,6 +256,10 @@ class VllmObserver:
 
 
 _BLOCK_ID, _REF_CNT = attrgetter("block_id"), attrgetter("ref_cnt")
+
+
+def _make_view(fields: dict) -> RequestView:
+    return RequestView(**fields)
 
 
 def as_groups(block_ids) -> list:
