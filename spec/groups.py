@@ -79,9 +79,14 @@ def get_group_cache_key(block_hash, group_index: int):
     return block_hash if group_index == 0 else (GROUP_KEY, group_index, block_hash)
 
 
+def is_group_cache_key(key) -> bool:
+    """``key`` has the shape of a group's prefix-cache key (``get_group_cache_key``)."""
+    return isinstance(key, tuple) and len(key) == 3 and key[0] == GROUP_KEY
+
+
 def split_cache_key(key) -> tuple[object, int]:
     """``(block_hash, group_index)`` of a prefix-cache key."""
-    if isinstance(key, tuple) and len(key) == 3 and key[0] == GROUP_KEY:
+    if is_group_cache_key(key):
         return key[2], key[1]
     return key, 0
 

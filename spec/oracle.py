@@ -48,10 +48,10 @@ from typing import Hashable, Iterator
 
 import attrs
 
-from kvspec.spec.groups import GROUP_KEY, NULL_BLOCK, split_cache_key
+from kvspec.spec.groups import GROUP_KEY, NULL_BLOCK, is_group_cache_key, split_cache_key
 from kvspec.spec.reads import get_blocks_read, get_positions_read
 from kvspec.spec.predicates import is_cached_block_valid
-from kvspec.spec.registry import Memo
+from kvspec.spec.registry import DerivedByIdentity, Memo
 from kvspec.spec.scope import ChangeLog
 from kvspec.spec.state import GroupSpec, Observation, RequestStatus, RequestView, StepView
 
@@ -146,9 +146,9 @@ class FoundByStep(dict):
             return before
         found = cls()
         for (b, s), value in before.items():
-            found.setdefault(b, [_UNSEEN] * (s + 1))
-            found[b].extend([_UNSEEN] * (s + 1 - len(found[b])))
-            found[b][s] = value
+            seen = found.setdefault(b, [])
+            seen.extend([_UNSEEN] * (s + 1 - len(seen)))
+            seen[s] = value
         return found
 
     def take(self, slots: list, b: int, lo: int, hi: int) -> None:
@@ -194,7 +194,10 @@ class ExecReport:
     step_id: int = -1
 
 
-_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+_SECOND = itemgetter(1)
+
+#: the keys of a prefix-cache tuple of (key, block) entries, as a dict (key -> a block)
+get_key_index = DerivedByIdentity(dict)
 
 
 class OfferedAtStart:
@@ -220,11 +223,6 @@ class OfferedAtStart:
 
     def __reduce__(self):
         return frozenset, (tuple(self),)
-
-
-def _is_group_key(key) -> bool:
-    """``key`` has the shape of a group's prefix-cache key (``split_cache_key``)."""
-    return isinstance(key, tuple) and len(key) == 3 and key[0] == GROUP_KEY
 
 
 def _count(counter: Counter, values, by: int, undo: dict | None) -> None:
@@ -282,9 +280,6 @@ class KVContent:
         self._hashes_seen: dict = Memo()
         #: ``get_offered``'s books: per cached block what it offered, and counts
         self._offered: dict = Memo()
-        #: the prefix-cache entries ``_get_cached_keys`` last read (a target keeps
-        #: the very same tuple while its cache is unchanged) and their keys
-        self._last_cached_keys: dict = Memo()
         #: (hash, group) -> the slots a block of the group cached under it holds
         #: (``_want`` of what the hash names): derived from ``expected_by_hash``,
         #: whose entries never change, so computed once
@@ -351,13 +346,14 @@ class KVContent:
     def _write_slot(self, b: int, s: int, value) -> None:
         """Every slot write goes through here or ``_write_run``: logged, and numbered."""
         self.slots[b][s] = value
-        self.changed_blocks.add(b)
-        self.write_clock += 1
-        self.last_write[b] = self.write_clock
+        self._note_written(b)
 
     def _write_run(self, b: int, lo: int, values: list) -> None:
         """``_write_slot`` of ``values`` into block ``b`` from slot ``lo`` on, as one write."""
         self.slots[b][lo:lo + len(values)] = values
+        self._note_written(b)
+
+    def _note_written(self, b: int) -> None:
         self.changed_blocks.add(b)
         self.write_clock += 1
         self.last_write[b] = self.write_clock
@@ -717,10 +713,9 @@ class KVContent:
                 if b == NULL_BLOCK:
                     continue
                 lo, hi = max(start, index * size), min(end, (index + 1) * size)
-                if one_state:
-                    runs.append((b, size - 1, [get_content(g, keys, hi - 1)]))
-                else:
-                    runs.append((b, lo % size, get_contents(g, keys, lo, hi)))
+                if one_state:  # the block's one state: its last position's
+                    lo = hi - 1
+                runs.append((b, self._slot(g, table, lo)[1], get_contents(g, keys, lo, hi)))
         return runs
 
     def _record_stream_writes(self, runs: dict[str, list], step_id: int) -> None:
@@ -909,17 +904,10 @@ class KVContent:
     def _was_key_cached(self, block_hash, g: int) -> bool:
         """Some key the cache held when the step began names ``block_hash`` in
         group ``g`` (``split_cache_key`` of it is ``(block_hash, g)``)."""
-        keys = self._get_cached_keys(self.cached_at_start)
+        keys = get_key_index(self.cached_at_start)
         if (GROUP_KEY, g, block_hash) in keys:
             return True
-        return g == 0 and not _is_group_key(block_hash) and block_hash in keys
-
-    def _get_cached_keys(self, cached: tuple) -> set:
-        """The keys of the prefix-cache entries ``cached``, read once per tuple."""
-        last = self._last_cached_keys
-        if last.get("entries") is not cached:  # else: the very entries of the last call
-            last.update(entries=cached, keys=set(map(_FIRST, cached)))
-        return last["keys"]
+        return g == 0 and not is_group_cache_key(block_hash) and block_hash in keys
 
     def _was_offered(self, r: RequestView, g: int, index: int, want: list) -> bool:
         """A copy was in the cache when the step began: by content, or by the

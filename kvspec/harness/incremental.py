@@ -25,6 +25,8 @@ import attrs
 
 from kvspec.spec.groups import get_group_cache_key
 from kvspec.spec.invariants import Context
+from kvspec.spec.oracle import get_key_index
+from kvspec.spec.registry import DerivedByIdentity
 from kvspec.spec.scope import Scope
 from kvspec.spec.state import Observation, PoolView
 
@@ -44,28 +46,9 @@ def get_full_every() -> int:
     return int(raw)
 
 
-class DerivedByIdentity:
-    """A value derived from a tuple, kept for the last few tuples seen: a
-    target hands back the very same prefix-cache tuple while its cache is
-    unchanged, so a baseline's tuple is one an earlier check derived from
-    (each held here, so its id is not reused)."""
-
-    def __init__(self, derive, size: int = 4) -> None:
-        self.derive, self.size = derive, size
-        self.known: list[tuple[tuple, object]] = []
-
-    def __call__(self, values: tuple):
-        for seen, derived in self.known:
-            if seen is values:
-                return derived
-        derived = self.derive(values)
-        self.known = [(values, derived), *self.known[:self.size - 1]]
-        return derived
-
-
-#: the (key, block) entries of a prefix-cache tuple, as a set; its keys, as a dict
+#: the (key, block) entries of a prefix-cache tuple, as a set (its keys:
+#: ``get_key_index``, shared with the data oracle)
 get_entry_set = DerivedByIdentity(frozenset)
-get_key_index = DerivedByIdentity(dict)
 
 
 @attrs.define
