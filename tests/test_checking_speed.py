@@ -17,6 +17,8 @@ from kvspec.spec.reads import get_blocks_read, get_positions_read
 from kvspec.spec.registry import Memo
 from kvspec.spec.state import GroupSpec, RequestStatus
 
+from random_runs import run_machine
+
 GROUPS = [
     (GroupSpec(4),),
     (GroupSpec(2),),
@@ -207,8 +209,6 @@ def test_the_offered_books_are_what_the_cache_offers(target, monkeypatch):
     the very same entries): after every call its books equal a count from
     scratch, and the step's snapshot equals them at the step's start, on
     random runs with load failures, preemptions, resets and several groups."""
-    from hypothesis import HealthCheck, settings
-    from hypothesis.stateful import run_state_machine_as_test
 
     from kvspec.harness.machine import machine_for
     original_offered, original_start = KVContent.get_offered, KVContent.note_step_start
@@ -230,10 +230,7 @@ def test_the_offered_books_are_what_the_cache_offers(target, monkeypatch):
     monkeypatch.setattr(KVContent, "note_step_start", note_step_start)
     # a mutant's violation ends its run quietly: the books are what is judged here
     machine = machine_for(target, on_counterexample=lambda exc: True)
-    machine._hypothesis_internal_use_seed = 11
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=20, stateful_step_count=25, deadline=None, database=None,
-        suppress_health_check=list(HealthCheck)))
+    run_machine(machine, 11, 20, 25)
     assert calls["offered"] > 200 and calls["fast"] > 100, calls
 
 

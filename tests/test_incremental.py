@@ -13,8 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis import Phase
 
 from kvspec.harness.checker import IncrementalGap
 from kvspec.harness.incremental import Incremental
@@ -24,6 +23,8 @@ from kvspec.harness.runner import Counterexample, Runner
 from kvspec.harness.target import make_config
 from kvspec.impl.mutants import MUTANTS
 from kvspec.spec.oracle import GARBAGE
+
+from random_runs import run_machine
 
 NEVER_FULL = 10 ** 9
 REGRESSIONS = sorted((Path(__file__).parents[1] / "model_tests" / "regressions").glob("*.json"))
@@ -169,11 +170,8 @@ def test_incremental_checks_find_exactly_what_full_checks_find(target, monkeypat
                 checks.update(incremental=inc.checks - inc.full_checks, full=inc.full_checks)
 
     machine = Machine
-    machine._hypothesis_internal_use_seed = 30
     try:
-        run_state_machine_as_test(machine, settings=settings(
-            max_examples=40, stateful_step_count=30, deadline=None, database=None,
-            suppress_health_check=list(HealthCheck), phases=(Phase.generate,)))
+        run_machine(machine, 30, 40, 30, phases=(Phase.generate,))
     except IncrementalGap as gap:
         pytest.fail(f"{target}: {gap}")
     assert machine.stats["actions"] > 100, machine.stats

@@ -17,8 +17,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch worker needs torch: "
                                             "pip install -e '.[gpu]' (torch==2.13.0)")
 
-from hypothesis import HealthCheck, Phase, settings  # noqa: E402
-from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
+from hypothesis import Phase  # noqa: E402
 from kvspec.cli import run  # noqa: E402
 from kvspec.harness.machine import machine_for  # noqa: E402
 from kvspec.harness.profiles import FULL  # noqa: E402
@@ -28,6 +27,8 @@ from kvspec.harness.target import make_config  # noqa: E402
 from kvspec.harness.torch_worker import LOGITS_TOL, TorchWorker  # noqa: E402
 from kvspec.harness.trace import save_trace  # noqa: E402
 from kvspec.spec.state import GroupSpec, RequestStatus  # noqa: E402
+
+from random_runs import run_machine  # noqa: E402
 
 #: the layouts the tiny model has (a last-state group needs a recurrent layer)
 TORCH_PROFILE = attrs.evolve(FULL, layouts=("full", "sliding"))
@@ -49,10 +50,7 @@ def run_workloads(profile, seed: int, examples: int, target: str = "impl") -> Co
                     stats.update(self.runner.worker.stats)
                     stats.update({f"feature:{k}": v for k, v in self.runner.features.items()})
 
-    Machine._hypothesis_internal_use_seed = seed
-    run_state_machine_as_test(Machine, settings=settings(
-        max_examples=examples, stateful_step_count=25, deadline=None, database=None,
-        suppress_health_check=list(HealthCheck), phases=(Phase.generate,)))
+    run_machine(Machine, seed, examples, 25, phases=(Phase.generate,))
     return stats
 
 

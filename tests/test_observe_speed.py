@@ -12,8 +12,7 @@ import random
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis import Phase
 
 from kvspec.harness.env import RequestSpec
 from kvspec.harness.machine import machine_for
@@ -22,6 +21,8 @@ from kvspec.impl import Scheduler
 from kvspec.impl.mutants import MUTANTS
 from kvspec.spec.state import (Observation, PoolView, RequestStatus, RequestView,
                                WorkerOutcome)
+
+from random_runs import run_machine
 
 
 def _view_afresh(r, tables) -> RequestView:
@@ -131,10 +132,7 @@ def test_every_observation_equals_one_made_afresh(target, checked_observation):
     counterexample ends its run quietly, the runs go on."""
     assert target == "impl" or target[len("mutant:"):] in MUTANTS
     machine = machine_for(target, on_counterexample=lambda exc: True)
-    machine._hypothesis_internal_use_seed = 30
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=40, stateful_step_count=30, deadline=None, database=None,
-        suppress_health_check=list(HealthCheck), phases=(Phase.generate,)))
+    run_machine(machine, 30, 40, 30, phases=(Phase.generate,))
     assert not checked_observation.stale, checked_observation.stale[:3]
     calls = checked_observation.calls
     assert machine.stats["actions"] > 200, machine.stats
@@ -333,10 +331,7 @@ def test_every_vllm_observation_equals_one_made_afresh(target, checked_vllm_obse
     """Random runs of vLLM's scheduler (and of one with a planted bug): every
     observation compared whole."""
     machine = machine_for(target, on_counterexample=lambda exc: True)
-    machine._hypothesis_internal_use_seed = 30
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=8, stateful_step_count=30, deadline=None, database=None,
-        suppress_health_check=list(HealthCheck), phases=(Phase.generate,)))
+    run_machine(machine, 30, 8, 30, phases=(Phase.generate,))
     checked = checked_vllm_observation
     assert not checked.stale, checked.stale[:3]
     assert machine.stats["actions"] > 50 and checked.calls["observe"] > 50, checked.calls

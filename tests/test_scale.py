@@ -7,8 +7,7 @@ import importlib.util
 import json
 
 import pytest
-from hypothesis import HealthCheck, Verbosity, settings
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis import Verbosity
 from typer.testing import CliRunner
 
 from kvspec.cli import app
@@ -17,6 +16,8 @@ from kvspec.harness.machine import (MAX_WAVE_PROMPT, PRODUCTION_MODEL_LEN, SCALE
                                     get_scale, machine_for)
 from kvspec.harness.replay import replay_trace
 from kvspec.harness.trace import save_trace
+
+from random_runs import run_machine
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -31,10 +32,7 @@ def run_production(target: str, steps: int = 6, seed: int = 3) -> list:
         runners.append(self.runner)
         original(self)
     machine.teardown = teardown
-    machine._hypothesis_internal_use_seed = seed
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=1, stateful_step_count=steps, deadline=None, database=None,
-        suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet))
+    run_machine(machine, seed, 1, steps, verbosity=Verbosity.quiet)
     assert machine.stats["scale:production"] == machine.stats["runs"] >= 1
     return runners
 
