@@ -10,6 +10,7 @@ from pathlib import Path
 
 import attrs
 
+from kvspec.gc_policy import describe_collector, tune_collector
 from kvspec.harness.env import EnvConnector, RequestSpec, sampled_token
 from kvspec.harness.runner import ALL_KINDS, Runner
 from kvspec.harness.target import make_config
@@ -19,6 +20,10 @@ from kvspec.spec.state import WorkerOutcome
 
 WARMUP_STEPS = 8
 REPO = Path(__file__).resolve().parents[1]
+
+# the collector as the ``kvspec`` command sets it, for the bare and the
+# checked runs alike (kvspec/gc_policy.py)
+tune_collector()
 
 
 @attrs.frozen
@@ -234,7 +239,7 @@ def environment(seconds: float) -> dict:
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": git_commit(),
             "seconds_per_measurement": seconds,
-            "warmup_steps": WARMUP_STEPS}
+            "warmup_steps": WARMUP_STEPS, **describe_collector()}
 
 
 WORKLOADS = {shape.name: shape.describe() for shape in (SMALL, PRODUCTION)}

@@ -55,7 +55,8 @@ class Request:
         _check_types(request_id, prompt_token_ids, max_tokens, eos_token_id, priority,
                      hash_block_size)
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        # immutable, as a prompt is: an observer tells it unchanged by identity
+        self.prompt_token_ids = tuple(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)
         self.spec_token_ids: list[int] = []

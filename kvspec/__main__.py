@@ -12,6 +12,8 @@ def main() -> None:
     try:
         from kvspec.hashseed import pin_hash_seed
         pin_hash_seed()
+        from kvspec.gc_policy import tune_collector
+        tune_collector()
         from kvspec.cli import main as run_command_line
     except KeyboardInterrupt:
         print("kvspec: interrupted", file=sys.stderr)

@@ -522,6 +522,11 @@ def worker_tables_match_scheduler(t: Transition):
             yield f"{rid}: {found}"
 
 
+def _is_same_run(mine: tuple, theirs: tuple, lo: int, hi: int) -> bool:
+    """Both tables hold the same blocks at every index in ``[lo, hi)``."""
+    return hi <= len(mine) and hi <= len(theirs) and mine[lo:hi] == theirs[lo:hi]
+
+
 def _first_table_difference(t: Transition, r: RequestView, worker, num_new: int) -> str:
     start = t.step.num_computed_before[r.request_id]
     for g, group in enumerate(t.after.config.groups):
@@ -529,7 +534,10 @@ def _first_table_difference(t: Transition, r: RequestView, worker, num_new: int)
             continue
         mine = r.block_ids[g] if g < len(r.block_ids) else ()
         theirs = worker[g] if g < len(worker) else ()
-        for i in get_step_blocks(group, start, num_new):
+        indices = get_step_blocks(group, start, num_new)
+        if indices and _is_same_run(mine, theirs, indices[0], indices[-1] + 1):
+            continue
+        for i in indices:
             want = mine[i] if i < len(mine) else None
             got = theirs[i] if i < len(theirs) else None
             if got != want:

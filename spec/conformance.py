@@ -265,7 +265,7 @@ def compute_admission(m: ModelStep) -> Admission:
                                 "not the initial state")
             continue
         hints = m.hints.get(rid)
-        if hints is None and old == new:
+        if hints is None and (old is new or old == new):
             # an unchanged request with no hints: its counters are the same on every
             # observed field (``is_same``) and default hints name no failed block
             # (``must_recover`` is False): nothing to judge, as below

@@ -17,6 +17,7 @@ from typing import Iterable, Iterator
 import attrs
 
 from kvspec.spec.arith import compute_first_external
+from kvspec.spec.cache_index import get_cache_index
 from kvspec.spec.groups import NULL_BLOCK, split_cache_key
 from kvspec.spec.history import Ghost
 from kvspec.spec.predicates import (is_blocks_cover_computed, is_cached_le_computed,
@@ -27,9 +28,10 @@ from kvspec.spec.predicates import (is_blocks_cover_computed, is_cached_le_compu
                                     is_unscheduled_without_output, is_waiting_with_work)
 from kvspec.spec.arith import compute_real_computed
 from kvspec.spec.reads import get_blocks_read, get_positions_read
-from kvspec.spec.registry import Memo, Witnessing, invariant
+from kvspec.spec.registry import DerivedByIdentity, Memo, Witnessing, invariant
 from kvspec.spec.scope import Scope
 from kvspec.spec.state import Observation, RequestStatus, RequestView
+from kvspec.spec.table_tally import get_table_tally
 
 
 @attrs.define
@@ -481,14 +483,17 @@ def _holders(ctx: Context) -> list[int]:
     return count
 
 
+#: a free-queue tuple's blocks, as a set (the targets hand back the very
+#: tuple while the queue is unchanged: one set per queue state)
+get_free_set = DerivedByIdentity(frozenset)
+
+
 def _holders_of(ctx: Context, blocks) -> dict[int, int]:
-    """``_holders`` of ``blocks`` alone (each table read once, in C)."""
-    wanted = set(blocks)
-    wanted.discard(NULL_BLOCK)  # a block a windowed group gave back: no table counts it
-    count = dict.fromkeys(blocks, 0)
-    # every table entry read once, in C, keeping only the blocks asked about
-    count.update(Counter(filter(wanted.__contains__, chain.from_iterable(
-        chain.from_iterable(r.block_ids for r in ctx.obs.requests.values())))))
+    """``_holders`` of ``blocks`` alone (the tables' entries tallied by
+    difference from the last requests counted: ``spec/table_tally.py``)."""
+    tally = get_table_tally(ctx.obs.requests)
+    # NULL_BLOCK: a block a windowed group gave back, which no table entry counts
+    count = {b: tally[b] if b != NULL_BLOCK else 0 for b in blocks}
     for b in chain(ctx.obs.pool.fenced, ctx.obs.pool.pinned):
         if b in count:  # a fence or pin counts, on NULL_BLOCK too
             count[b] += 1
@@ -527,9 +532,9 @@ def free_queue_is_free_blocks(ctx: Context):
     pool = ctx.obs.pool
     free = pool.free_queue
     ctx.witness(0 < len(free) < pool.num_blocks)
-    if len(set(free)) != len(free):
+    free_set = get_free_set(free)
+    if len(free_set) != len(free):
         yield f"free queue has duplicates: {free}"
-    free_set = set(free)
     if ctx.is_narrowed("block"):
         disagree = [b for b in ctx.blocks() if (b in free_set) != (pool.ref_cnt[b] == 0)]
     else:
@@ -591,17 +596,29 @@ def prefix_cache_is_consistent(ctx: Context):
     entry of the same group, evicted with the block; the data oracle checks
     what each entry names). Witnessed by a non-empty cache."""
     groups, size = ctx.obs.config.groups, ctx.obs.config.hash_block_size
-    seen = {}
     ctx.witness(len(ctx.obs.pool.cached) >= 2)
-    entries = ctx.obs.pool.cached
     if ctx.is_narrowed("block"):
-        entries = [(key, block) for key, block in entries if block in ctx.scope.blocks]
-    for key, block in entries:
+        # the same verdict per block: a second entry is allowed only where
+        # every entry of the block is of one such group
+        index = get_cache_index(ctx.obs.pool.cached)
+        for block in sorted(ctx.scope.blocks):
+            found = {split_cache_key(key)[1] for key in index.keys_of(block)}
+            if len(index.keys_of(block)) >= 2 and not (
+                    len(found) == 1 and _is_partial_group(groups, size, *found)):
+                yield f"block {block} cached under two hashes"
+        return
+    seen = {}
+    for key, block in ctx.obs.pool.cached:
         g = split_cache_key(key)[1]
-        if block in seen and not (seen[block] == g < len(groups)
-                                  and groups[g].block_size > size):
+        if block in seen and not (seen[block] == g and _is_partial_group(groups, size, g)):
             yield f"block {block} cached under two hashes"
         seen[block] = g
+
+
+def _is_partial_group(groups, hash_block_size: int, g: int) -> bool:
+    """A group whose blocks are larger than the hash block: one block may be
+    cached under a partial entry of the same group too."""
+    return g < len(groups) and groups[g].block_size > hash_block_size
 
 
 # -- the data oracle ----------------------------------------------------------
@@ -653,9 +670,9 @@ def no_load_into_free_blocks(ctx: Context):
 
     Protects the next owner of the block: a block freed under a running load is
     handed out while the load still overwrites it. Witnessed by a load in flight."""
-    free = set(ctx.obs.pool.free_queue)
     loading = ctx.oracle.loading_blocks(ctx.ghost.finished_mid_load & set(ctx.obs.requests))
     ctx.witness(len(loading))
+    free = get_free_set(ctx.obs.pool.free_queue) if loading else frozenset()
     for block in sorted(loading):
         if not is_load_target_held(True, block in free):
             yield f"block {block} is free while an async load is still writing it"

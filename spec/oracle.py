@@ -43,11 +43,11 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from operator import itemgetter
 from typing import Hashable, Iterator
 
 import attrs
 
+from kvspec.spec.cache_index import get_cache_index
 from kvspec.spec.groups import GROUP_KEY, NULL_BLOCK, is_group_cache_key, split_cache_key
 from kvspec.spec.reads import get_blocks_read, get_positions_read
 from kvspec.spec.predicates import is_cached_block_valid
@@ -194,10 +194,16 @@ class ExecReport:
     step_id: int = -1
 
 
-_SECOND = itemgetter(1)
-
 #: the keys of a prefix-cache tuple of (key, block) entries, as a dict (key -> a block)
 get_key_index = DerivedByIdentity(dict)
+
+
+def _get_entries_of(cached: tuple, blocks) -> list | tuple:
+    """The entries of ``cached`` naming one of ``blocks`` (None: all of them)."""
+    if blocks is None:
+        return cached
+    index = get_cache_index(cached)
+    return [(key, b) for b in sorted(blocks) for key in index.keys_of(b)]
 
 
 class OfferedAtStart:
@@ -617,7 +623,7 @@ class KVContent:
         """Every scheduled position's content, in order (a last-state block
         ends with its last position's state); slots two requests write are
         recorded, and failed blocks written again are no longer failed."""
-        writers: dict[int, list] = {}
+        writers: dict[int, list | tuple] = {}
         self.double_writes = []
         recomputed = set()
         for rid, request_runs in runs.items():
@@ -633,15 +639,18 @@ class KVContent:
             self.shared_recomputes = 0
         self.failed_blocks -= recomputed
 
-    def _claim_slots(self, writers: dict[int, list], b: int, lo: int, hi: int,
+    def _claim_slots(self, writers: dict[int, list | tuple], b: int, lo: int, hi: int,
                      rid: str) -> None:
         """``rid`` writes slots ``[lo, hi)`` of block ``b`` this step: a slot
         another request wrote first is a double write (``double_writes``)."""
         mine = writers.get(b)
-        if mine is None:  # the block's first writer this step: no slot taken yet
-            mine = writers[b] = [None] * self.block_size
-            mine[lo:hi] = [rid] * (hi - lo)
+        if mine is None:  # the block's first writer this step: its run alone
+            writers[b] = (rid, lo, hi)
             return
+        if type(mine) is tuple:  # a second writer: the first one's slots, one by one
+            first, first_lo, first_hi = mine
+            mine = writers[b] = [None] * self.block_size
+            mine[first_lo:first_hi] = [first] * (first_hi - first_lo)
         for s in range(lo, hi):
             first = mine[s]
             if first is None:
@@ -780,9 +789,7 @@ class KVContent:
         loading = self.loading_blocks()
         unreported = self.get_unreported_blocks()
         slots, wants = self.slots, self._wants_by_key
-        for key, block in obs.pool.cached:
-            if blocks is not None and block not in blocks:
-                continue
+        for key, block in _get_entries_of(obs.pool.cached, blocks):
             want = wants.get(key)
             if want is not None and want[0]:  # ``holds_named`` of a full-attention-like group
                 valid = slots[block][:len(want[1])] == want[1]
@@ -835,7 +842,7 @@ class KVContent:
     def _want(self, g: int, expected: tuple) -> list:
         """The slots of a block of group ``g`` holding the last of ``expected``."""
         tail = expected[-self._size(g):]
-        return [get_content(g, tail, i) for i in range(len(tail))]
+        return get_contents(g, tail, 0, len(tail))
 
     def forget_completed(self) -> None:
         """The step's completed blocks were judged: later evictions and resets
@@ -856,21 +863,22 @@ class KVContent:
         known, contents, lasts = self._offered_books()
         books, log = self._offered, self.changed_blocks
         # the log kept every write since the last call only if it was on then
-        if books.get("entries") is obs.pool.cached and books.get("logged") and \
-                books["mark"] >= log.offset:
+        logged = books.get("logged") and books["mark"] >= log.offset
+        written = known.keys() & set(log.since(books["mark"])) if logged else None
+        if books.get("entries") is obs.pool.cached and logged:
             # the very entries of the last call (``known`` holds their blocks):
             # only a block written since is read again
-            blocks, stale = None, known.keys() & set(log.since(books["mark"]))
+            blocks, stale = None, written
         else:
-            blocks = set(map(_SECOND, obs.pool.cached))
-            stale = [b for b, seen in known.items()
-                     if b not in blocks or seen[0] != self.last_write[b]]
+            blocks = get_cache_index(obs.pool.cached).by_block.keys()
+            stale = (known.keys() - blocks) | written if logged else \
+                [b for b, seen in known.items() if b not in blocks or seen[0] != self.last_write[b]]
         undo = self._get_start_undo(contents, lasts)
         for b in stale:
             _clock, tuples, last = known.pop(b)
             _count(contents, tuples, -1, undo[0])
             _count(lasts, (last,), -1, undo[1])
-        new = stale if blocks is None else blocks.difference(known)
+        new = stale if blocks is None else blocks - known.keys()
         books.update(entries=obs.pool.cached, mark=log.offset + len(log.items),
                      logged=log.active)
         sizes = sorted({g.block_size for g in self.groups})

@@ -39,4 +39,8 @@ def get_step_blocks(group, start: int, num_new: int) -> list[int]:
     """Indices of the blocks a step from ``start`` computing ``num_new`` tokens
     reads or writes in ``group``."""
     written = range(start // group.block_size, cdiv(start + num_new, group.block_size))
-    return sorted(set(get_blocks_read(group, start)) | set(written))
+    read = get_blocks_read(group, start)
+    if not read or not written:
+        return read or list(written)
+    # both runs of indices, touching: the last read holds position start - 1
+    return list(range(min(read[0], written.start), max(read[-1] + 1, written.stop)))

@@ -297,3 +297,76 @@ def test_a_key_cached_at_the_start_is_one_that_splits_to_it():
         for h in hashes:
             for g in range(3):
                 assert content._was_key_cached(h, g) == ((h, g) in split), (keys, h, g)
+
+
+def _random_entries(rng: random.Random, last: tuple) -> tuple:
+    """The next prefix-cache tuple: entries evicted, cached, reordered, a tuple
+    unrelated to the last, a key cached under several blocks, an entry twice."""
+    kind = rng.randrange(6)
+    if kind == 0 or not last:  # unrelated
+        return tuple((rng.randrange(40), rng.randrange(30)) for _ in range(rng.randrange(0, 60)))
+    entries = [e for e in last if rng.random() > 0.1]  # some evicted
+    entries += [(rng.randrange(40), rng.randrange(30)) for _ in range(rng.randrange(0, 6))]
+    if kind == 1:
+        rng.shuffle(entries)
+    if kind == 2 and entries:  # the very same entry twice
+        entries.append(rng.choice(entries))
+    if kind == 3:
+        return last  # the very tuple again
+    return tuple(entries)
+
+
+def test_the_cache_index_is_the_tuple_it_was_asked_about():
+    """``get_cache_index`` (moved from tuple to tuple by differences) against
+    an index built afresh of every tuple, in random orders, tuples revisited."""
+    from kvspec.spec.cache_index import CacheIndex
+    rng = random.Random(7)
+    index, seen, applied = CacheIndex(), [()], 0
+    for _ in range(3000):
+        entries = rng.choice(seen) if rng.random() < 0.1 else _random_entries(rng, seen[-1])
+        seen = (seen + [entries])[-5:]
+        before, books = index.entries, index.by_block
+        index.describe(entries)
+        applied += entries is not before and index.by_block is books  # brought by a difference
+        by_block, by_key = {}, {}
+        for key, block in entries:
+            by_block.setdefault(block, []).append(key)
+            by_key.setdefault(key, []).append(block)
+        assert {b: sorted(keys) for b, keys in index.by_block.items()} == \
+            {b: sorted(keys) for b, keys in by_block.items()}, entries
+        assert {k: sorted(blocks) for k, blocks in index.by_key.items()} == \
+            {k: sorted(blocks) for k, blocks in by_key.items()}, entries
+    assert applied > 300  # the differences were used
+
+
+def test_the_table_tally_counts_every_table_of_the_requests_asked_about():
+    """``TableTally`` (moved from requests to requests table by table) against
+    a count of every entry of every table, with views kept, tables grown at
+    their end, cut, replaced, requests leaving and coming back."""
+    from collections import Counter
+    from types import SimpleNamespace
+    from kvspec.spec.table_tally import TableTally
+    rng = random.Random(11)
+    tally, requests = TableTally(), {}
+    for _ in range(3000):
+        requests = dict(requests)
+        for rid in [f"r{i}" for i in range(rng.randrange(0, 6))]:
+            old = requests.get(rid)
+            tables = old.block_ids if old is not None else ()
+            kind = rng.randrange(5)
+            if kind == 0:
+                requests.pop(rid, None)
+                continue
+            if kind == 1:  # a group grows at its end (the others: the very tuples)
+                g = rng.randrange(2)
+                tables = tuple(t + tuple(rng.randrange(-1, 20) for _ in range(rng.randrange(3)))
+                               if i == g else t for i, t in enumerate(tables or ((), ())))
+            elif kind == 2:  # cut or rewritten
+                tables = tuple(tuple(rng.randrange(-1, 20) for _ in range(rng.randrange(4)))
+                               for _ in range(rng.randrange(3)))
+            elif kind == 3:  # equal, another object
+                tables = tuple(tuple(t) for t in tables)
+            requests[rid] = SimpleNamespace(block_ids=tables)
+        want = Counter(b for r in requests.values() for t in r.block_ids for b in t)
+        got = tally.describe(requests)
+        assert +got == want

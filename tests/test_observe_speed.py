@@ -167,7 +167,9 @@ class MeddlingScheduler(Scheduler):
             elif kind == 1 and len(pool.free_queue) > 1:  # the oldest free block goes last
                 pool.free_queue.append(pool.free_queue.popleft())
             elif kind == 2 and r is not None:
-                r.prompt_token_ids[rng.randrange(len(r.prompt_token_ids))] += 1
+                prompt = list(r.prompt_token_ids)  # (the reference's prompt is a tuple)
+                prompt[rng.randrange(len(prompt))] += 1
+                r.prompt_token_ids = type(r.prompt_token_ids)(prompt)
             elif kind == 3 and r is not None and r.output_token_ids:
                 r.output_token_ids[-1] += 1
             elif kind == 4 and r is not None:

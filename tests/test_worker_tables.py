@@ -42,6 +42,22 @@ def test_the_blocks_a_step_touches_are_its_window_and_what_it_writes():
     assert get_step_blocks(window, 8, 1) == [3, 4]  # reads 6 and 7, writes 8
 
 
+def test_the_blocks_a_step_touches_are_one_run_of_indices():
+    """``get_step_blocks`` builds one range; its definition is the union of
+    the blocks read and the blocks written, over every group shape."""
+    from kvspec.spec.logic import cdiv
+    from kvspec.spec.reads import get_blocks_read
+    groups = [GroupSpec(size) for size in (1, 2, 4, 16)] + \
+        [GroupSpec(size, "sliding_window", sliding_window=w) for size in (1, 2, 4)
+         for w in (1, 3, 4, 9)] + [GroupSpec(4, "last_state")]
+    for group in groups:
+        for start in range(0, 40):
+            for num_new in range(0, 20):
+                written = range(start // group.block_size, cdiv(start + num_new, group.block_size))
+                want = sorted(set(get_blocks_read(group, start)) | set(written))
+                assert get_step_blocks(group, start, num_new) == want, (group, start, num_new)
+
+
 def test_the_data_oracle_alone_sees_a_table_the_worker_was_told_wrong(tmp_path):
     """The worker computes on the tables the scheduler outputs built (issue 25,
     part 4): with every claim but the data oracle's switched off, the #26661

@@ -18,12 +18,15 @@ class TupleCache:
         """``make(values, *args)``: ``tuple(values)``, or what ``make`` computes
         of nothing but ``values`` and ``args`` (each block's id, which never
         changes: a block without ``__eq__`` compares by identity), the very
-        same object while ``values`` is unchanged."""
+        same object while ``values`` is unchanged (a list compared whole, a
+        tuple by identity first)."""
         known = self._tuples.get(key)
-        if known is not None and known[0] == values:
+        if known is not None and (known[0] is values and type(values) is tuple
+                                  or known[0] == values):
             return known[1]
         frozen = make(values, *args)
-        self._tuples[key] = (list(values), frozen)
+        # a tuple cannot change: kept as it is, it is known again by identity
+        self._tuples[key] = (values if type(values) is tuple else list(values), frozen)
         return frozen
 
     def get_equal(self, key, fresh: tuple) -> tuple:

@@ -23,10 +23,9 @@ import os
 
 import attrs
 
+from kvspec.spec.cache_index import get_cache_index, get_entry_set
 from kvspec.spec.groups import get_group_cache_key
-from kvspec.spec.invariants import Context
-from kvspec.spec.oracle import get_key_index
-from kvspec.spec.registry import DerivedByIdentity
+from kvspec.spec.invariants import Context, get_free_set
 from kvspec.spec.scope import Scope
 from kvspec.spec.state import Observation, PoolView
 
@@ -46,11 +45,6 @@ def get_full_every() -> int:
     return int(raw)
 
 
-#: the (key, block) entries of a prefix-cache tuple, as a set (its keys:
-#: ``get_key_index``, shared with the data oracle)
-get_entry_set = DerivedByIdentity(frozenset)
-
-
 @attrs.define
 class Baseline:
     """The last state judged in one mode, and the logs' marks then."""
@@ -62,10 +56,6 @@ class Baseline:
     loading: frozenset
     #: incremental checks since the last full one
     since_full: int
-
-    def get_cached_keys(self) -> dict:
-        """The prefix-cache keys then (``get_changed_content``)."""
-        return get_key_index(self.obs.pool.cached)
 
 
 class Incremental:
@@ -114,10 +104,11 @@ def compute_scope(base: Baseline, ctx: Context) -> Scope | None:
         return None
     requests = get_changed_requests(before, after)
     requests.update(ctx.ghost.touched.since(base.ghost_mark))
-    blocks = get_changed_pool_blocks(before.pool, after.pool)
+    gone, came = get_cache_changes(before.pool.cached, after.pool.cached)
+    blocks = get_changed_pool_blocks(before.pool, after.pool, gone | came)
     for rid in requests:
         blocks |= get_table_changes(before.requests.get(rid), after.requests.get(rid))
-    content = get_changed_content(base, ctx)
+    content = get_changed_content(base, ctx, gone, came)
     if content:
         blocks |= content
         requests.update(get_holders_of(after, content, requests))
@@ -125,10 +116,12 @@ def compute_scope(base: Baseline, ctx: Context) -> Scope | None:
 
 
 def get_changed_requests(before: Observation, after: Observation) -> set[str]:
-    """Requests whose view differs, that came or left, or whose queue membership changed."""
+    """Requests whose view differs, that came or left, or whose queue
+    membership changed. A view is another object only where a field changed
+    (the targets hand back the very view while every field is equal), so
+    identity decides; an equal copy would only widen the scope."""
     old = before.requests
-    changed = {rid for rid, r in after.requests.items()
-               if old.get(rid) is not r and old.get(rid) != r}
+    changed = {rid for rid, r in after.requests.items() if old.get(rid) is not r}
     changed.update(rid for rid in old if rid not in after.requests)
     for queue_before, queue_after in ((before.running, after.running),
                                       (before.waiting, after.waiting)):
@@ -137,16 +130,23 @@ def get_changed_requests(before: Observation, after: Observation) -> set[str]:
     return changed
 
 
-def get_changed_pool_blocks(before: PoolView, after: PoolView) -> set[int]:
-    """Blocks whose count, free-queue entry, prefix-cache entries, fences or pins changed."""
+def get_cache_changes(before: tuple, after: tuple) -> tuple[frozenset, frozenset]:
+    """The prefix-cache entries ``after`` lost, and those it gained."""
+    if before is after or (len(before) == len(after) and before == after):
+        return frozenset(), frozenset()
+    old, new = get_entry_set(before), get_entry_set(after)
+    return old - new, new - old
+
+
+def get_changed_pool_blocks(before: PoolView, after: PoolView, cache_changes) -> set[int]:
+    """Blocks whose count, free-queue entry, prefix-cache entries
+    (``cache_changes``: those lost or gained), fences or pins changed."""
     blocks: set[int] = set()
     if before.ref_cnt != after.ref_cnt:
         blocks.update(get_changed_positions(before.ref_cnt, after.ref_cnt))
     if before.free_queue != after.free_queue:
-        blocks |= set(before.free_queue).symmetric_difference(after.free_queue)
-    if before.cached != after.cached:
-        blocks.update(b for _key, b in
-                      get_entry_set(before.cached).symmetric_difference(get_entry_set(after.cached)))
+        blocks |= get_free_set(before.free_queue) ^ get_free_set(after.free_queue)
+    blocks.update(b for _key, b in cache_changes)
     for old, new in ((before.fenced, after.fenced), (before.pinned, after.pinned)):
         if old != new:
             blocks.update(old, new)
@@ -169,9 +169,11 @@ def get_changed_positions(old: tuple, new: tuple) -> list[int]:
     return changed
 
 
-def get_changed_content(base: Baseline, ctx: Context) -> set[int]:
+def get_changed_content(base: Baseline, ctx: Context, gone=frozenset(),
+                        came=frozenset()) -> set[int]:
     """Blocks whose content, unreported-failure mark or async load changed, and
-    cached blocks named by a hash learnt since (judgeable only now)."""
+    cached blocks named by a hash learnt since (judgeable only now). ``gone``,
+    ``came``: the prefix-cache entries lost and gained since ``base``."""
     oracle = ctx.oracle
     content = set(oracle.changed_blocks.since(base.block_mark))
     content |= base.loading.symmetric_difference(oracle.loading_blocks())
@@ -179,10 +181,14 @@ def get_changed_content(base: Baseline, ctx: Context) -> set[int]:
     if learned:
         # a key cached before its hash was learnt was not judgeable then (one
         # cached since is in the scope already): its blocks are judged now
+        index = get_cache_index(ctx.obs.pool.cached)
         keys = {get_group_cache_key(h, g) for h in learned for g in range(len(oracle.groups))}
-        older = keys.intersection(base.get_cached_keys())
-        if older:
-            content.update(b for key, b in ctx.obs.pool.cached if key in older)
+        gone_keys = {key for key, _b in gone}
+        for key in [key for key in keys if key in index.by_key]:  # (not a pass over the cache)
+            # cached at the baseline too: an entry of it not new since, or one gone
+            blocks = index.blocks_of(key)
+            if key in gone_keys or any((key, b) not in came for b in blocks):
+                content.update(blocks)
     return content
 
 

@@ -29,11 +29,19 @@ class RunSnapshot:
 @attrs.frozen
 class StepRecord:
     index: int
-    action: str
+    #: the action's line (``describe_action``), or a copy of the action it is
+    #: written from when first read (an add's line spells its whole prompt)
+    _action: object = attrs.field(alias="action", eq=False)
     #: the requests after the action: their line (``describe_request``), or
     #: the views it is written from when first read (most lines never are)
     _requests: object = attrs.field(alias="requests", eq=False, repr=False)
     violations: tuple[Violation, ...] = ()
+
+    @property
+    def action(self) -> str:
+        if not isinstance(self._action, str):
+            object.__setattr__(self, "_action", describe_action(self._action))
+        return self._action
 
     @property
     def requests(self) -> str:
@@ -73,7 +81,7 @@ def describe_action(action: dict) -> str:
 
 def record_step(log: list, counts, action: dict, obs, violations) -> None:
     """The action's line in the step log, with the state it left."""
-    log.append(StepRecord(len(log), describe_action(action), tuple(obs.requests.values()),
+    log.append(StepRecord(len(log), dict(action), tuple(obs.requests.values()),
                           tuple(violations)))
     for v in violations:
         counts[v.invariant] += 1
