@@ -702,7 +702,9 @@ def test_replay_progress_lines_when_not_on_a_terminal(tmp_path, monkeypatch, cap
     trace["config"].update(num_blocks=1024, max_num_batched_tokens=1, max_model_len=400)
     trace["actions"] = [{"op": "add", "id": "r0", "prompt": [1] * 300, "max_tokens": 60},
                         {"op": "drain"}]
-    monkeypatch.setattr(cli, "PROGRESS_EVERY", 0.1)
+    # a beat every 2 ms: the replay of ~360 steps lasts several (0.1 s was
+    # longer than the whole replay once checking got faster)
+    monkeypatch.setattr(cli, "PROGRESS_EVERY", 0.002)
     code, out, err = invoke(capsys, "replay", _trace_with(tmp_path, lambda t: t.update(trace)))
     assert code == 0, out + err
     lines = err.splitlines()
