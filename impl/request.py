@@ -29,11 +29,13 @@ def _check_types(request_id, prompt, max_tokens, eos_token_id, priority,
     if not isinstance(prompt, (list, tuple)):
         raise TypeError(f"request {request_id!r:.40}: prompt_token_ids must be a list of "
                         f"integers, got {prompt!r:.60}")
-    bad = next((t for t in prompt if not _is_int(t)), None)
+    # every token exactly an int (a C pass), else looked at one by one
+    bad = None if set(map(type, prompt)) <= {int} else \
+        next((t for t in prompt if not _is_int(t)), None)
     if bad is not None:
         raise TypeError(f"request {request_id!r:.40}: prompt_token_ids must be integers, "
                         f"got {bad!r:.60}")
-    if any(t < 0 for t in prompt):
+    if prompt and min(prompt) < 0:
         raise ValueError(f"request {request_id!r:.40}: prompt_token_ids must be >= 0, "
                          f"got {min(prompt)}")
     for name, value in (("max_tokens", max_tokens), ("priority", priority)):

@@ -29,6 +29,8 @@ class CacheIndex:
         self.entries: tuple | None = None
         self.by_block: dict = {}
         self.by_key: dict = {}
+        #: the blocks cached under two entries or more
+        self.shared: set = set()
         #: ``entries`` holds no entry twice (a difference of sets describes it)
         self.is_unique = False
 
@@ -59,24 +61,31 @@ class CacheIndex:
             by_key.setdefault(key, []).append(block)
         self.entries, self.by_block, self.by_key, self.is_unique = \
             entries, by_block, by_key, unique
+        self.shared = {block for block, keys in by_block.items() if len(keys) >= 2}
 
     def _apply(self, gone, came) -> None:
         for key, block in gone:
-            _remove(self.by_block, block, key)
+            if len(_remove(self.by_block, block, key)) < 2:
+                self.shared.discard(block)
             _remove(self.by_key, key, block)
         for key, block in came:
-            self.by_block.setdefault(block, []).append(key)
+            keys = self.by_block.setdefault(block, [])
+            keys.append(key)
+            if len(keys) >= 2:
+                self.shared.add(block)
             self.by_key.setdefault(key, []).append(block)
 
 
 _NONE: list = []
 
 
-def _remove(index: dict, at, value) -> None:
+def _remove(index: dict, at, value) -> list:
+    """``value`` out of ``index[at]``: what is left there."""
     values = index[at]
     values.remove(value)
     if not values:
         del index[at]
+    return values
 
 
 _INDEX = CacheIndex()

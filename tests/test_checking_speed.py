@@ -336,6 +336,7 @@ def test_the_cache_index_is_the_tuple_it_was_asked_about():
             {b: sorted(keys) for b, keys in by_block.items()}, entries
         assert {k: sorted(blocks) for k, blocks in index.by_key.items()} == \
             {k: sorted(blocks) for k, blocks in by_key.items()}, entries
+        assert index.shared == {b for b, keys in by_block.items() if len(keys) >= 2}
     assert applied > 300  # the differences were used
 
 

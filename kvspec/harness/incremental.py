@@ -5,9 +5,10 @@ A check's baseline is the last state judged in the same mode (synced or not:
 ``computed_within_tokens`` and the data claims read it). What changed since
 is read from four places, each cheap next to judging every conjunct:
 
-- the observation: request views that differ (attrs equality), requests that
-  came or left, queue membership, reference counts, free-queue, prefix-cache,
-  fenced and pinned entries;
+- the observation: request views that are not the very view of the baseline
+  (the targets hand back the same view while every field is equal), requests
+  that came or left, queue membership, reference counts, free-queue,
+  prefix-cache (the entries lost and gained), fenced and pinned entries;
 - the ghost's log of the requests its history events touched (``spec/history.py``);
 - the data oracle's log of blocks whose content or unreported-failure mark
   changed, the hashes it learnt, and the blocks async loads now write;
