@@ -633,7 +633,9 @@ def no_caching_of_invalid_blocks(ctx: Context):
     Witnessed while the cache is not empty and some held block's load failed
     or is still in flight."""
     ctx.witness(bool(ctx.obs.pool.cached) and ctx.oracle.has_bad_blocks())
-    yield from ctx.oracle.check_cache(ctx.obs, ctx.scope.blocks if ctx.is_narrowed("block")
+    # narrowed: the blocks whose entries, content, load or failure mark
+    # changed, or whose key was learnt (what this conjunct reads of a block)
+    yield from ctx.oracle.check_cache(ctx.obs, ctx.scope.get_cached() if ctx.is_narrowed("block")
                                       else None)
 
 

@@ -682,7 +682,7 @@ class KVContent:
         (not a draft, not a token in flight)."""
         align = self.scheduler_block_size
         lo = start // align * align
-        hi = min(start + n, len(req.all_token_ids)) // align * align
+        hi = min(start + n, req.num_tokens) // align * align
         for g, table in enumerate(tables):
             size = self._size(g)
             for index in range(lo // size, min(hi // size, len(table))):

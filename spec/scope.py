@@ -25,6 +25,13 @@ class Scope:
     #: block ids whose conjuncts are judged: changed counts, free or cached
     #: entries, holders (every block a changed request held or holds), content
     blocks: frozenset[int]
+    #: those of ``blocks`` whose prefix-cache conjuncts may have changed (what
+    #: a cached block must hold: its entries, content, load or failure mark,
+    #: a key learnt since); None: all of ``blocks``
+    cached: frozenset[int] | None = None
+
+    def get_cached(self) -> frozenset[int]:
+        return self.blocks if self.cached is None else self.cached
 
     def is_empty(self) -> bool:
         return not self.requests and not self.blocks

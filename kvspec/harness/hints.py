@@ -38,8 +38,10 @@ def get_invalid_holders(obs: Observation, report,
                         scheduled: Observation | None = None) -> set[str]:
     """Requests holding a tainted block (``get_tainted_blocks``)."""
     bad = get_tainted_blocks(obs, report, scheduled)
+    if not bad:  # (most steps: no load failed)
+        return set()
     return {r.request_id for r in obs.requests.values()
-            if bad & {b for table in r.block_ids for b in table}}
+            if any(not bad.isdisjoint(table) for table in r.block_ids)}
 
 
 def get_first_invalid_block(old, tables, bad, groups) -> int | None:
@@ -48,7 +50,7 @@ def get_first_invalid_block(old, tables, bad, groups) -> int | None:
     stated at the earliest one (spec/groups.py). A request that had ended
     (held for a send) recovers nothing: the taint may reach its blocks, its
     count stays as it was."""
-    if old.status.is_finished:
+    if old.status.is_finished or not bad:
         return None
     first = min((i * g.block_size for g, t in zip(groups, tables) for i, b in enumerate(t)
                  if b in bad), default=None)

@@ -113,7 +113,8 @@ def compute_scope(base: Baseline, ctx: Context) -> Scope | None:
     if content:
         blocks |= content
         requests.update(get_holders_of(after, content, requests))
-    return Scope(frozenset(requests), frozenset(blocks))
+    cached = content.union(b for _key, b in gone | came)
+    return Scope(frozenset(requests), frozenset(blocks), frozenset(cached))
 
 
 def get_changed_requests(before: Observation, after: Observation) -> set[str]:
