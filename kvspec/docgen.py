@@ -175,7 +175,9 @@ prefix-cache entries, content), or over the whole state (*judged whole*). A
 conjunct whose inputs did not change since a check at which it held still
 holds, so after each call the harness judges only the requests and blocks the
 call may have changed (`spec/scope.py`, `kvspec/harness/incremental.py`):
-request views that differ, requests that came or left or changed queue,
+request views that differ (a target hands back the very same view while every
+field is equal, so a view that is another object counts as changed), requests
+that came or left or changed queue,
 reference counts, free-queue, prefix-cache, fenced and pinned entries that
 differ, the requests the ghost history touched, the blocks the data oracle
 wrote or whose failure report is pending, the blocks whose holders changed,
