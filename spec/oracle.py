@@ -856,8 +856,8 @@ class KVContent:
     def get_offered(self, obs: Observation) -> tuple[Counter, Counter]:
         """What the prefix cache offers, by content: every cached block's slots
         (its first ``block_size`` of each group), and its last slot (all a
-        last-state group keeps), each with how many blocks offer it (never
-        0). Kept up to date block by block: a block is read again only when
+        last-state group keeps; counted only where a group is one), each with
+        how many blocks offer it (never 0). Kept up to date block by block: a block is read again only when
         it enters the cache or is written. Live books: read them before the
         next call."""
         known, contents, lasts = self._offered_books()
@@ -874,10 +874,13 @@ class KVContent:
             stale = (known.keys() - blocks) | written if logged else \
                 [b for b, seen in known.items() if b not in blocks or seen[0] != self.last_write[b]]
         undo = self._get_start_undo(contents, lasts)
+        # the last slots are read only for a last-state group (``_is_offered``)
+        keep_lasts = self._has_last_state()
         for b in stale:
             _clock, tuples, last = known.pop(b)
             _count(contents, tuples, -1, undo[0])
-            _count(lasts, (last,), -1, undo[1])
+            if keep_lasts:
+                _count(lasts, (last,), -1, undo[1])
         new = stale if blocks is None else blocks - known.keys()
         books.update(entries=obs.pool.cached, mark=log.offset + len(log.items),
                      logged=log.active)
@@ -886,8 +889,12 @@ class KVContent:
             tuples, last = [tuple(self.slots[b][:size]) for size in sizes], self.slots[b][-1]
             known[b] = (self.last_write[b], tuples, last)
             _count(contents, tuples, 1, undo[0])
-            _count(lasts, (last,), 1, undo[1])
+            if keep_lasts:
+                _count(lasts, (last,), 1, undo[1])
         return contents, lasts
+
+    def _has_last_state(self) -> bool:
+        return any(g.kind == "last_state" for g in self.groups)
 
     def _get_start_undo(self, contents: Counter, lasts: Counter) -> tuple:
         """Per kind, where ``get_offered`` notes a count's value at the step's
