@@ -337,3 +337,18 @@ def test_every_vllm_observation_equals_one_made_afresh(target, checked_vllm_obse
     checked = checked_vllm_observation
     assert not checked.stale, checked.stale[:3]
     assert machine.stats["actions"] > 50 and checked.calls["observe"] > 50, checked.calls
+
+
+def test_the_vllm_cache_key_memo_stays_bounded():
+    """Translated prefix-cache keys are remembered, but not every key ever
+    cached: a long run evicts and caches new keys without end."""
+    from types import SimpleNamespace
+    from kvspec.harness.vllm_observe import VllmObserver
+    from kvspec.spec.groups import get_group_cache_key
+    observer = SimpleNamespace(_cache_keys={},
+                               m=SimpleNamespace(get_block_hash=None, get_group_id=None))
+    for start in range(0, 60_000, 500):
+        keys = [f"k{i}" for i in range(start, start + 500)]
+        assert VllmObserver._get_spec_keys(observer, keys) == \
+            [get_group_cache_key(k, 0) for k in keys]
+        assert len(observer._cache_keys) <= 2 * 500 + 1024 + 500

@@ -225,8 +225,11 @@ class VllmObserver:
 
     def _get_spec_keys(self, keys: list) -> list:
         """vLLM prefix-cache keys as kvspec's (a key's translation never
-        changes: each worked out once)."""
+        changes: each worked out once, and again after the memo, grown to
+        twice the keys cached now, is dropped: evicted keys leave it)."""
         known = self._cache_keys
+        if len(known) > 2 * len(keys) + 1024:
+            known.clear()
         spec_keys = list(map(known.get, keys))
         i = 0
         for _ in range(spec_keys.count(None)):  # the new ones, found in C loops
