@@ -61,3 +61,11 @@ class ViewMemo:
         if fields != self.fields:
             self.fields, self.view = fields, make(fields)
         return self.view
+
+
+def keep_memos_of(memos: dict, requests: dict) -> dict:
+    """``memos`` of the requests still held: one that left is forgotten (its
+    prompt copy with it), the dict kept as it is while none did."""
+    if len(memos) > len(requests):
+        return {rid: memos[rid] for rid in requests}
+    return memos

@@ -7,7 +7,7 @@ from typing import Callable, Protocol
 import attrs
 
 from kvspec.harness.env import EOS_TOKEN_ID, RequestSpec
-from kvspec.harness.frozen import TupleCache, ViewMemo
+from kvspec.harness.frozen import TupleCache, ViewMemo, keep_memos_of
 from kvspec.spec.state import (Config, GroupSpec, Observation, PoolView, RequestStatus,
                                RequestView, StepView, WorkerOutcome)
 
@@ -144,8 +144,7 @@ class ImplTarget:
     def observe(self) -> Observation:
         s = self.scheduler
         requests = {rid: self.observe_request(rid) for rid in s.requests}
-        if len(self._seen) > len(requests):  # some left: forget what they were
-            self._seen = {rid: self._seen[rid] for rid in requests}
+        self._seen = keep_memos_of(self._seen, requests)
         return Observation(
             config=self.config, requests=requests,
             waiting=tuple(r.request_id for r in s.waiting),

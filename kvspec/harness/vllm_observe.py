@@ -9,7 +9,7 @@ from operator import attrgetter
 
 import attrs
 
-from kvspec.harness.frozen import TupleCache, ViewMemo, is_equal
+from kvspec.harness.frozen import TupleCache, ViewMemo, is_equal, keep_memos_of
 from kvspec.spec.groups import NULL_BLOCK, get_group_cache_key, is_windowed
 from kvspec.spec.state import (STATS_UNSET, Config, Observation, PoolView, RequestStatus,
                                RequestView, StepView)
@@ -243,8 +243,7 @@ class VllmObserver:
     def observe(self) -> Observation:
         s = self.scheduler
         requests = {rid: self.observe_request(rid) for rid in s.requests}
-        if len(self._seen) > len(requests):  # some left: forget what they were
-            self._seen = {rid: self._seen[rid] for rid in requests}
+        self._seen = keep_memos_of(self._seen, requests)
         for rid in [rid for rid in self._stats if rid not in s.requests]:
             del self._stats[rid]
             self._admitted.discard(rid)
