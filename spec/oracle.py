@@ -857,9 +857,9 @@ class KVContent:
         """What the prefix cache offers, by content: every cached block's slots
         (its first ``block_size`` of each group), and its last slot (all a
         last-state group keeps; counted only where a group is one), each with
-        how many blocks offer it (never 0). Kept up to date block by block: a block is read again only when
-        it enters the cache or is written. Live books: read them before the
-        next call."""
+        how many blocks offer it (never 0). Kept up to date block by block: a
+        block is read again only when it enters the cache or is written. Live
+        books: read them before the next call."""
         known, contents, lasts = self._offered_books()
         books, log = self._offered, self.changed_blocks
         # the log kept every write since the last call only if it was on then
@@ -875,7 +875,7 @@ class KVContent:
                 [b for b, seen in known.items() if b not in blocks or seen[0] != self.last_write[b]]
         undo = self._get_start_undo(contents, lasts)
         # the last slots are read only for a last-state group (``_is_offered``)
-        keep_lasts = self._has_last_state()
+        keep_lasts = any(map(self._keeps_one_state, range(len(self.groups))))
         for b in stale:
             _clock, tuples, last = known.pop(b)
             _count(contents, tuples, -1, undo[0])
@@ -892,9 +892,6 @@ class KVContent:
             if keep_lasts:
                 _count(lasts, (last,), 1, undo[1])
         return contents, lasts
-
-    def _has_last_state(self) -> bool:
-        return any(g.kind == "last_state" for g in self.groups)
 
     def _get_start_undo(self, contents: Counter, lasts: Counter) -> tuple:
         """Per kind, where ``get_offered`` notes a count's value at the step's

@@ -171,8 +171,8 @@ def get_changed_positions(old: tuple, new: tuple) -> list[int]:
     return changed
 
 
-def get_changed_content(base: Baseline, ctx: Context, gone=frozenset(),
-                        came=frozenset()) -> set[int]:
+def get_changed_content(base: Baseline, ctx: Context, gone: frozenset,
+                        came: frozenset) -> set[int]:
     """Blocks whose content, unreported-failure mark or async load changed, and
     cached blocks named by a hash learnt since (judgeable only now). ``gone``,
     ``came``: the prefix-cache entries lost and gained since ``base``."""
