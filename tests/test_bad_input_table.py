@@ -14,6 +14,7 @@ import re
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -702,13 +703,31 @@ def test_replay_progress_lines_when_not_on_a_terminal(tmp_path, monkeypatch, cap
     trace["config"].update(num_blocks=1024, max_num_batched_tokens=1, max_model_len=400)
     trace["actions"] = [{"op": "add", "id": "r0", "prompt": [1] * 300, "max_tokens": 60},
                         {"op": "drain"}]
-    # a beat every 2 ms: the replay of ~360 steps lasts several (0.1 s was
-    # longer than the whole replay once checking got faster)
-    monkeypatch.setattr(cli, "PROGRESS_EVERY", 0.002)
+    # the heartbeat's clock replaced by two beats when the replay stops: the
+    # lines and their wiring are checked, not how long a replay takes
+    from kvspec.harness import replay as replay_module
+    asked = []
+
+    class BeatsAtStop(threading.Event):
+        def __init__(self, beat) -> None:
+            super().__init__()
+            self.beat = beat
+
+        def set(self) -> None:
+            self.beat()
+            self.beat()
+            super().set()
+
+    def periodic(beat, every):
+        assert beat is not None, "no heartbeat off a terminal"
+        asked.append(every)
+        return BeatsAtStop(beat)
+    monkeypatch.setattr(replay_module, "periodic", periodic)
     code, out, err = invoke(capsys, "replay", _trace_with(tmp_path, lambda t: t.update(trace)))
     assert code == 0, out + err
+    assert asked == [cli.PROGRESS_EVERY]
     lines = err.splitlines()
-    assert len(lines) >= 2, err
+    assert len(lines) == 2, err
     line = re.compile(r"kvspec: replaying \d+s: action [12]/2, \d+ steps")
     assert all(line.fullmatch(text) for text in lines), lines
 
