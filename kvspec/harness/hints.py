@@ -8,7 +8,8 @@ from kvspec.spec.groups import NULL_BLOCK, compute_tainted_blocks
 from kvspec.spec.state import Observation, StepView, WorkerOutcome
 
 
-def get_tainted_blocks(obs: Observation, report, scheduled: Observation | None = None) -> set[int]:
+def get_tainted_blocks(obs: Observation, report, scheduled: Observation | None,
+                       computed_since: set[str]) -> set[int]:
     """Blocks the step's failed loads left invalid; with several kinds of group
     the blocks a reader of invalid KV wrote its garbage into, and everything the
     spec counts as failed with them (``compute_tainted_blocks``: a request can
@@ -18,7 +19,12 @@ def get_tainted_blocks(obs: Observation, report, scheduled: Observation | None =
     observation right after the step was scheduled; a request in it that is
     gone since computed on the failed KV all the same, so every block of it
     still fenced behind the step counts, by position (a hit may have shared
-    one since; a block given back is fresh to whoever took it)."""
+    one since; a block given back is fresh to whoever took it).
+    ``computed_since``: the requests the step or a step after it (still in
+    flight) scheduled; only those of the gone computed on the failed KV. One
+    that did not (a loader that never ran) gave its blocks back unfenced, and
+    another request may have taken one, computed it afresh and had it fenced
+    since: the same id, not the same content."""
     bad = set(report.invalid_block_ids)
     if bad and obs.config.is_hybrid:
         groups = obs.config.groups
@@ -27,17 +33,17 @@ def get_tainted_blocks(obs: Observation, report, scheduled: Observation | None =
         fenced = set(obs.pool.fenced)
         gone = [tuple(tuple(b if b in fenced else NULL_BLOCK for b in t) for t in r.block_ids)
                 for rid, r in (scheduled.requests if scheduled else {}).items()
-                if rid not in obs.requests]
+                if rid not in obs.requests and rid in computed_since]
         holders += [(tables, max((len(t) * g.block_size for g, t in zip(groups, tables)),
                                  default=0)) for tables in gone]
         bad = compute_tainted_blocks(holders, groups, bad | report.garbage_blocks)
     return bad
 
 
-def get_invalid_holders(obs: Observation, report,
-                        scheduled: Observation | None = None) -> set[str]:
+def get_invalid_holders(obs: Observation, report, scheduled: Observation | None,
+                        computed_since: set[str]) -> set[str]:
     """Requests holding a tainted block (``get_tainted_blocks``)."""
-    bad = get_tainted_blocks(obs, report, scheduled)
+    bad = get_tainted_blocks(obs, report, scheduled, computed_since)
     if not bad:  # (most steps: no load failed)
         return set()
     return {r.request_id for r in obs.requests.values()

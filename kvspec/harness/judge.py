@@ -69,11 +69,14 @@ class Judge:
             step.admission = compute_admission(step)
         return step
 
-    def get_delivery_step(self, job, t: Transition, outcome, is_sync: bool) -> ModelStep:
+    def get_delivery_step(self, job, t: Transition, outcome, is_sync: bool,
+                          computed_since: set[str]) -> ModelStep:
         """The model's view of a step's output coming back: async, the output
         alone; synchronous (a batch queue of depth 1), the schedule and its
-        output as one step. ``job``: the step, as the batch queue kept it."""
-        tainted = get_tainted_blocks(t.before, job.report, job.mid)
+        output as one step. ``job``: the step, as the batch queue kept it;
+        ``computed_since``: the requests it and the steps still in flight
+        after it scheduled (``get_tainted_blocks``)."""
+        tainted = get_tainted_blocks(t.before, job.report, job.mid, computed_since)
         ended = t.after.requests | t.departed
         if not is_sync:
             return self.get_model_step(t, compute_hints(

@@ -242,8 +242,10 @@ class Runner:
         count_step(self.features, self.config, job.step, outcome, job.mid)
         count_delivery(self.features, job.stale, outcome, self.env.plans, before, after)
         history.process_departed(self.ghost, after)
-        found = self._settle(t, get_invalid_holders(before, job.report, job.mid),
-                             self.judge.get_delivery_step(job, t, outcome, self.is_sync))
+        # who computed on this step's failed KV: it, and the steps still in flight after it
+        since = {rid for j in (job, *self.queue.jobs) for rid in j.step.num_scheduled_tokens}
+        found = self._settle(t, get_invalid_holders(before, job.report, job.mid, since),
+                             self.judge.get_delivery_step(job, t, outcome, self.is_sync, since))
         if self.is_sync:
             self.content.forget_completed()  # judged once, right after the step
         return found
