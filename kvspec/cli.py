@@ -38,8 +38,9 @@ MAX_BUDGET = 7 * 24 * 3600.0
 PROGRESS_EVERY = 10.0
 
 
+# (help text is Rich markup: a literal "[" is written "\\[")
 DB_HELP = ("Hypothesis example database, replayed first by every run: a directory, "
-           "redis://HOST:PORT[/N] (shared by machines), or github-artifact:OWNER/REPO[/NAME] "
+           "redis://HOST:PORT\\[/N] (shared by machines), or github-artifact:OWNER/REPO\\[/NAME] "
            "(a workflow's uploaded database, read beside .kvspec/examples)")
 EXAMPLES_HELP = ("a budget in runs instead of --budget: the same seed explores the same way "
                  "on any machine (no time limit, shrinking included; the example database "

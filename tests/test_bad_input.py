@@ -123,3 +123,22 @@ def test_every_run_has_one_hash_seed(monkeypatch):
     shown = subprocess.run([sys.executable, "-m", "kvspec", "--help"], env=env,
                            capture_output=True, text=True)
     assert shown.returncode == 0 and "Usage" in shown.stdout, shown.stderr[-500:]
+
+
+def _command_names() -> list[str]:
+    from typer.main import get_command
+
+    from kvspec.cli import app
+    return sorted(get_command(app).commands)
+
+
+@pytest.mark.parametrize("command", _command_names())
+def test_every_command_help_renders(command):
+    """Help text is Rich markup: an unescaped "[/N]" made ``kvspec fuzz --help``
+    fail with a MarkupError. Every command's help must render, options listed."""
+    from typer.testing import CliRunner
+
+    from kvspec.cli import app
+    shown = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "250"})
+    assert shown.exit_code == 0, shown.output[-500:]
+    assert "Usage" in shown.output and "--help" in shown.output
