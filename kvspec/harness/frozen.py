@@ -45,15 +45,17 @@ def is_equal(old: tuple, new: tuple) -> bool:
 
 
 class ViewMemo:
-    """One request's last view, the fields it was made of, and the tuples its
-    lists were last copied to (``tuples``)."""
+    """One request's last view, the fields it was made of, the tuples its
+    lists were last copied to (``tuples``), and what a target read to make it
+    (``reads``, where a target keeps them: vLLM's observer)."""
 
-    __slots__ = ("tuples", "fields", "view")
+    __slots__ = ("tuples", "fields", "view", "reads")
 
     def __init__(self) -> None:
         self.tuples = TupleCache()
         self.fields = None
         self.view = None
+        self.reads = None
 
     def get(self, fields, make):
         """``make(fields)``, the very view made last time while ``fields`` (a

@@ -77,6 +77,12 @@ class VllmObserver:
                                  f"{min(vllm_ids)}")
         return tuple([b - NULL_BLOCKS for b in vllm_ids])
 
+    def _to_spec_blocks(self, blocks, group: int) -> tuple[int, ...]:
+        """One group's vLLM blocks (or their ids) as kvspec's block ids."""
+        if blocks and not isinstance(blocks[0], int):
+            blocks = list(map(_BLOCK_ID, blocks))
+        return self._to_spec_ids(blocks, group)
+
     def get_step_view(self, out, preemptions: dict[str, int]) -> StepView:
         """A ``SchedulerOutput`` as kvspec's step; ``preemptions``: each
         request's preemption count before the call."""
@@ -131,12 +137,54 @@ class VllmObserver:
         return cached, getattr(r, "num_external_computed_tokens", 0)
 
     def observe_request(self, request_id: str) -> RequestView:
-        s = self.scheduler
+        """``request_id``'s view: the very view of last time while everything
+        it is made of reads as it did then (``_get_reads``), else made again."""
         seen = self._seen.get(request_id)
         if seen is None:
             seen = self._seen[request_id] = ViewMemo()
-        return self._view(s.requests[request_id], s.kv_cache_manager.get_block_ids(request_id),
-                          seen)
+        r = self.scheduler.requests[request_id]
+        reads = self._get_reads(r)
+        if reads == seen.reads:
+            return seen.view
+        # (making the view may admit the request, ``_stats_of``: the next call
+        # then reads a change and makes it once more)
+        seen.reads = copy_lists(reads)
+        return self._view(r, reads[:len(self.config.groups)], seen)
+
+    def _get_reads(self, r) -> tuple:
+        """Everything ``r``'s view is made of, as it reads now, untranslated,
+        flat: first the block tables as vLLM's own lists of its blocks (a
+        pool's block is one object per id), then lists as they are (compared
+        with copies of them as last read: vLLM changes them in place), other
+        objects by identity beside the fields the view reads of them; what
+        changes most often first, so that a changed request is told at once,
+        the prompt (2,000 tokens in production) last. Nothing is trusted to
+        be unchanged: no version counter, no length standing for a list."""
+        rid = r.request_id
+        kept = self._stats.get(rid)
+        stats = kept or getattr(r, "prefill_stats", None)
+        params = getattr(r, "sampling_params", None)
+        out = getattr(r, "_output_token_ids", None)  # the list behind the ConstantList
+        return (*self._get_block_lists(rid), r.num_computed_tokens,
+                tuple(r.output_token_ids) if out is None else out,
+                getattr(r, "num_output_placeholders", 0), r.status,
+                getattr(r, "num_preemptions", 0), rid in self._admitted, kept,
+                *(_NO_STATS if stats is None else _read_stats(stats)),
+                getattr(r, "num_cached_tokens", None),
+                getattr(r, "num_external_computed_tokens", None),
+                params, *(_NO_PARAMS if params is None else _read_params(params)),
+                getattr(r, "eos_token_id", None), getattr(r, "pooling_params", None),
+                getattr(self.scheduler, "is_mm_encoder_only", False), *_read_request(r))
+
+    def _get_block_lists(self, request_id: str) -> tuple:
+        """The request's blocks per group as vLLM holds them (its coordinator's
+        own lists, no copy; ``_to_spec_blocks`` translates them), or their ids
+        where a release has no coordinator."""
+        manager = self.scheduler.kv_cache_manager
+        coordinator = getattr(manager, "coordinator", None)
+        if coordinator is None:
+            return tuple(manager.get_block_ids(request_id))
+        return coordinator.get_blocks(request_id)
 
     def final_view(self, request_id: str) -> RequestView | None:
         r = self._requests.get(request_id)
@@ -145,7 +193,7 @@ class VllmObserver:
         return self._view(r, tuple([] for _ in self.config.groups), ViewMemo())
 
     def _view(self, r, tables, seen: ViewMemo) -> RequestView:
-        """``r``'s view, holding ``tables`` (its vLLM block ids per group): the
+        """``r``'s view, holding ``tables`` (its vLLM blocks or block ids per group): the
         very view ``seen`` last time while every field is equal (each read
         afresh; a tuple is the same object while its list is equal)."""
         status = self._status(r)
@@ -160,8 +208,8 @@ class VllmObserver:
             num_computed_tokens=r.num_computed_tokens, num_cached_tokens=cached,
             num_external_computed_tokens=external,
             num_preemptions=getattr(r, "num_preemptions", 0),
-            block_ids=tuple([tuples.get(g, ids, self._to_spec_ids, g)
-                             for g, ids in enumerate(tables)]),
+            block_ids=tuple([tuples.get(g, blocks, self._to_spec_blocks, g)
+                             for g, blocks in enumerate(tables)]),
             block_hashes=tuples.get("hashes", r.block_hashes),
             spec_token_ids=tuples.get("spec", r.spec_token_ids),
             num_output_placeholders=getattr(r, "num_output_placeholders", 0),
@@ -185,8 +233,8 @@ class VllmObserver:
         """Counts and free queue read whole, each the same tuple as last time while equal."""
         pool = self.scheduler.kv_cache_manager.block_pool
         tuples = self._pool_tuples
-        free = [b - NULL_BLOCKS
-                for b in map(_BLOCK_ID, pool.free_block_queue.get_all_free_blocks())]
+        # the free blocks as vLLM's objects, translated only when they changed
+        free = tuples.get("free", pool.free_block_queue.get_all_free_blocks(), _to_spec_block_ids)
         # a hybrid request's deferred free lists the null block of its windowed groups
         fenced = tuple(b.block_id - NULL_BLOCKS for _, held in
                        getattr(self.scheduler, "deferred_frees", ()) for b in held
@@ -195,7 +243,7 @@ class VllmObserver:
         pinned = () if world is None else tuple(b - NULL_BLOCKS for b in world.get_pins())
         return PoolView(
             ref_cnt=tuples.get_equal("ref_cnt", tuple(map(_REF_CNT, pool.blocks[NULL_BLOCKS:]))),
-            free_queue=tuples.get_equal("free", tuple(free)),
+            free_queue=free,
             cached=self._cached_entries(pool.cached_block_hash_to_block), fenced=fenced,
             pinned=pinned)
 
@@ -259,6 +307,20 @@ class VllmObserver:
 
 _BLOCK_ID, _REF_CNT = attrgetter("block_id"), attrgetter("ref_cnt")
 
+#: what every release's requests carry of what a view is made of (``_get_reads``)
+_read_request = attrgetter("spec_token_ids", "max_tokens", "priority", "block_hashes",
+                           "prompt_token_ids")
+#: what a view reads of a request's prefill stats and sampling parameters
+_read_stats = attrgetter("num_cached_tokens", "num_external_cached_tokens", "num_prompt_tokens")
+_read_params = attrgetter("eos_token_id", "stop_token_ids", "min_tokens")
+_NO_STATS, _NO_PARAMS = (None,) * 3, (None,) * 3
+
+
+def copy_lists(reads: tuple) -> tuple:
+    """``reads`` with each list copied (a list read later compares with it
+    element by element)."""
+    return tuple([list(x) if type(x) is list else x for x in reads])
+
 
 def _make_view(fields: dict) -> RequestView:
     return RequestView(**fields)
@@ -268,6 +330,11 @@ def as_groups(block_ids) -> list:
     """vLLM hands a connector a flat list of block ids for a single-group
     model and one list per group otherwise: always one list per group."""
     return block_ids if block_ids and isinstance(block_ids[0], (list, tuple)) else [block_ids]
+
+
+def _to_spec_block_ids(blocks) -> tuple[int, ...]:
+    """vLLM blocks (none the null block) as kvspec's ids, in C loops."""
+    return tuple(map(NULL_BLOCKS.__rsub__, map(_BLOCK_ID, blocks)))  # block_id - NULL_BLOCKS
 
 
 def _spec_id(vllm_id: int) -> int:
