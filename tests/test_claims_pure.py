@@ -11,7 +11,7 @@ import pickle
 from kvspec.harness import checker as checker_module
 from kvspec.harness.fuzz import fuzz
 from kvspec.spec.oracle import KeyBook, OfferedAtStart
-from kvspec.spec.registry import REGISTRY
+from kvspec.spec.registry import REGISTRY, evaluate
 
 
 class _StatePickler(pickle.Pickler):
@@ -38,20 +38,20 @@ def _state(subject) -> bytes:
 
 def test_evaluating_a_claim_twice_gives_the_same_verdict_and_changes_nothing(
         monkeypatch, tmp_path):
-    real = checker_module.evaluate
+    real_judge = checker_module.Checker.judge  # every claim evaluation goes through it
     seen: dict[str, int] = {}
     impure: list[str] = []
 
-    def twice(inv, subject):
+    def twice(self, inv, subject):
         before = _state(subject)
-        first = real(inv, subject)
+        first = evaluate(inv, subject)
         if _state(subject) != before:
             impure.append(f"{inv.name} changed what it judged")
-        if real(inv, subject) != first:
+        if evaluate(inv, subject) != first:
             impure.append(f"{inv.name} judged the same thing twice differently")
         seen[inv.name] = seen.get(inv.name, 0) + 1
-        return first
-    monkeypatch.setattr(checker_module, "evaluate", twice)
+        return real_judge(self, inv, subject)
+    monkeypatch.setattr(checker_module.Checker, "judge", twice)
     result = fuzz("impl", budget=8, seed=5, out_dir=tmp_path)
     assert result.runs > 0 and result.counterexample is None
     assert not impure, sorted(set(impure))[:5]
