@@ -15,6 +15,12 @@ class Counterexample(Exception):
         #: the runner that found it, or the ``RunSnapshot`` of a lost-performance break
         self.runner = runner
 
+    def __reduce__(self):
+        # copied and pickled whole (a runner keeps its lost-performance breaks,
+        # and bounded model checking copies runners); Exception's own rebuilds
+        # from the message alone
+        return Counterexample, (self.violations, self.runner)
+
 
 @attrs.frozen
 class RunSnapshot:

@@ -77,6 +77,7 @@ Mapping decisions, each one a place where vLLM and the spec name things differen
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -334,6 +335,17 @@ class VllmTarget(VllmObserver):
             self.probe = ConnectorProbe(self.scheduler.connector, self, self.world)
         global RUNNER
         RUNNER = "V2" if getattr(self.scheduler, "use_v2_model_runner", False) else "V1"
+
+    def __deepcopy__(self, memo):
+        """A copy (bounded model checking explores by copying runners) that
+        shares the imported vLLM modules and the patched classes: modules
+        cannot be copied, and neither changes while kvspec runs."""
+        memo[id(self.m)] = self.m
+        memo[id(self.patches)] = self.patches
+        twin = memo[id(self)] = type(self).__new__(type(self))
+        for name, value in self.__dict__.items():
+            setattr(twin, name, copy.deepcopy(value, memo))
+        return twin
 
     def _scheduler_class(self):
         if not self.config.async_scheduling:
