@@ -16,9 +16,10 @@ from pathlib import Path
 import attrs
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from kvspec.harness.accepted_findings import installed_vllm_version
-from kvspec.text import clip, printable, shown
+from kvspec.text import clip, command_arg, printable, shown
 from kvspec.verdict import EXIT_INTERRUPTED
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
@@ -962,7 +963,8 @@ def replay(traces: list[Path] = typer.Argument(..., help="trace files written by
     except TraceError as exc:
         fail(str(exc))
     if any(n.startswith("vllm") for n in named):
-        use_source(vllm)
+        use_source(vllm if vllm is not None else recorded_source(traces, named))
+        note_other_sources(traces, named)
     elif vllm is not None:
         fail("--vllm applies to traces of the vllm target")
     codes = [_replay_one(t, target, n, ignore) for t, n in zip(traces, named)]
@@ -970,6 +972,60 @@ def replay(traces: list[Path] = typer.Argument(..., help="trace files written by
         failing = sum(1 for c in codes if c)
         console.print(f"{len(traces)} traces replayed: {failing} still fail")
     raise typer.Exit(1 if any(codes) else 0)
+
+
+def _recorded_sources(traces: list[Path], named: list[str]) -> dict[Path, dict]:
+    """The vLLM each trace of the vllm target records it was found on."""
+    from kvspec.harness.trace import load_trace
+    found = {}
+    for trace, name in zip(traces, named):
+        if name.startswith("vllm"):
+            recorded = load_trace(trace).get("vllm_source")
+            if isinstance(recorded, dict) and isinstance(recorded.get("given"), str):
+                found[trace] = recorded
+    return found
+
+
+def recorded_source(traces: list[Path], named: list[str]) -> str | None:
+    """With no ``--vllm``: the vLLM the traces were found on, where they
+    name one other than the installed release and it is still there with
+    the same content (else None: the installed one, and a note says so)."""
+    from kvspec.harness import vllm_source
+    given = {recorded["given"] for recorded in _recorded_sources(traces, named).values()}
+    if len(given) != 1 or given <= set(vllm_source.INSTALLED):
+        return None
+    recorded = next(iter(_recorded_sources(traces, named).values()))
+    name = _source_name(recorded)
+    try:
+        source = vllm_source.resolve(name)
+    except vllm_source.SourceError:
+        return None
+    if vllm_source.content_hash(source) != recorded.get("content_hash"):
+        return None
+    console.print(Text(f"replaying on the vLLM the trace was found on: {source.label()} "
+                       "(--vllm installed: on the installed release)"))
+    return name
+
+
+def note_other_sources(traces: list[Path], named: list[str]) -> None:
+    """A line for each trace found on a vLLM other than the one replaying it."""
+    from kvspec.harness import vllm_source
+    here = vllm_source.active()
+    for trace, recorded in _recorded_sources(traces, named).items():
+        if recorded.get("content_hash") not in (None, vllm_source.content_hash(here)):
+            version, digest = str(recorded.get("version")), str(recorded.get("content_hash"))
+            console.print(Text(
+                f"note: {shown(trace)} was found on vLLM {shown(version, 40)} "
+                f"({shown(recorded['given'], 120)}, content {shown(digest, 20)}); replaying "
+                f"on {here.label()}, whose scheduler code differs: --vllm "
+                f"{command_arg(_source_name(recorded))} replays it on the one it was found on",
+                style="yellow"))
+
+
+def _source_name(recorded: dict) -> str:
+    """How ``--vllm`` names a recorded source again (a git ref by the
+    directory it was unpacked into: ``replay`` has no ``--repo``)."""
+    return str(recorded.get("root") if recorded.get("kind") == "git" else recorded["given"])
 
 
 def _replay_one(trace: Path, target: str | None, named: str, ignore) -> int:

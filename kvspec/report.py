@@ -34,7 +34,18 @@ def print_counterexample(console: Console, steps, violations, trace_path=None) -
             console.print(Text(f"  {doc}", style="dim"))
     if trace_path:
         console.print(Text(f"trace saved: {printable(trace_path)}  "
-                           f"(replay: kvspec replay {command_arg(trace_path)})"))
+                           f"(replay: kvspec replay {command_arg(trace_path)}"
+                           f"{_source_option()})"))
+
+
+def _source_option() -> str:
+    """`` --vllm SOURCE`` where this process checks a vLLM other than the
+    installed one (its traces replay on that one only when named)."""
+    from kvspec.harness.vllm_source import chosen
+    source = chosen()
+    if source is None or source.is_installed:
+        return ""
+    return f" --vllm {command_arg(source.cli_name())}"
 
 
 def is_checked_claim(inv, design_rules: bool) -> bool:

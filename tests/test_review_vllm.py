@@ -130,6 +130,14 @@ def test_review_reports_a_regression_that_passes_on_the_base(tmp_path):
     # it fails on the edit and passes on the release (replayed here, in one process)
     assert replay_trace(trace, f"vllm?plant={register_edit(REGRESSION)}").violations
     assert not replay_trace(trace, "vllm").violations
+    # `kvspec replay` of the trace alone replays it on the copy it was found on
+    # (it once replayed on the installed release, passing, exit 0, silently)
+    again = kvspec(["replay", str(trace)], tmp_path)
+    assert again.returncode == 1, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "replaying on the vLLM the trace was found on" in again.stdout
+    on_release = kvspec(["replay", str(trace), "--vllm", "installed"], tmp_path)
+    assert on_release.returncode == 0, on_release.stdout[-2000:] + on_release.stderr[-2000:]
+    assert "whose scheduler code differs: --vllm" in " ".join(on_release.stdout.split())
 
 
 @pytest.mark.parametrize("edit", REFACTORS, ids=lambda e: e.stem)
