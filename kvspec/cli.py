@@ -5,6 +5,7 @@ trace) are one line on stderr and exit code 2; a violated invariant is exit 1.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -348,6 +349,17 @@ def use_source(vllm: str | None, repo: Path | None = None):
         return vllm_source.activate(vllm_source.resolve(vllm, repo))
     except vllm_source.SourceError as exc:
         fail(str(exc))
+
+
+def check_base(base: str | None) -> None:
+    """``--base`` names a usable vLLM source (or "none"), before anything runs."""
+    if base is None or base == "none":
+        return
+    from kvspec.harness import vllm_source
+    try:
+        vllm_source.resolve(base)
+    except vllm_source.SourceError as exc:
+        fail(f"--base: {exc}")
 
 
 def resolve_target(target: str, strict: bool, fixes: str, plant: list[str] | None,
@@ -805,6 +817,7 @@ def prepare_vllm_aware(target: str, budget: str, out: Path, db: Path | None, db_
     check_target_name(target)
     if target.startswith("vllm"):
         use_source(vllm)
+        check_base(base)
     elif base is not None:
         fail("--base applies to the vllm target")
     check_writable_dir(out, "--out")
@@ -957,7 +970,10 @@ def replay(traces: list[Path] = typer.Argument(..., help="trace files written by
     from kvspec.spec.catalogue import REGISTRY
     for name in ignore or ():
         if name not in REGISTRY:
-            fail(f"--ignore: {shown(name, 60)} is no claim; `kvspec claims` lists them")
+            close = difflib.get_close_matches(name, list(REGISTRY), n=1)
+            fail(f"--ignore: {shown(name, 60)} is no claim"
+                 + (f" (did you mean {close[0]}?)" if close else "")
+                 + "; docs/spec.md lists every claim")
     try:
         named = [target if target is not None else load_trace(t)["target"] for t in traces]
     except TraceError as exc:
@@ -1114,7 +1130,9 @@ def zoo(budget: str = typer.Option("60s", help="budget per mutant (and again for
         seconds = parse_budget(budget)
     except UsageError as exc:
         fail(str(exc))
-    unknown = [m for m in mutant or () if m not in MUTANTS and m not in PENDING_MUTANTS]
+    # ``kvspec targets`` lists them as targets: mutant:NAME
+    mutant = [m.removeprefix("mutant:") for m in mutant or ()]
+    unknown = [m for m in mutant if m not in MUTANTS and m not in PENDING_MUTANTS]
     if unknown:
         fail(f"unknown mutant {unknown[0][:60]!r}; run `kvspec targets` to list them")
     check_writable_dir(out, "--out")

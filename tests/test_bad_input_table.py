@@ -504,6 +504,12 @@ ARGS = {
     "prove-timeout-huge": (("prove", "--timeout", "100000000"), "invalid --timeout"),
     "prove-timeout-text": (("prove", "--timeout", "soon"), "--timeout"),
     "prove-unknown-obligation": (("prove", "--only", "nope"), "unknown obligation 'nope'"),
+    # it once pointed at a `kvspec claims` command that does not exist
+    "replay-ignore-unknown-claim": (("replay", REGRESSION, "--ignore", "stats_are_orderd"),
+                                    "is no claim (did you mean stats_are_ordered?); "
+                                    "docs/spec.md lists every claim"),
+    "zoo-unknown-mutant-target-spelling": (("zoo", "--mutant", "mutant:nope"),
+                                           "unknown mutant 'nope'"),
 }
 for command in ("check", "fuzz"):
     ARGS.update({
@@ -529,6 +535,9 @@ for command in ("check", "fuzz"):
         f"{command}-budget-over-a-week": ((command, "--budget", "169h"), "use at most 168h"),
         f"{command}-json-budget-overflows": ((command, "--json", "--budget", "9" * 400 + "s"),
                                              "more than a week"),
+        # before vLLM is imported (it once surfaced after the import, as unexpected)
+        f"{command}-base-missing": ((command, "--target", "vllm", "--base", "/nonexistent/v",
+                                     "--budget", "1s"), "--base: "),
     })
 
 
