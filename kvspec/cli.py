@@ -1156,7 +1156,7 @@ def prove(as_json: bool = typer.Option(False, "--json", help="machine-readable o
           only: list[str] = typer.Option(None, help="only these obligations (repeatable)"),
           timeout: int = typer.Option(10, help="seconds per obligation before 'unknown'"),
           traces: Path = typer.Option(Path(".kvspec/z3"), help="where refutation traces go")):
-    """Run every Z3 obligation; exit 1 on a failed or unknown one."""
+    """Run every Z3 obligation; exit 1 on a failed, unknown or vacuous one."""
     import json as _json
     import time as _time
 
@@ -1212,11 +1212,16 @@ def prove(as_json: bool = typer.Option(False, "--json", help="machine-readable o
             table.add_row(row["name"], row["kind"], f"{mark} {row['status']}",
                           f"{row['seconds']:.3f}s", Text(printable(cex)))
         console.print(table)
+        judged = {c for row in rows for c in row["establishes"]}
         for claim in CARD_CLAIMS:
             proved_by = established.get(claim, [])
-            console.print(f"card claim {claim}: " + (f"[green]established[/] by {len(proved_by)} "
-                                                     f"obligation(s)" if proved_by
-                                                     else "[red]not established[/]"))
+            if proved_by:
+                verdict = f"[green]established[/] by {len(proved_by)} obligation(s)"
+            elif claim in judged:
+                verdict = "[red]not established[/]"
+            else:  # --only left out every obligation that establishes it
+                verdict = "not judged: no obligation of it was run (--only)"
+            console.print(f"card claim {claim}: {verdict}")
     raise typer.Exit(0 if all(row["ok"] for row in rows) else 1)
 
 
@@ -1241,8 +1246,12 @@ def bmc_cmd(target: str = typer.Option("impl", help="target to check"),
                   f"{result.states} distinct states in {result.seconds:.1f}s")
     ce = result.counterexample
     if ce is None:
-        scope = "every sequence" if result.exhausted else "the sequences within the state budget"
-        console.print(f"[green]no violation[/] in {scope} of up to {depth} actions")
+        if result.exhausted:
+            console.print(f"[green]no violation[/] in every sequence of up to {depth} actions")
+        else:
+            console.print(f"[yellow]no violation in the {result.states} states explored[/]: "
+                          f"the state budget (--max-states {max_states}) stopped the search "
+                          f"before every sequence of up to {depth} actions was tried")
         raise typer.Exit(0)
     path = save_trace(out / f"{target.replace(':', '_')}.json", target=target,
                       config=ce.runner.config, actions=ce.runner.actions,

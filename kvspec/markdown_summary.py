@@ -17,8 +17,10 @@ HEADINGS = {"hold": "held", "violated": "VIOLATED", "incomplete": "incomplete"}
 
 def get_heading(summary: dict) -> str:
     verdict = HEADINGS.get(summary["verdict"], summary["verdict"])
+    runs = summary.get("examples_budget")  # --examples: a budget in runs, no time limit
+    budget = f"{runs} runs" if runs else f"{summary['budget_s']:g} s"
     return (f"### kvspec on `{summary['target']}`: {verdict} "
-            f"(seed {summary['seed']}, {summary['budget_s']:g} s budget)")
+            f"(seed {summary['seed']}, {budget} budget)")
 
 
 def get_violation_lines(summary: dict) -> list[str]:

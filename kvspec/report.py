@@ -73,7 +73,7 @@ def unwitnessed(checks: dict[str, int], witnessed: dict[str, int],
     """Claims checked but never witnessed in a run: name -> why that may be
     expected: the registry's reason, the run's narrowed profile, or else that
     this run's draws did not reach it (a short budget can miss a rare one)."""
-    why = "not reached by this run's draws; a longer --budget may reach it"
+    why = "not reached by this run's draws; a longer run (--budget, --examples) may reach it"
     if profile is not None and profile.layouts == ("full",):
         why = "this run draws one full-attention group only (--layouts full)"
     return {name: inv.unwitnessed_because or why for name, inv in REGISTRY.items()
