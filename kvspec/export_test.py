@@ -68,6 +68,8 @@ class Recording:
     offers_again: set = attrs.Factory(set)
     #: the environment the run's connector answered from
     env: object = None
+    #: efficiency claims the trace breaks (lost performance: no test is written of it)
+    lost: list = attrs.Factory(list)
 
 
 def record(trace: Path, target: str | None = None) -> Recording:
@@ -78,8 +80,9 @@ def record(trace: Path, target: str | None = None) -> Recording:
 
     def start(runner) -> None:
         if not runner.target_name.startswith("vllm"):
-            raise ExportError(f"export-test writes vLLM tests: the trace's target is "
-                              f"{runner.target_name!r} (replay it on vLLM with --target "
+            whose = "--target names" if target is not None else "the trace's target is"
+            raise ExportError(f"export-test writes vLLM tests: {whose} "
+                              f"{runner.target_name!r} (record it on vLLM with --target "
                               "'vllm?fixes=none')")
         found.append(Recording(runner.config, runner.target.version, [], env=runner.env))
         _wrap_scheduler(runner.target.scheduler, found[0])
@@ -88,6 +91,7 @@ def record(trace: Path, target: str | None = None) -> Recording:
     rec = found[0]
     # a safety or design break stops the run; lost performance alone is no failure
     rec.violations = [v for v in outcome.violations if not is_lost_performance(v)]
+    rec.lost = [v for v in outcome.violations if is_lost_performance(v)]
     rec.crashed = any(v.invariant == "target_crashed" for v in rec.violations)
     rec.offers_again = {rid for rid, plan in rec.env.plans.items() if plan.beyond_contract}
     return rec
@@ -189,6 +193,11 @@ def get_unexpressible(rec: Recording) -> list[str]:
 
 def render(rec: Recording, trace: Path, test_name: str | None = None) -> str:
     """The standalone test's source."""
+    if not rec.violations and rec.lost:
+        raise ExportError(
+            f"{trace.name}: the trace breaks only efficiency claims on vLLM {rec.version} "
+            f"(lost performance: {', '.join(sorted({v.invariant for v in rec.lost}))}); "
+            "export-test writes tests of safety failures; `kvspec replay` reproduces it")
     if not rec.violations:
         raise ExportError(f"{trace.name}: the trace breaks no claim on vLLM {rec.version}: "
                           "nothing to reproduce")
@@ -607,7 +616,9 @@ def _settings_code(c) -> list[str]:
     if not c.enable_prefix_caching:
         lines.append("    vllm_config.cache_config.enable_prefix_caching = False")
     if not c.kv_connector:
-        raise ExportError("the run has no KV connector: export-test writes connector runs")
+        raise ExportError("the run has no KV connector: export-test writes tests on vLLM's "
+                          "KV-connector unit-test helpers (tests/v1/kv_connector/unit); "
+                          "`kvspec replay` reproduces this trace")
     if any(g.kind == "last_state" for g in c.groups):
         lines.append('    vllm_config.cache_config.mamba_cache_mode = "align"')
     return lines

@@ -510,6 +510,9 @@ ARGS = {
                                     "docs/spec.md lists every claim"),
     "zoo-unknown-mutant-target-spelling": (("zoo", "--mutant", "mutant:nope"),
                                            "unknown mutant 'nope'"),
+    # every trace is read before any is replayed, --target or not (one line, no replay)
+    "replay-target-later-trace-missing": (("replay", REGRESSION, "missing.json",
+                                           "--target", "impl"), "missing.json"),
 }
 for command in ("check", "fuzz"):
     ARGS.update({

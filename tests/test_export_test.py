@@ -102,6 +102,8 @@ def test_the_command_writes_the_test_and_says_how_it_fails(tmp_path):
     (["docs/findings/vllm-0.32.0-divergence-threshold-single-request.json"],
      "nothing to reproduce"),
     (["model_tests/regressions/free_during_send.json"], "the trace's target is"),
+    (["docs/findings/vllm-0.32.0-sync-full-prompt-hit-crash.json", "--target", "impl"],
+     "--target names 'impl'"),
     (["docs/findings/vllm-0.32.0-sync-full-prompt-hit-crash.json", "--name", "1x"],
      "not a Python identifier"),
 ])
@@ -161,3 +163,16 @@ def test_exported_tests_fail_as_released_and_follow_kvspec_with_fixes():
         assert released[test][0] == "failed", (test, released[test])
         want = "passed" if fixed[path] else "failed"
         assert every[test][0] == want, (test, every[test], f"kvspec's replay: {want}")
+
+
+def test_a_trace_of_lost_performance_alone_is_refused_by_name():
+    """A trace that breaks only efficiency claims once read 'breaks no claim':
+    it names the claims it breaks and says why no test is written."""
+    from kvspec.spec.registry import Violation
+    from kvspec.harness.target import make_config
+    from kvspec.export_test import Recording
+    rec = Recording(make_config(), "0.32.0", [],
+                    lost=[Violation("computed_blocks_are_cached", "r0: block 1")])
+    with pytest.raises(ExportError, match="breaks only efficiency claims on vLLM 0.32.0 "
+                       r"\(lost performance: computed_blocks_are_cached\)"):
+        render(rec, Path("t.json"))
