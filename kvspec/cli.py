@@ -41,6 +41,9 @@ PROGRESS_EVERY = 10.0
 
 
 # (help text is Rich markup: a literal "[" is written "\\[")
+BUDGET_HELP = "time budget, shrinking included: 60s (the default), 10m; or --examples"
+#: the budget of check and fuzz without --budget or --examples
+DEFAULT_BUDGET = "60s"
 DB_HELP = ("Hypothesis example database, replayed first by every run: a directory, "
            "redis://HOST:PORT\\[/N] (shared by machines), or github-artifact:OWNER/REPO\\[/NAME] "
            "(a workflow's uploaded database, read beside .kvspec/examples)")
@@ -368,15 +371,19 @@ def resolve_target(target: str, strict: bool, fixes: str, plant: list[str] | Non
     bugs and connector."""
     from kvspec.harness.targets import vllm_target_name
     choice = get_connector_choice(connector, connector_config)
+    if strict and fixes not in (None, "none"):
+        fail(f"--strict is --fixes none: it contradicts --fixes {shown(fixes, 60)}")
     if target != "vllm":
-        if strict or fixes != "all" or plant or choice:
+        if strict or fixes is not None or plant or choice:
             if not target.startswith("vllm?"):
                 fail(f"--strict, --fixes, --plant and --connector apply to the vllm target, "
                      f"not {target[:60]!r}")
             if choice:
                 fail("--connector: give it with --target vllm, not inside a target name")
+            fail(f"the target {target[:80]!r} names its own options: give --strict, --fixes "
+                 "and --plant with --target vllm, or in the name, not both")
         return target
-    return vllm_target_name("none" if strict else fixes, tuple(plant or ()), choice)
+    return vllm_target_name("none" if strict else fixes or "all", tuple(plant or ()), choice)
 
 
 def get_connector_choice(connector: str | None, connector_config: str | None):
@@ -582,11 +589,11 @@ def set_full_check_every(value: int | None) -> None:
 @app.command()
 def check(target: str = typer.Option(None, help="target to check (default: impl, or vllm "
                                                "with --vllm)"),
-          budget: str = typer.Option("60s", help="time budget, shrinking included: 60s, 10m"),
+          budget: str = typer.Option(None, help=BUDGET_HELP),
           seed: int = typer.Option(0, help="seed; everything derives from it"),
           out: Path = typer.Option(DEFAULT_OUT, help="where failing traces are saved"),
           strict: bool = typer.Option(False, help=STRICT_HELP),
-          fixes: str = typer.Option("all", help=FIXES_HELP),
+          fixes: str = typer.Option(None, help=FIXES_HELP),
           plant: list[str] = typer.Option(None, help=PLANT_HELP),
           design_rules: bool = typer.Option(True, help=DESIGN_RULES_HELP),
           layouts: str = typer.Option(None, help=LAYOUTS_HELP),
@@ -606,6 +613,7 @@ def check(target: str = typer.Option(None, help="target to check (default: impl,
           connector_config: str = typer.Option(None, "--connector-config",
                                                help=CONNECTOR_CONFIG_HELP)):
     """Check every invariant on a target within a budget; exit 1 on a new violation."""
+    budget = get_budget(budget, examples)
     set_full_check_every(full_check_every)
     set_scale(scale, kv)
     target = default_target(target, vllm, connector)
@@ -619,12 +627,12 @@ def check(target: str = typer.Option(None, help="target to check (default: impl,
 @app.command("fuzz")
 def fuzz_cmd(target: str = typer.Option(None, help="target to fuzz (default: impl, or vllm "
                                                   "with --vllm)"),
-             budget: str = typer.Option("60s", help="time budget, shrinking included: 60s, 10m"),
+             budget: str = typer.Option(None, help=BUDGET_HELP),
              seed: int = typer.Option(0, help="seed; everything derives from it"),
              out: Path = typer.Option(DEFAULT_OUT, help="where failing traces are saved"),
              db: str = typer.Option(str(DEFAULT_DB), help=DB_HELP),
              strict: bool = typer.Option(False, help=STRICT_HELP),
-             fixes: str = typer.Option("all", help=FIXES_HELP),
+             fixes: str = typer.Option(None, help=FIXES_HELP),
              plant: list[str] = typer.Option(None, help=PLANT_HELP),
              design_rules: bool = typer.Option(True, help=DESIGN_RULES_HELP),
              layouts: str = typer.Option(None, help=LAYOUTS_HELP),
@@ -643,13 +651,15 @@ def fuzz_cmd(target: str = typer.Option(None, help="target to fuzz (default: imp
           connector_config: str = typer.Option(None, "--connector-config",
                                                help=CONNECTOR_CONFIG_HELP)):
     """Fuzz a target; every failure is saved as a trace and shown as a step table."""
+    budget = get_budget(budget, examples)
     set_full_check_every(full_check_every)
     set_scale(scale, kv)
     target = resolve_target(default_target(target, vllm, connector), strict, fixes, plant,
                             connector, connector_config)
     if workers != 1:
-        argv = ["--target", target, "--budget", budget, "--out", str(out), "--db", db,
-                "--kv", kv] + ([] if design_rules else ["--no-design-rules"])
+        argv = ["--target", target, "--out", str(out), "--db", db, "--kv", kv]
+        argv += ([] if examples is not None else ["--budget", budget]) + \
+            ([] if design_rules else ["--no-design-rules"])
         argv += [x for opt, v in (("--layouts", layouts), ("--vllm", vllm), ("--base", base))
                  if v is not None for x in (opt, v)]
         fuzz_in_parallel(argv, workers, seed, out, db, as_json, junit, markdown, examples)
@@ -683,6 +693,13 @@ def fuzz_in_parallel(argv: list[str], workers: int, seed: int, out: Path, db: st
               f"{len(summaries)} workers)", file=sys.stderr, flush=True)
         write_reports(summary, as_json, junit, markdown)
     raise typer.Exit(code)
+
+
+def get_budget(budget: str | None, examples: int | None) -> str:
+    """``--budget`` (default 60s); not with ``--examples``, a budget in runs instead."""
+    if budget is not None and examples is not None:
+        fail("--examples is a budget in runs instead of --budget: give one of them")
+    return DEFAULT_BUDGET if budget is None else budget
 
 
 def default_target(target: str | None, vllm: str | None, connector: str | None = None) -> str:

@@ -541,6 +541,15 @@ for command in ("check", "fuzz"):
         # before vLLM is imported (it once surfaced after the import, as unexpected)
         f"{command}-base-missing": ((command, "--target", "vllm", "--base", "/nonexistent/v",
                                      "--budget", "1s"), "--base: "),
+        # contradictions were accepted, one option silently winning
+        f"{command}-strict-and-fixes": ((command, "--target", "vllm", "--strict", "--fixes",
+                                         "all"), "--strict is --fixes none: it contradicts"),
+        f"{command}-named-options-and-fixes": ((command, "--target", "vllm?fixes=none",
+                                                "--fixes", "all"), "names its own options"),
+        f"{command}-target-option-twice": ((command, "--target", "vllm?fixes=none&fixes=all"),
+                                           "fixes= given twice"),
+        f"{command}-budget-and-examples": ((command, "--budget", "5s", "--examples", "3"),
+                                           "--examples is a budget in runs instead of --budget"),
     })
 
 

@@ -35,11 +35,15 @@ def parse_vllm_target(name: str) -> tuple[str, tuple[str, ...]] | None:
     if base != "vllm":
         return None
     options = {"fixes": "all", "plant": "", "connector": "", "connector_config": ""}
+    given: set[str] = set()
     for part in filter(None, query.split("&")):
         key, sep, value = part.partition("=")
         if not sep or key not in options:
             raise ValueError(f"target {name!r}: unknown option {part!r} (fixes=..., plant=..., "
                              "connector=..., connector_config=...)")
+        if key in given:
+            raise ValueError(f"target {name!r}: {key}= given twice")
+        given.add(key)
         options[key] = value
     planted = tuple(p for p in options["plant"].split(",") if p)
     from kvspec.harness.vllm_patches import select
