@@ -691,8 +691,25 @@ def fuzz_in_parallel(argv: list[str], workers: int, seed: int, out: Path, db: st
         print(f"kvspec: campaign: {summary['runs']} runs{scaled}, {summary['actions']} actions in "
               f"{summary['elapsed_s']:.1f}s ({summary['actions_per_s']} actions/s over "
               f"{len(summaries)} workers)", file=sys.stderr, flush=True)
+        if not as_json:
+            print_campaign(summary)
         write_reports(summary, as_json, junit, markdown)
     raise typer.Exit(code)
+
+
+def print_campaign(summary: dict) -> None:
+    """The workers' summed summary on stdout, as one run's: the verdict line,
+    the claims table summed, the claims no worker witnessed."""
+    from kvspec.report import summary_table
+    rows = [c for c in summary["claims"] if c["kind"] != "outcome"]
+    console.print(Text(summary["verdict_line"]))
+    console.print(summary_table(
+        {c["name"]: c["checked"] or 0 for c in rows}, {c["name"]: c["witnessed"] for c in rows},
+        {c["name"]: c["violations"] for c in rows if c["violations"]},
+        summary.get("design_rules", True)))
+    why = summary.get("unwitnessed", {})
+    for name in (why if isinstance(why, list) else sorted(why)):
+        console.print(f"[yellow]never witnessed by any worker:[/] {name}")
 
 
 def get_budget(budget: str | None, examples: int | None) -> str:

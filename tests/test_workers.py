@@ -44,3 +44,19 @@ def test_a_bad_worker_count_is_one_line(tmp_path):
     done = fuzz(tmp_path, "--workers", "0")
     assert done.returncode == 2
     assert done.stderr.strip() == "kvspec: error: --workers 0: between 1 and 64"
+
+
+def test_a_campaign_prints_its_summed_summary(tmp_path):
+    """Without --json the campaign prints, as one run does, its verdict line,
+    the claims summed over the workers and those no worker witnessed."""
+    done = run_kvspec(tmp_path, "fuzz", "--workers", "2", "--examples", "6", "--seed", "5")
+    assert done.returncode == 0, done.stderr[-2000:]
+    as_json = json.loads(run_kvspec(tmp_path / "j", "fuzz", "--json", "--workers", "2",
+                                    "--examples", "6", "--seed", "5").stdout)
+    assert as_json["verdict_line"].split()[0] in done.stdout
+    checked = {c["name"]: c["checked"] for c in as_json["claims"] if c["checked"]}
+    name, count = max(checked.items(), key=lambda kv: kv[1])
+    row = next(line for line in done.stdout.splitlines() if f" {name} " in line)
+    assert str(count) in row.split()  # the sum of both workers' checks
+    for claim in as_json["unwitnessed"]:
+        assert f"never witnessed by any worker: {claim}" in done.stdout
