@@ -162,9 +162,9 @@ placeholders, `stats_set_exactly_once` only by a request with stats that was
 since preempted or cut back by a failure. `kvspec check` shows a witnessed
 column, names every claim that was never witnessed, and `kvspec check --json`
 reports both counts per claim with the environment features the run
-exercised. A claim that cannot be witnessed yet says why in the registry
-(`unwitnessed_because`); today that is only `placeholders_nonnegative` (no
-target runs async scheduling until issue 10).
+exercised. A claim that a default check of the reference cannot witness says
+why in the registry (`unwitnessed_because`), and the run shows that reason
+beside it: today {WHY_UNWITNESSED}.
 
 ## Incremental checking
 
@@ -384,7 +384,16 @@ def _render_status_diagram() -> list[str]:
 
 def render_spec_md() -> str:
     """The full text of ``docs/spec.md``."""
-    return INTRO + "\n" + render_generated()
+    intro = INTRO.replace("{WHY_UNWITNESSED}", get_unwitnessed_text())
+    return intro + "\n" + render_generated()
+
+
+def get_unwitnessed_text() -> str:
+    """The claims that say why a default check may not witness them, with why."""
+    from kvspec.spec.catalogue import REGISTRY
+    named = [f"`{name}` ({inv.unwitnessed_because.rstrip('.')})"
+             for name, inv in REGISTRY.items() if inv.unwitnessed_because]
+    return "; ".join(named) if named else "none"
 
 
 PROOFS_PATH = Path(__file__).resolve().parents[1] / "docs" / "proofs.md"
