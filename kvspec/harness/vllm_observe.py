@@ -172,7 +172,8 @@ class VllmObserver:
                 *(_NO_STATS if stats is None else _read_stats(stats)),
                 getattr(r, "num_cached_tokens", None),
                 getattr(r, "num_external_computed_tokens", None),
-                params, *(_NO_PARAMS if params is None else _read_params(params)),
+                params, getattr(params, "eos_token_id", None),
+                getattr(params, "stop_token_ids", None), getattr(params, "min_tokens", 0),
                 getattr(r, "eos_token_id", None), getattr(r, "pooling_params", None),
                 getattr(self.scheduler, "is_mm_encoder_only", False), *_read_request(r))
 
@@ -181,10 +182,10 @@ class VllmObserver:
         own lists, no copy; ``_to_spec_blocks`` translates them), or their ids
         where a release has no coordinator."""
         manager = self.scheduler.kv_cache_manager
-        coordinator = getattr(manager, "coordinator", None)
-        if coordinator is None:
+        get_blocks = getattr(getattr(manager, "coordinator", None), "get_blocks", None)
+        if get_blocks is None:
             return tuple(manager.get_block_ids(request_id))
-        return coordinator.get_blocks(request_id)
+        return get_blocks(request_id)
 
     def final_view(self, request_id: str) -> RequestView | None:
         r = self._requests.get(request_id)
@@ -310,10 +311,9 @@ _BLOCK_ID, _REF_CNT = attrgetter("block_id"), attrgetter("ref_cnt")
 #: what every release's requests carry of what a view is made of (``_get_reads``)
 _read_request = attrgetter("spec_token_ids", "max_tokens", "priority", "block_hashes",
                            "prompt_token_ids")
-#: what a view reads of a request's prefill stats and sampling parameters
+#: what a view reads of a request's prefill stats (each read as ``_stats_of`` does)
 _read_stats = attrgetter("num_cached_tokens", "num_external_cached_tokens", "num_prompt_tokens")
-_read_params = attrgetter("eos_token_id", "stop_token_ids", "min_tokens")
-_NO_STATS, _NO_PARAMS = (None,) * 3, (None,) * 3
+_NO_STATS = (None,) * 3
 
 
 def copy_lists(reads: tuple) -> tuple:
