@@ -490,7 +490,8 @@ def report(result, design_rules: bool = True, prep=None, first_line: bool = True
     if result.counterexample is not None:
         for v in result.counterexample.violations:
             violations[v.invariant] = violations.get(v.invariant, 0) + 1
-    console.print(summary_table(result.checks, result.witnessed, violations, design_rules))
+    console.print(summary_table(result.checks, result.witnessed, violations, design_rules,
+                                kv_steps=result.features.get("kv_torch", 0)))
     from kvspec.run import get_scaled_runs
     console.print(f"{result.runs} runs{get_scaled_runs(result)}, {result.actions} actions in "
                   f"{result.elapsed:.1f}s ({rate(result)})")

@@ -71,12 +71,14 @@ def get_worst_code(codes: list[int]) -> int:
 def combine(summaries: list[dict]) -> dict:
     """One campaign summary from the workers' (their claims summed)."""
     first = summaries[0]
-    claims = []
-    for i, claim in enumerate(first["claims"]):
-        rows = [s["claims"][i] for s in summaries]
-        claims.append(dict(claim, **{k: (None if any(r[k] is None for r in rows)
-                                          else sum(r[k] for r in rows))
-                                     for k in ("checked", "witnessed", "violations")}))
+    by_name: dict[str, list[dict]] = {}  # by name: a row only some workers have (a
+    for summary in summaries:            # crash, steps on torch) lines up with no other
+        for row in summary["claims"]:
+            by_name.setdefault(row["name"], []).append(row)
+    claims = [dict(rows[0], **{k: (None if any(r[k] is None for r in rows)
+                                   else sum(r[k] for r in rows))
+                               for k in ("checked", "witnessed", "violations")})
+              for rows in by_name.values()]
     elapsed = max(s["elapsed_s"] for s in summaries)
     actions = sum(s["actions"] for s in summaries)
     failing = [s for s in summaries if s["violations"]]

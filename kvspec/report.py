@@ -6,6 +6,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvspec.harness.incremental import get_full_every
+from kvspec.harness.kv_modes import KV_CLAIM
 from kvspec.spec.catalogue import REGISTRY
 from kvspec.text import command_arg, printable
 
@@ -53,7 +54,10 @@ def is_checked_claim(inv, design_rules: bool) -> bool:
 
 
 def summary_table(checks: dict[str, int], witnessed: dict[str, int],
-                  violations: dict[str, int], design_rules: bool = True) -> Table:
+                  violations: dict[str, int], design_rules: bool = True,
+                  kv_steps: int = 0) -> Table:
+    """One row per claim; ``kv_steps``: steps run on real K/V tensors (``--kv
+    torch``), each judged by the torch worker's claim, which is no registry claim."""
     table = Table(title="claims")
     for column in ("claim", "kind", "role", "checked", "witnessed", "violations"):
         table.add_column(column, justify="right" if column in ("checked", "witnessed",
@@ -65,6 +69,10 @@ def summary_table(checks: dict[str, int], witnessed: dict[str, int],
         bad, seen = violations.get(name, 0), witnessed.get(name, 0)
         table.add_row(name, inv.kind, inv.role, str(checks.get(name, 0)),
                       str(seen) if seen else "[yellow]0[/]", f"[red]{bad}[/]" if bad else "0")
+    if kv_steps:
+        bad = violations.get(KV_CLAIM, 0)
+        table.add_row(KV_CLAIM, "data", "safety", str(kv_steps), str(kv_steps),
+                      f"[red]{bad}[/]" if bad else "0")
     return table
 
 
@@ -117,8 +125,12 @@ def json_summary(result, version: str, budget_s: float, profile, design_rules: b
                "checked": result.checks.get(name, 0) if is_checked_claim(inv, design_rules) else None,
                "witnessed": result.witnessed.get(name, 0),
                "violations": counted.get(name, 0)} for name, inv in REGISTRY.items()]
+    kv_steps = result.features.get("kv_torch", 0)
+    if kv_steps:  # the torch worker's claim judged every step it ran (--kv torch)
+        claims.append({"name": KV_CLAIM, "kind": "data", "role": "safety", "checked": kv_steps,
+                       "witnessed": kv_steps, "violations": counted.get(KV_CLAIM, 0)})
     for name in counted:  # target_crashed, environment_contract: not registry claims
-        if name not in REGISTRY:
+        if name not in REGISTRY and not (kv_steps and name == KV_CLAIM):
             claims.append({"name": name, "kind": "outcome", "role": "safety", "checked": None,
                            "witnessed": None, "violations": counted[name]})
     defaults = {f.name: f.default for f in attrs.fields(type(profile))}

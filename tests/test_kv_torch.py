@@ -219,6 +219,10 @@ def test_check_kv_torch_holds_on_impl_and_counts_the_steps(tmp_path, capsys):
     report = json.loads(captured.out)
     assert report["verdict"] == "hold" and report["features"]["kv_torch"] > 0
     assert report["profile"]["restrictions"]["layouts"] == ["full", "sliding"]
+    # the torch worker's claim has its row, as the README calls it a claim
+    row = next(c for c in report["claims"] if c["name"] == "kv_tensors_match_oracle")
+    assert row["checked"] == row["witnessed"] == report["features"]["kv_torch"]
+    assert row["violations"] == 0 and row["kind"] == "data"
 
 
 @pytest.mark.parametrize("args, message", [

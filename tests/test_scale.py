@@ -191,3 +191,21 @@ def test_a_bad_scale_is_one_line(tmp_path, monkeypatch):
 
 def test_the_default_scale_is_mixed():
     assert get_scale() == "mixed"
+
+
+def test_workers_sum_claims_by_name():
+    """A row only some workers report (an outcome of a crash, the torch
+    worker's claim) is summed by name: rows once lined up by position."""
+    from kvspec.parallel import combine
+    row = {"kind": "state", "role": "safety"}
+    base = {"elapsed_s": 1.0, "actions": 1, "runs": 1, "violations": [], "verdict": "hold",
+            "verdict_line": "", "trace": None, "exit_code": 0, "seed": 0, "unwitnessed": [],
+            "state_checks": {}}
+    plain = [dict(row, name="a", checked=2, witnessed=1, violations=0)]
+    crashed = [dict(row, name="a", checked=3, witnessed=0, violations=0),
+               dict(row, name="target_crashed", kind="outcome", checked=None, witnessed=None,
+                    violations=1)]
+    summary = combine([dict(base, claims=crashed), dict(base, claims=plain)])
+    assert summary["claims"][0] == dict(row, name="a", checked=5, witnessed=1, violations=0)
+    assert summary["claims"][1]["name"] == "target_crashed"
+    assert summary["claims"][1]["violations"] == 1
