@@ -708,8 +708,7 @@ def print_campaign(summary: dict) -> None:
         {c["name"]: c["checked"] or 0 for c in rows}, {c["name"]: c["witnessed"] for c in rows},
         {c["name"]: c["violations"] for c in rows if c["violations"]},
         summary.get("design_rules", True)))
-    why = summary.get("unwitnessed", {})
-    for name in (why if isinstance(why, list) else sorted(why)):
+    for name in summary["unwitnessed"]:  # (``parallel.combine``: those no worker witnessed)
         console.print(f"[yellow]never witnessed by any worker:[/] {name}")
 
 
@@ -1010,14 +1009,14 @@ def replay(traces: list[Path] = typer.Argument(..., help="trace files written by
                  + (f" (did you mean {close[0]}?)" if close else "")
                  + "; docs/spec.md lists every claim")
     try:  # every trace read first: a bad one is refused before any is replayed
-        named = [load_trace(t)["target"] for t in traces]
+        loaded = [load_trace(t) for t in traces]
     except TraceError as exc:
         fail(str(exc))
-    if target is not None:
-        named = [target] * len(traces)
+    named = [target if target is not None else data["target"] for data in loaded]
     if any(n.startswith("vllm") for n in named):
-        use_source(vllm if vllm is not None else recorded_source(traces, named))
-        note_other_sources(traces, named)
+        found_on = _recorded_sources(traces, loaded, named)
+        use_source(vllm if vllm is not None else recorded_source(found_on))
+        note_other_sources(found_on)
     elif vllm is not None:
         fail("--vllm applies to traces of the vllm target")
     codes = [_replay_one(t, target, n, ignore) for t, n in zip(traces, named)]
@@ -1027,27 +1026,28 @@ def replay(traces: list[Path] = typer.Argument(..., help="trace files written by
     raise typer.Exit(1 if any(codes) else 0)
 
 
-def _recorded_sources(traces: list[Path], named: list[str]) -> dict[Path, dict]:
+def _recorded_sources(traces: list[Path], loaded: list[dict],
+                      named: list[str]) -> dict[Path, dict]:
     """The vLLM each trace of the vllm target records it was found on."""
-    from kvspec.harness.trace import load_trace
     found = {}
-    for trace, name in zip(traces, named):
-        if name.startswith("vllm"):
-            recorded = load_trace(trace).get("vllm_source")
-            if isinstance(recorded, dict) and isinstance(recorded.get("given"), str):
-                found[trace] = recorded
+    for trace, data, name in zip(traces, loaded, named):
+        recorded = data.get("vllm_source")
+        if name.startswith("vllm") and isinstance(recorded, dict) \
+                and isinstance(recorded.get("given"), str):
+            found[trace] = recorded
     return found
 
 
-def recorded_source(traces: list[Path], named: list[str]) -> str | None:
-    """With no ``--vllm``: the vLLM the traces were found on, where they
-    name one other than the installed release and it is still there with
-    the same content (else None: the installed one, and a note says so)."""
+def recorded_source(found_on: dict[Path, dict]) -> str | None:
+    """With no ``--vllm``: the vLLM the traces were found on (``found_on``),
+    where they name one other than the installed release and it is still
+    there with the same content (else None: the installed one, and a note
+    says so)."""
     from kvspec.harness import vllm_source
-    given = {recorded["given"] for recorded in _recorded_sources(traces, named).values()}
+    given = {recorded["given"] for recorded in found_on.values()}
     if len(given) != 1 or given <= set(vllm_source.INSTALLED):
         return None
-    recorded = next(iter(_recorded_sources(traces, named).values()))
+    recorded = next(iter(found_on.values()))
     name = _source_name(recorded)
     try:
         source = vllm_source.resolve(name)
@@ -1060,11 +1060,11 @@ def recorded_source(traces: list[Path], named: list[str]) -> str | None:
     return name
 
 
-def note_other_sources(traces: list[Path], named: list[str]) -> None:
+def note_other_sources(found_on: dict[Path, dict]) -> None:
     """A line for each trace found on a vLLM other than the one replaying it."""
     from kvspec.harness import vllm_source
     here = vllm_source.active()
-    for trace, recorded in _recorded_sources(traces, named).items():
+    for trace, recorded in found_on.items():
         if recorded.get("content_hash") not in (None, vllm_source.content_hash(here)):
             version, digest = str(recorded.get("version")), str(recorded.get("content_hash"))
             console.print(Text(

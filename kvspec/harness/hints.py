@@ -9,7 +9,7 @@ from kvspec.spec.state import Observation, StepView, WorkerOutcome
 
 
 def get_tainted_blocks(obs: Observation, report, scheduled: Observation | None,
-                       computed_since: set[str]) -> set[int]:
+                       steps_since: list[StepView]) -> set[int]:
     """Blocks the step's failed loads left invalid; with several kinds of group
     the blocks a reader of invalid KV wrote its garbage into, and everything the
     spec counts as failed with them (``compute_tainted_blocks``: a request can
@@ -20,9 +20,9 @@ def get_tainted_blocks(obs: Observation, report, scheduled: Observation | None,
     gone since computed on the failed KV all the same, so every block of it
     still fenced behind the step counts, by position (a hit may have shared
     one since; a block given back is fresh to whoever took it).
-    ``computed_since``: the requests the step or a step after it (still in
-    flight) scheduled; only those of the gone computed on the failed KV. One
-    that did not (a loader that never ran) gave its blocks back unfenced, and
+    ``steps_since``: the step and those after it still in flight; only a
+    gone request one of them scheduled computed on the failed KV. One that
+    did not (a loader that never ran) gave its blocks back unfenced, and
     another request may have taken one, computed it afresh and had it fenced
     since: the same id, not the same content."""
     bad = set(report.invalid_block_ids)
@@ -31,19 +31,18 @@ def get_tainted_blocks(obs: Observation, report, scheduled: Observation | None,
         holders = [(r.block_ids, r.num_computed_tokens - r.num_output_placeholders)
                    for r in obs.requests.values()]
         fenced = set(obs.pool.fenced)
+        ran = {rid for step in steps_since for rid in step.num_scheduled_tokens}
         gone = [tuple(tuple(b if b in fenced else NULL_BLOCK for b in t) for t in r.block_ids)
                 for rid, r in (scheduled.requests if scheduled else {}).items()
-                if rid not in obs.requests and rid in computed_since]
+                if rid not in obs.requests and rid in ran]
         holders += [(tables, max((len(t) * g.block_size for g, t in zip(groups, tables)),
                                  default=0)) for tables in gone]
         bad = compute_tainted_blocks(holders, groups, bad | report.garbage_blocks)
     return bad
 
 
-def get_invalid_holders(obs: Observation, report, scheduled: Observation | None,
-                        computed_since: set[str]) -> set[str]:
-    """Requests holding a tainted block (``get_tainted_blocks``)."""
-    bad = get_tainted_blocks(obs, report, scheduled, computed_since)
+def get_invalid_holders(obs: Observation, bad: set[int]) -> set[str]:
+    """Requests holding a tainted block (``bad``: ``get_tainted_blocks``)."""
     if not bad:  # (most steps: no load failed)
         return set()
     return {r.request_id for r in obs.requests.values()

@@ -8,7 +8,7 @@ from collections import Counter
 
 from kvspec.harness.checker import Checker
 from kvspec.harness.features import OUTSIDE_MODEL
-from kvspec.harness.hints import compute_hints, get_tainted_blocks
+from kvspec.harness.hints import compute_hints
 from kvspec.spec import history
 from kvspec.spec.actions import Transition
 from kvspec.spec.conformance import ModelBook, ModelStep, compute_admission
@@ -70,13 +70,12 @@ class Judge:
         return step
 
     def get_delivery_step(self, job, t: Transition, outcome, is_sync: bool,
-                          computed_since: set[str]) -> ModelStep:
+                          tainted: set[int]) -> ModelStep:
         """The model's view of a step's output coming back: async, the output
         alone; synchronous (a batch queue of depth 1), the schedule and its
         output as one step. ``job``: the step, as the batch queue kept it;
-        ``computed_since``: the requests it and the steps still in flight
-        after it scheduled (``get_tainted_blocks``)."""
-        tainted = get_tainted_blocks(t.before, job.report, job.mid, computed_since)
+        ``tainted``: the blocks its failed loads left invalid
+        (``get_tainted_blocks``)."""
         ended = t.after.requests | t.departed
         if not is_sync:
             return self.get_model_step(t, compute_hints(

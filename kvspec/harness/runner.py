@@ -17,7 +17,7 @@ from kvspec.harness.drain import compute_drain_bound
 from kvspec.harness.env import EnvConnector, EnvironmentContractViolation, get_request_spec
 from kvspec.harness.features import (FEATURES, OUTSIDE_MODEL, count_async_schedule,
                                      count_delivery, count_step)
-from kvspec.harness.hints import compute_hints, get_invalid_holders
+from kvspec.harness.hints import compute_hints, get_invalid_holders, get_tainted_blocks
 from kvspec.harness.incremental import get_full_every
 from kvspec.harness.judge import Judge
 from kvspec.harness.kv_modes import KV_CLAIM, KV_MODES, KVWorkerError
@@ -243,9 +243,10 @@ class Runner:
         count_delivery(self.features, job.stale, outcome, self.env.plans, before, after)
         history.process_departed(self.ghost, after)
         # who computed on this step's failed KV: it, and the steps still in flight after it
-        since = {rid for j in (job, *self.queue.jobs) for rid in j.step.num_scheduled_tokens}
-        found = self._settle(t, get_invalid_holders(before, job.report, job.mid, since),
-                             self.judge.get_delivery_step(job, t, outcome, self.is_sync, since))
+        tainted = get_tainted_blocks(before, job.report, job.mid,
+                                     [j.step for j in (job, *self.queue.jobs)])
+        found = self._settle(t, get_invalid_holders(before, tainted),
+                             self.judge.get_delivery_step(job, t, outcome, self.is_sync, tainted))
         if self.is_sync:
             self.content.forget_completed()  # judged once, right after the step
         return found
