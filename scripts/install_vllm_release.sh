@@ -111,7 +111,7 @@ fi
 
 STEP="pip install -e $REPO (kvspec)"
 echo "[$VERSION] kvspec (editable)"
-run "$PY" -m pip install -e "$REPO" pytest pytest-timeout
+run "$PY" -m pip install -e "$REPO" pytest pytest-timeout pytest-xdist
 
 STEP="uninstalling torchvision/torchaudio/torchcodec"
 for pkg in torchvision torchaudio torchcodec; do
