@@ -676,7 +676,7 @@ def _call_code(call) -> list[str]:
                 f"max_tokens={a['max_tokens']}, arrival_time={a['arrival_time']!r}{extra}))")
         if len(line) <= 84:
             return [line]
-        return [f"scheduler.add_request(_request(",
+        return ["scheduler.add_request(_request(",
                 f"    {a['request_id']!r},",
                 f"    {_literal(a['prompt'], 8)},",
                 f"    max_tokens={a['max_tokens']}, arrival_time={a['arrival_time']!r}{extra},",

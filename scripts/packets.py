@@ -592,9 +592,9 @@ def render_gate(packet: Packet, release: str) -> list[str]:
              f"in all, run with every kvspec fix applied "
              f"([`docs/calibration/{release}-fixes.md`](../../../calibration/{release}-fixes.md)):",
              "",
-             f"- changed on purpose by this packet's fixes: "
+             "- changed on purpose by this packet's fixes: "
              + (", ".join(f"`{t}`" for t in mine) if mine else "none"),
-             f"- broken by a fix (every fix at once): "
+             "- broken by a fix (every fix at once): "
              + (", ".join(f"`{t}`" for t in broken) if broken else "none"),
              f"- not run: {sum(unrun.values())} tests fail on the release too here, so the gate "
              "says nothing about them (multimodal models, whose configs the offline cache lacks "

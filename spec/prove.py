@@ -32,7 +32,7 @@ from kvspec.spec.effects import (ALL_SHAPES, PRIMITIVES, Counters, Params, Primi
                                  get_real_computed,
                                  is_initial, is_stats_step_ok, request_invariants)
 from kvspec.spec.groups import compute_read_start, compute_recovered_computed, is_windowed
-from kvspec.spec.logic import And, If, Implies, Not, Or
+from kvspec.spec.logic import And, If, Implies, Or
 from kvspec.spec.predicates import is_admissible_lowering, is_first_cached_count
 from kvspec.spec.reads import is_read_by_step
 from kvspec.spec.state import GroupSpec
