@@ -127,6 +127,13 @@ CONSTRAINS: dict[str, str] = {
                                     "meet a failed block owns the recompute; "
                                     "`_waits_for_recompute` holds the others.",
     # the connector contract: what the scheduler relies on a connector to answer
+    "lookup_answer_has_the_api_types": f"`Scheduler.schedule` ({S}): unpacks "
+                                       "`ext_tokens, load_kv_async = "
+                                       "self.connector.get_num_new_matched_tokens(...)` "
+                                       "and compares `ext_tokens` with `None` and integers.",
+    "async_load_has_tokens": f"`Scheduler.schedule` ({S}): an async answer parks the request "
+                             "in WAITING_FOR_REMOTE_KVS after "
+                             "`assert num_external_computed_tokens > 0`.",
     "hit_within_uncomputed_tokens": f"`Scheduler.schedule` ({S}): "
                                     "`get_num_new_matched_tokens` feeds `allocate_slots` "
                                     "(`num_new_computed_tokens + num_external_computed_tokens`) "

@@ -41,6 +41,9 @@ class Transition(Witnessing):
     #: for an output: requests preempted since its step was scheduled (their
     #: output is stale; vLLM applies no rollback from it)
     stale: frozenset[str] = frozenset()
+    #: requests that ended while their async load was in flight, the load not
+    #: reported yet when the action began (they may hold their blocks for it)
+    mid_load: frozenset[str] = frozenset()
     witnessed: int = 0
 
     def ended(self, rid: str) -> RequestView | None:
@@ -318,7 +321,8 @@ def update_from_output_relation(t: Transition):
     output of a request preempted since its step was scheduled (``stale``)
     rolls nothing back: its rejections predate the preemption's own rollback.
     A finished request whose send is reported in ``finished_sending`` gives its
-    blocks back. Unchanged: ``num_computed_tokens``
+    blocks back, unless its async load is still unreported: then its blocks
+    wait for that report too (``no_load_into_free_blocks``). Unchanged: ``num_computed_tokens``
     never grows here. Requests that leave the scheduler during the call are
     judged as they ended."""
     if t.action != "update_from_output":
@@ -360,8 +364,16 @@ def update_from_output_relation(t: Transition):
                        f"should roll back to {want}, is {new.num_computed_tokens}")
     for rid in t.outcome.finished_sending:
         r = t.after.requests.get(rid)
+        if is_load_unreported(t, rid):
+            continue  # a load still writes its blocks: its report frees them
         if r is not None and r.status.is_finished and any(r.block_ids):
             yield f"{rid}: its send was reported finished but it still holds blocks {r.block_ids[0]}"
+
+
+def is_load_unreported(t: Transition, rid: str) -> bool:
+    """``rid`` ended mid-load and this output does not report its load either
+    (a connector may report the send of a request before its load)."""
+    return rid in t.mid_load and rid not in t.outcome.finished_recving
 
 
 def _was_running(t: Transition, rid: str) -> bool:

@@ -63,6 +63,9 @@ class ConnectorCall(Witnessing):
     #: runs still reads the request's blocks (None: unknown)
     delay: bool = False
     reads_in_flight: bool | None = None
+    #: lookup: the answer as given, when it is not of the API's types
+    #: (``num_external`` is then None: no other claim reads it)
+    malformed: str = ""
 
     witnessed: int = 0
 
@@ -78,6 +81,41 @@ class ConnectorCall(Witnessing):
     def covers_every_token(self) -> bool:
         """The hit leaves the step nothing to compute."""
         return self.hit_end >= self.num_tokens
+
+
+@invariant(cites="KVConnectorBase_V1.get_num_new_matched_tokens (base.py): returns "
+                 "tuple[int | None, bool]", kind="connector", role="contract", action="lookup")
+def lookup_answer_has_the_api_types(c: ConnectorCall) -> Iterator[str]:
+    """A lookup answers a pair: the tokens it can load (or None: ask again
+    later) and whether it loads them asynchronously.
+
+    Protects the scheduler from an answer it unpacks as something else: vLLM
+    takes any pair apart without a check, so another shape fails deep inside
+    ``schedule()``, where it reads as a scheduler crash. kvspec stops the call
+    instead and names the answer."""
+    c.witness()
+    if c.malformed:
+        yield (f"{c.request_id}: get_num_new_matched_tokens answered {c.malformed}, not "
+               "(num_tokens or None, load_async)")
+
+
+@invariant(cites="KVConnectorBase_V1.get_num_new_matched_tokens (base.py): load_async "
+                 "'Must be False if the first element is 0'; vLLM 0.32 asserts "
+                 "num_external_computed_tokens > 0 for an async load", kind="connector",
+           role="contract", action="lookup")
+def async_load_has_tokens(c: ConnectorCall) -> Iterator[str]:
+    """An answer asks for an asynchronous load only with tokens to load.
+
+    Protects the engine: vLLM parks a request with an async answer in
+    WAITING_FOR_REMOTE_KVS and asserts that it has external tokens, so an
+    async answer of 0 stops the engine with an AssertionError in the
+    scheduler, far from the connector that caused it."""
+    if c.num_external is None or not c.is_async:
+        return
+    c.witness()
+    if c.num_external <= 0:
+        yield (f"{c.request_id}: the connector answered an asynchronous load of "
+               f"{c.num_external} tokens")
 
 
 @invariant(cites="KVConnectorBase_V1.get_num_new_matched_tokens (base.py): tokens 'beyond "

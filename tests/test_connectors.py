@@ -139,6 +139,48 @@ def test_a_planted_breach_is_caught_and_the_unmodified_connector_passes(tmp_path
 
 
 @needs_vllm
+def test_a_send_reported_before_the_load_of_an_aborted_loader_is_no_breach():
+    """A connector may hold the blocks of a request aborted mid-load for a send
+    and report that send before the load: the blocks wait for both reports
+    (no_load_into_free_blocks), so the send alone frees nothing. The relation
+    once demanded the blocks back at the send: a false alarm on a correct
+    connector (a connector author's audit, 2026-11-28)."""
+    target = "vllm?connector=model_tests.connectors.async_store:AsyncPrefixStore"
+    config = make_config(block_size=2, num_blocks=7, max_num_batched_tokens=4, max_num_seqs=1,
+                         max_model_len=12, async_scheduling=True, max_concurrent_batches=4)
+    runner = Runner(target, config)
+    found = runner.run([
+        {"op": "add", "id": "r0", "prompt": [1, 2, 3, 4, 5], "max_tokens": 1},
+        *[{"op": "step"}] * 4,
+        {"op": "step", "finish_sends": ["r0"]}, {"op": "step", "finish_sends": ["r0"]},
+        {"op": "reset_prefix_cache"},
+        {"op": "add", "id": "r1", "prompt": [1, 2, 3, 4, 9, 9], "max_tokens": 2},
+        {"op": "step", "finish_loads": ["r1"]},  # the load of 4 tokens, async
+        {"op": "abort", "id": "r1"}, {"op": "drain"}])
+    assert found is None, found.violations
+    assert runner.checks["update_from_output_relation"] > 0
+    assert "r1" not in runner.obs.requests  # freed at the later report: nothing leaks
+
+
+@needs_vllm
+@pytest.mark.parametrize("connector, claim, says", [
+    ("AsyncWithoutTokens", "async_load_has_tokens", "asynchronous load of 0 tokens"),
+    ("AnswersACount", "lookup_answer_has_the_api_types", "answered 0, not (num_tokens"),
+])
+def test_a_lookup_answer_outside_the_api_is_the_connectors_breach(connector, claim, says):
+    """Answers vLLM's API forbids are named as the connector's breach at the
+    call, not reported as the scheduler's crash they cause."""
+    runner = Runner("vllm?connector=model_tests.connectors.async_store:" + connector,
+                    make_config())
+    found = runner.run([{"op": "add", "id": "r0", "prompt": [1, 2, 3, 4, 5], "max_tokens": 1},
+                        {"op": "step"}])
+    assert found is not None
+    first, *rest = found.violations  # the cause first; vLLM's assert may follow it
+    assert (first.invariant, says in first.message) == (claim, True), found.violations
+    assert {v.invariant for v in rest} <= {"target_crashed"}
+
+
+@needs_vllm
 def test_the_offloading_connector_crash_after_a_forced_reset_replays(tmp_path):
     """kvspec's finding on vLLM 0.32.0's OffloadingConnector: a request a
     forced reset preempted, re-admitted in the next step with a hit on its own

@@ -36,6 +36,7 @@ import urllib.parse
 
 import attrs
 
+from kvspec.harness.env import ConnectorAnswerError
 from kvspec.spec.groups import NULL_BLOCK
 from kvspec.spec.oracle import extend_prefix_keys, get_content
 
@@ -1342,6 +1343,7 @@ class ConnectorProbe:
 
     def _after_get_num_new_matched_tokens(self, answer, request, num_computed_tokens):
         if not (isinstance(answer, tuple) and len(answer) == 2):
+            self.env.record_malformed_lookup(request, num_computed_tokens, answer)
             raise ConnectorAnswerError(f"get_num_new_matched_tokens answered {answer!r}, "
                                        "not (num_tokens or None, load_async)")
         self.is_async[request.request_id] = bool(answer[1])
@@ -1377,6 +1379,3 @@ class ConnectorProbe:
     _after_request_finished_all_groups = _after_request_finished
 
 
-class ConnectorAnswerError(ValueError):
-    """A connector answered outside the API's types (a contract breach kvspec
-    cannot even record)."""

@@ -124,6 +124,12 @@ class EnvConnector:
         plan = self.plans.get(request_id)
         return plan is None or not plan.beyond_contract
 
+    def record_malformed_lookup(self, request, num_computed: int, answer) -> None:
+        """A lookup answered outside the API's types: the call the contract
+        judges (``lookup_answer_has_the_api_types``), whoever the request is."""
+        self.calls.append(ConnectorCall("lookup", request.request_id, request.num_tokens,
+                                        num_computed, None, malformed=repr(answer)[:200]))
+
     def record_lookup(self, request, num_computed: int, answer, stored: int | None) -> None:
         """A lookup's answer: the latest per request (a load starts at
         ``num_computed``), the log, and the call the contract judges."""
@@ -248,3 +254,9 @@ class EnvConnector:
         real = request.num_computed_tokens - getattr(request, "num_output_placeholders", 0)
         self.content.start_send(rid, block_ids[0], min(real, request.num_tokens))
         return True, {"send": rid}
+
+
+class ConnectorAnswerError(ValueError):
+    """A connector answered outside the API's types: recorded for the contract
+    (``record_malformed_lookup``), and raised so that the scheduler never uses
+    the answer; the run reports the contract claim, not a scheduler crash."""

@@ -53,7 +53,8 @@ class Judge:
         departed = self.get_departed(before, after) if departed is None else departed
         return Transition(action, before, after, departed=departed,
                           first_hits=dict(self.ghost.first_hits),
-                          recovered=frozenset(self.ghost.recovered), **kwargs)
+                          recovered=frozenset(self.ghost.recovered),
+                          mid_load=frozenset(self.ghost.finished_mid_load), **kwargs)
 
     def get_departed(self, before: Observation, after: Observation) -> dict:
         """Requests that left the scheduler during an action, as they ended."""

@@ -373,7 +373,7 @@ class Recogniser:
         return self._memo[key]
 
     def _explain(self, config, actions, pairs) -> Explanation | None:
-        if any(c == "environment_contract" for c, _ in pairs):
+        if any(c in ("environment_contract", "connector_answer") for c, _ in pairs):
             return None  # the environment's own bug: never a finding of the target
         for fix in self._likely_first(self.toggles, pairs):
             rest = self._with_fixes({fix}, config, actions)

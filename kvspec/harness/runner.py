@@ -14,7 +14,8 @@ import kvspec.spec.catalogue  # noqa: F401  (registers every claim, in one order
 from kvspec.harness.batch_queue import BatchQueue, InFlight
 from kvspec.harness.checker import ALL_KINDS, Checker, IncrementalGap
 from kvspec.harness.drain import compute_drain_bound
-from kvspec.harness.env import EnvConnector, EnvironmentContractViolation, get_request_spec
+from kvspec.harness.env import (ConnectorAnswerError, EnvConnector, EnvironmentContractViolation,
+                                get_request_spec)
 from kvspec.harness.features import (FEATURES, OUTSIDE_MODEL, count_async_schedule,
                                      count_delivery, count_step)
 from kvspec.harness.hints import compute_hints, get_invalid_holders, get_tainted_blocks
@@ -40,6 +41,10 @@ __all__ = ["ALL_KINDS", "FEATURES", "KV_CLAIM", "KV_MODES", "OUTSIDE_MODEL", "Co
 
 ENVIRONMENT_CONTRACT = ("The environment answered outside the connector contract; "
                         "this is not a scheduler bug.")
+
+
+CONNECTOR_ANSWER = ("The connector answered outside the API's types; kvspec stopped the call "
+                    "before the scheduler used the answer.")
 
 
 class BudgetSpent(Exception):
@@ -96,6 +101,8 @@ class Runner:
                           + self.model_runner.take_violations(self.target))
         except (ConnectorContractError, EnvironmentContractViolation) as exc:
             violations = [Violation("environment_contract", str(exc), ENVIRONMENT_CONTRACT)]
+        except ConnectorAnswerError as exc:  # recorded: the contract names it (check_calls)
+            violations = [Violation("connector_answer", str(exc), CONNECTOR_ANSWER)]
         except (Counterexample, TargetCannotMap, KVWorkerError, IncrementalGap, BudgetSpent):
             raise
         except Exception as exc:  # the target crashed: a finding, not a harness error
@@ -104,6 +111,8 @@ class Runner:
         # the connector's answers first: a breach of its contract is the cause
         # of whatever the scheduler then did with them (a crash included)
         violations = self.checker.check_calls(self.env.take_calls()) + violations
+        if any(v.invariant == "lookup_answer_has_the_api_types" for v in violations):
+            violations = [v for v in violations if v.invariant != "connector_answer"]
         violations = list({(v.invariant, v.message): v for v in violations}.values())
         record_step(self.log, self.violation_counts, action, self.obs, violations)
         lost = [v for v in violations if is_lost_performance(v)]

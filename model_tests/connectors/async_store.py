@@ -1,0 +1,90 @@
+"""A small out-of-tree connector that keeps its contract: a prefix store whose
+hits are all loaded asynchronously, and which holds every finished request's
+blocks for a send (tests/test_connectors.py).
+
+Unlike kvspec's own connector, it asks to keep the blocks of a request
+aborted while its load is still in flight, so the scheduler's blocks wait for
+two transfers: vLLM (with the abort-mid-load fix) frees them at the later of
+the two reports, whichever comes first."""
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorMetadata)
+
+
+class _Loads(KVConnectorMetadata):
+    def __init__(self, loads: dict[str, int]) -> None:
+        self.loads = loads
+
+
+class AsyncPrefixStore(KVConnectorBase_V1):
+    """Stores each finished request's computed prompt blocks; offers the longest
+    stored whole-block prefix short of the prompt's last token, as an async load."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.block_size = vllm_config.cache_config.block_size
+        self.stored: set[tuple[int, ...]] = set()
+        self.pending: dict[str, int] = {}
+
+    # the worker side: kvspec's environment plays it
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+
+    # the scheduler side
+    def get_stored_prefix(self, prompt) -> int:
+        """The longest stored whole-block prefix, leaving at least one token."""
+        found = 0
+        for end in range(self.block_size, len(prompt), self.block_size):
+            if tuple(prompt[:end]) not in self.stored:
+                break
+            found = end
+        return found
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        hit = max(0, self.get_stored_prefix(list(request.prompt_token_ids))
+                  - num_computed_tokens)
+        return hit, hit > 0
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens) -> None:
+        if num_external_tokens > 0:
+            self.pending[request.request_id] = num_external_tokens
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta, self.pending = _Loads(self.pending), {}
+        return meta
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        prompt = list(request.prompt_token_ids)
+        computed = min(request.num_computed_tokens, len(prompt))
+        for end in range(self.block_size, computed + 1, self.block_size):
+            self.stored.add(tuple(prompt[:end]))
+        return bool(block_ids), None
+
+
+class AsyncWithoutTokens(AsyncPrefixStore):
+    """Breach: every answer asks for an async load, with no tokens too
+    (async_load_has_tokens); vLLM asserts on the first such request."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        hit, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return hit, True
+
+
+class AnswersACount(AsyncPrefixStore):
+    """Breach: answers the count alone, not the pair
+    (lookup_answer_has_the_api_types)."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)[0]
