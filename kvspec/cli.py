@@ -480,7 +480,7 @@ def report(result, design_rules: bool = True, prep=None, first_line: bool = True
     the exit code (kvspec/verdict.py)."""
     from rich.text import Text
 
-    from kvspec.report import known_table, summary_table, unwitnessed
+    from kvspec.report import get_run_unwitnessed, known_table, summary_table
     from kvspec.run import verdict
     line, code = verdict(result, prep)
     if first_line:
@@ -495,8 +495,7 @@ def report(result, design_rules: bool = True, prep=None, first_line: bool = True
     from kvspec.run import get_scaled_runs
     console.print(f"{result.runs} runs{get_scaled_runs(result)}, {result.actions} actions in "
                   f"{result.elapsed:.1f}s ({rate(result)})")
-    profile = prep.profile if prep is not None else None
-    for name, why in unwitnessed(result.checks, result.witnessed, design_rules, profile).items():
+    for name, why in get_run_unwitnessed(result, design_rules).items():
         console.print(f"[yellow]never witnessed:[/] {name}" + (f" ({why})" if why else ""))
     if result.known:
         console.print(known_table(result.known))
@@ -994,7 +993,10 @@ def target_version(target: str) -> str:
 
 @app.command()
 def replay(traces: list[Path] = typer.Argument(..., help="trace files written by kvspec"),
-           target: str = typer.Option(None, help="target (default: each trace's own)"),
+           target: str = typer.Option(None, help="target (default: each trace's own), e.g. "
+                                      "impl, 'vllm?fixes=none', or "
+                                      "'vllm?connector=pkg.mod:MyConnector' to replay on "
+                                      "another connector"),
            ignore: list[str] = typer.Option(None, help="leave this claim unchecked, to see "
                                             "what its violation leads to (repeatable)"),
            vllm: str = typer.Option(None, "--vllm", help=VLLM_HELP)):

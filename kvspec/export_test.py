@@ -76,6 +76,7 @@ def record(trace: Path, target: str | None = None) -> Recording:
     """Replay ``trace`` on the vllm target, writing down every call."""
     from kvspec.harness.replay import replay_trace
     from kvspec.harness.runner import is_lost_performance
+    from kvspec.harness.targets import parse_connector_choice
     found: list[Recording] = []
 
     def start(runner) -> None:
@@ -84,6 +85,12 @@ def record(trace: Path, target: str | None = None) -> Recording:
             raise ExportError(f"export-test writes vLLM tests: {whose} "
                               f"{runner.target_name!r} (record it on vLLM with --target "
                               "'vllm?fixes=none')")
+        choice = parse_connector_choice(runner.target_name)
+        if choice is not None:
+            raise ExportError(f"export-test writes the answers of kvspec's own connector into a "
+                              f"stand-in; this run's answers came from {choice.name}, which "
+                              "the test would not call: `kvspec replay` reproduces the trace "
+                              "with it")
         found.append(Recording(runner.config, runner.target.version, [], env=runner.env))
         _wrap_scheduler(runner.target.scheduler, found[0])
         _wrap_connector(runner.env, found[0])

@@ -77,15 +77,47 @@ def summary_table(checks: dict[str, int], witnessed: dict[str, int],
 
 
 def unwitnessed(checks: dict[str, int], witnessed: dict[str, int],
-                design_rules: bool = True, profile=None) -> dict[str, str]:
-    """Claims checked but never witnessed in a run: name -> why that may be
-    expected: the registry's reason, the run's narrowed profile, or else that
-    this run's draws did not reach it (a short budget can miss a rare one)."""
+                design_rules: bool = True, violated=(),
+                unseen: dict[str, str] | None = None) -> dict[str, str]:
+    """Claims checked but never witnessed in a run (nor violated): name -> why
+    that may be expected: what the run cannot see (``unseen``), the registry's
+    reason, or else that this run's draws did not reach it (a short budget can
+    miss a rare one; the verdict line names what the run leaves out)."""
     why = "not reached by this run's draws; a longer run (--budget, --examples) may reach it"
-    if profile is not None and profile.layouts == ("full",):
-        why = "this run draws one full-attention group only (--layouts full)"
-    return {name: inv.unwitnessed_because or why for name, inv in REGISTRY.items()
-            if is_checked_claim(inv, design_rules) and not witnessed.get(name)}
+    unseen = unseen or {}
+    return {name: unseen.get(name) or inv.unwitnessed_because or why
+            for name, inv in REGISTRY.items()
+            if is_checked_claim(inv, design_rules) and not witnessed.get(name)
+            and name not in violated}
+
+
+#: contract claims that read what kvspec's world around a connector knows of
+#: its store and transfers (spec/contract.py: None there is "unknown")
+WORLD_CLAIMS = ("hit_within_stored", "load_lands_in_given_blocks",
+                "load_reads_what_was_stored", "delay_covers_reads_in_flight")
+
+
+def get_run_unwitnessed(result, design_rules: bool) -> dict[str, str]:
+    """``unwitnessed`` for a run's result: its violated claims left out, and
+    for a connector kvspec plays no world of its own around, why the claims
+    on its store and transfers have nothing to judge."""
+    violated = {v.invariant for v in result.counterexample.violations} \
+        if result.counterexample is not None else set()
+    return unwitnessed(result.checks, result.witnessed, design_rules, violated,
+                       get_unseen(result.target))
+
+
+def get_unseen(target: str) -> dict[str, str]:
+    from kvspec.harness.connector_worlds import GenericWorld, get_world
+    from kvspec.harness.targets import parse_connector_choice
+    try:
+        choice = parse_connector_choice(target)
+        generic = choice is not None and type(get_world(choice)) is GenericWorld
+    except Exception:  # noqa: BLE001 - the run reported its own connector errors
+        return {}
+    why = (f"{choice.name} derives from no in-tree connector kvspec plays, so kvspec does not "
+           "see its store or transfers" if generic else "")
+    return dict.fromkeys(WORLD_CLAIMS, why) if why else {}
 
 
 def known_table(known: dict) -> Table:
@@ -146,7 +178,7 @@ def json_summary(result, version: str, budget_s: float, profile, design_rules: b
         "shrinking": {"started_s": None if result.shrink_started is None
                       else round(result.shrink_started, 3), "cut_by_budget": result.shrink_cut},
         "design_rules": design_rules, "claims": claims,
-        "unwitnessed": unwitnessed(result.checks, result.witnessed, design_rules, profile),
+        "unwitnessed": get_run_unwitnessed(result, design_rules),
         "features": {f: result.features.get(f, 0) for f in FEATURES},
         # docs/spec.md, "Incremental checking"
         "state_checks": {"incremental": result.state_checks.get("incremental", 0),

@@ -87,6 +87,8 @@ def test_a_choice_round_trips_through_the_target_name():
     (["--connector", "NoSuchConnector"], "not registered"),
     (["--connector-config", "{}"], "applies with --connector"),
     (["--target", "impl", "--connector", "ExampleConnector"], "apply to the vllm target"),
+    (["--connector", "model_tests.connectors.async_store:_Loads"], "is not a connector"),
+    (["--connector", "model_tests.connectors.async_store:annotations"], "is not a connector"),
 ])
 def test_the_command_line_refuses_in_one_line(tmp_path, args, says):
     out = run_kvspec(tmp_path, "check", "--budget", "5s", *args)
@@ -178,6 +180,26 @@ def test_a_lookup_answer_outside_the_api_is_the_connectors_breach(connector, cla
     first, *rest = found.violations  # the cause first; vLLM's assert may follow it
     assert (first.invariant, says in first.message) == (claim, True), found.violations
     assert {v.invariant for v in rest} <= {"target_crashed"}
+
+
+@needs_vllm
+def test_a_real_connectors_log_shows_its_answers_not_the_environments_plan():
+    """The step table of a run on an out-of-tree connector names what the
+    connector answered at each lookup, and leaves out the environment's plan
+    for an add (ext, async, ...), which that connector never reads."""
+    runner = Runner("vllm?connector=model_tests.connectors.async_store:AsyncPrefixStore",
+                    make_config(block_size=2, num_blocks=12, max_num_batched_tokens=8))
+    assert runner.run([
+        {"op": "add", "id": "r0", "prompt": [1, 2, 3, 4, 5], "max_tokens": 1, "ext": 4,
+         "async": True},
+        {"op": "step"}, {"op": "step"}, {"op": "step", "finish_sends": ["r0"]},
+        {"op": "reset_prefix_cache"},
+        {"op": "add", "id": "r1", "prompt": [1, 2, 3, 4, 9], "max_tokens": 1},
+        {"op": "step"}]) is None
+    lines = [rec.action for rec in runner.log]
+    assert lines[0] == "add(id=r0, prompt=[1, 2, 3, 4, 5], max_tokens=1)", lines
+    assert lines[1] == "step(lookups=r0 -> 0)", lines
+    assert "lookups=r1 -> 4 async" in lines[6], lines  # its store's hit, loaded async
 
 
 @needs_vllm

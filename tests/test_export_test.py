@@ -106,6 +106,8 @@ def test_the_command_writes_the_test_and_says_how_it_fails(tmp_path):
      "--target names 'impl'"),
     (["docs/findings/vllm-0.32.0-sync-full-prompt-hit-crash.json", "--name", "1x"],
      "not a Python identifier"),
+    (["docs/findings/connectors/offloading-reset-reload-assert.json"],  # a real connector's
+     "the test would not call"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, says):
     args = [str(ROOT / a) if a.startswith(("docs/", "model_tests/")) else a for a in args]

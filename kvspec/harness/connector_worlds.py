@@ -105,7 +105,12 @@ def get_connector_class(choice: ConnectorChoice):
         module = importlib.import_module(choice.module_path)
         if not hasattr(module, choice.class_name):
             raise ConnectorChoiceError(f"{choice.module_path} has no {choice.class_name}")
-        return getattr(module, choice.class_name)
+        found = getattr(module, choice.class_name)
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+        if not (isinstance(found, type) and issubclass(found, KVConnectorBase_V1)):
+            raise ConnectorChoiceError(f"{choice.name} is not a connector: --connector takes a "
+                                       "subclass of vLLM's KVConnectorBase_V1")
+        return found
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     return KVConnectorFactory.get_connector_class_by_name(choice.class_name)
 

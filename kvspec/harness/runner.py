@@ -43,6 +43,19 @@ ENVIRONMENT_CONTRACT = ("The environment answered outside the connector contract
                         "this is not a scheduler bug.")
 
 
+#: an add's plan for the environment's own connector (``get_request_spec``)
+PLAN_KEYS = frozenset({"ext", "async", "none", "send", "offload"})
+
+
+def describe_lookup(c) -> str:
+    """A lookup's answer, as a log line shows it."""
+    if c.malformed:
+        return f"{c.request_id} -> {c.malformed}"
+    if c.num_external is None:
+        return f"{c.request_id} -> not known yet"
+    return f"{c.request_id} -> {c.num_external}" + (" async" if c.is_async else "")
+
+
 CONNECTOR_ANSWER = ("The connector answered outside the API's types; kvspec stopped the call "
                     "before the scheduler used the answer.")
 
@@ -110,17 +123,34 @@ class Runner:
                                     "The target raised while handling a legal call.")]
         # the connector's answers first: a breach of its contract is the cause
         # of whatever the scheduler then did with them (a crash included)
-        violations = self.checker.check_calls(self.env.take_calls()) + violations
+        calls = self.env.take_calls()
+        violations = self.checker.check_calls(calls) + violations
         if any(v.invariant == "lookup_answer_has_the_api_types" for v in violations):
             violations = [v for v in violations if v.invariant != "connector_answer"]
         violations = list({(v.invariant, v.message): v for v in violations}.values())
-        record_step(self.log, self.violation_counts, action, self.obs, violations)
+        record_step(self.log, self.violation_counts, self._get_shown(action, calls), self.obs,
+                    violations)
         lost = [v for v in violations if is_lost_performance(v)]
         if lost:
             keep_first_lost(self.lost, lost, lambda: RunSnapshot(
                 self.config, list(self.actions), list(self.log), self.kv))
         if len(lost) < len(violations):  # only safety and design claims stop a run
             raise Counterexample([v for v in violations if v not in lost], self)
+
+    def _get_shown(self, action: dict, calls) -> dict:
+        """The action as its log line shows it. With a real connector: the
+        answers its lookups gave (the connector's own, not the environment's
+        plan), and for one kvspec plays no world around, without the plan,
+        which nothing then reads."""
+        world = getattr(self.target, "world", None)
+        if world is None:
+            return action
+        shown = {k: v for k, v in action.items()
+                 if not (k in PLAN_KEYS and type(world).__name__ == "GenericWorld")}
+        answers = [describe_lookup(c) for c in calls if c.op == "lookup"]
+        if answers:
+            shown["lookups"] = "; ".join(answers)
+        return shown
 
     def run(self, actions) -> Counterexample | None:
         """Apply ``actions`` in order until one breaks a claim; that
