@@ -507,7 +507,8 @@ def report(result, design_rules: bool = True, prep=None, first_line: bool = True
     ce = result.counterexample
     if result.shrink_cut:
         console.print(Text("the budget ran out while shrinking: the trace is the smallest "
-                           "found by then (it replays as saved)", style="yellow"))
+                           "found by then and a few seconds of trace-level minimization "
+                           "(it replays as saved)", style="yellow"))
     show_counterexample(ce.runner.log, ce.violations, result.trace_path)
     return code
 

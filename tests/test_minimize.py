@@ -46,3 +46,23 @@ def test_nothing_smaller_keeps_the_original():
     smaller = minimize(TARGET, failure)
     assert len(smaller.runner.log) <= len(failure.runner.log)
     assert {v.invariant for v in smaller.violations} & {v.invariant for v in failure.violations}
+
+
+def test_long_noise_goes_in_runs_not_one_replay_per_action(monkeypatch):
+    """Forty actions of noise (aborts of a request long gone, prefix-cache
+    resets: what a budget-cut shrink left an audit's traces) go in chunks:
+    far fewer replays than one per action and restart."""
+    import kvspec.harness.minimize as m
+    data = load_trace(REGRESSION)
+    noise = [{"op": "add", "id": "x0", "prompt": [50, 51], "max_tokens": 1},
+             {"op": "abort", "id": "x0"}]
+    noise += [{"op": "abort", "id": "x0"}, {"op": "reset_prefix_cache"}] * 20
+    failure = replay_actions(TARGET, data["config"], noise + data["actions"])
+    assert failure is not None
+    replays = []
+    real = m.replay_actions
+    monkeypatch.setattr(m, "replay_actions", lambda *a, **k: replays.append(1) or real(*a, **k))
+    smaller = minimize(TARGET, failure, time_limit=120)
+    assert not any(a.get("id", "").startswith("x") for a in smaller.runner.actions)
+    assert len(smaller.runner.actions) <= len(data["actions"])
+    assert len(replays) < 40, len(replays)  # 17 here; one action at a time took 132

@@ -103,6 +103,10 @@ def derive_seed(seed: int, batch: int) -> int:
     return (seed * 1_000_003 + batch * 7919) % (2 ** 32)
 
 
+#: seconds of trace-level minimization a failure gets even past the budget
+MINIMIZE_AT_LEAST_S = 5.0
+
+
 def safe_file_stem(target: str) -> str:
     """A target name as a file name a shell takes unquoted
     ("vllm?fixes=none&plant=a" -> "vllm-fixes-none-plant-a")."""
@@ -227,11 +231,14 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
                     result.shrink_cut = time.monotonic() > deadline
                     # Minimize Hypothesis' shrunk example at the trace level; the saved
                     # trace is replaced only by a smaller one that still fails (and is
-                    # still new), within what is left of the budget.
+                    # still new), within what is left of the budget, but at least
+                    # MINIMIZE_AT_LEAST_S: a budget spent shrinking otherwise left the
+                    # reader a trace of 30-40 actions that a few seconds cut to 5
                     result.counterexample = minimize(
                         target, state["last"], kinds, design_rules=design_rules,
                         time_limit=(math.inf if by_examples else
-                                    max(0.0, min(20.0, deadline - time.monotonic()))),
+                                    max(MINIMIZE_AT_LEAST_S,
+                                        min(20.0, deadline - time.monotonic()))),
                         still_new=lambda found: explain(found) is None)
                     if result.counterexample is not state["last"]:
                         save(result.counterexample, trace_path)

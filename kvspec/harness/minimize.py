@@ -37,7 +37,16 @@ def replay_actions(target: str, config: Config, actions: list[dict],
 
 def _candidates(config: Config, actions: list[dict]):
     """Smaller traces: one action less (latest first), one step argument less, a
-    simpler arrival, then a configuration that runs requests in fewer steps."""
+    simpler arrival, then a configuration that runs requests in fewer steps.
+    Runs of actions go first, halves down to pairs (delta debugging's chunks):
+    a long trace then loses its noise in a few replays, not one per action."""
+    size = len(actions) // 2
+    while size >= 2:
+        for hi in range(len(actions), 0, -size):
+            candidate = _without_run(actions, max(0, hi - size), hi)
+            if len(candidate) < len(actions):
+                yield config, candidate
+        size //= 2
     for i in reversed(range(len(actions))):
         if actions[i]["op"] != "drain":
             yield config, _without(actions, i)
@@ -54,6 +63,15 @@ def _candidates(config: Config, actions: list[dict]):
                 yield config, actions[:i] + [simpler] + actions[i + 1:]
     for changes in _config_simplifications(config):
         yield attrs.evolve(config, **changes), actions
+
+
+def _without_run(actions: list[dict], lo: int, hi: int) -> list[dict]:
+    """``actions`` less those from ``lo`` to ``hi`` but the drains (each as
+    ``_without`` drops it, the latest first)."""
+    for i in reversed(range(lo, hi)):
+        if actions[i]["op"] != "drain":
+            actions = _without(actions, i)
+    return actions
 
 
 def _without(actions: list[dict], i: int) -> list[dict]:
