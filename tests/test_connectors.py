@@ -203,6 +203,24 @@ def test_a_real_connectors_log_shows_its_answers_not_the_environments_plan():
 
 
 @needs_vllm
+def test_a_request_a_connector_never_decides_on_names_the_answer():
+    """every_request_finishes on a request whose connector answers "not known
+    yet" for ever says so: the wait is the connector's, not the scheduler's."""
+    runner = Runner("vllm?connector=model_tests.connectors.async_store:NeverDecides",
+                    make_config(block_size=2, num_blocks=12, max_num_batched_tokens=8))
+    found = runner.run([
+        {"op": "add", "id": "r0", "prompt": [1, 2, 3, 4, 5], "max_tokens": 1},
+        {"op": "step"}, {"op": "step"}, {"op": "step", "finish_sends": ["r0"]},
+        {"op": "reset_prefix_cache"},
+        {"op": "add", "id": "r1", "prompt": [1, 2, 3, 4, 9], "max_tokens": 1},
+        {"op": "drain"}])
+    assert found is not None
+    [v] = found.violations
+    assert v.invariant == "every_request_finishes" and v.message.startswith("r1 still WAITING")
+    assert "answered 'not known yet'" in v.message, v.message
+
+
+@needs_vllm
 def test_the_offloading_connector_crash_after_a_forced_reset_replays(tmp_path):
     """kvspec's finding on vLLM 0.32.0's OffloadingConnector: a request a
     forced reset preempted, re-admitted in the next step with a hit on its own

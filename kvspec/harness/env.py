@@ -100,6 +100,8 @@ class EnvConnector:
         self.content = content
         self.observe_request = observe_request
         self.plans: dict[str, RequestSpec] = {}
+        #: requests whose latest lookup answered "not known yet" (None)
+        self.undecided: set[str] = set()
         self.none_left: dict[str, int] = {}
         self.offloaded: dict[str, int] = {}
         #: the latest answer per request: (num_local, num_external); a load
@@ -135,6 +137,10 @@ class EnvConnector:
         ``num_computed``), the log, and the call the contract judges."""
         num_external, is_async = answer
         rid = request.request_id
+        if num_external is None:
+            self.undecided.add(rid)
+        else:
+            self.undecided.discard(rid)
         if num_external is not None:
             self.answers[rid] = (num_computed, num_external)
             self.answer_log.append((rid, num_computed, num_external))

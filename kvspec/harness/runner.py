@@ -47,6 +47,16 @@ ENVIRONMENT_CONTRACT = ("The environment answered outside the connector contract
 PLAN_KEYS = frozenset({"ext", "async", "none", "send", "offload"})
 
 
+def note_undecided(v: Violation, undecided: set[str]) -> Violation:
+    """A request left waiting whose connector still answers "not known yet":
+    the message says so (the connector keeps it waiting, not the scheduler)."""
+    rid = v.message.split(" ", 1)[0]
+    if rid not in undecided:
+        return v
+    return attrs.evolve(v, message=v.message + "; its connector's latest lookup answered "
+                        "'not known yet' (None), so the scheduler asks again each step")
+
+
 def describe_lookup(c) -> str:
     """A lookup's answer, as a log line shows it."""
     if c.malformed:
@@ -339,4 +349,5 @@ class Runner:
             if violations:
                 return violations
             record_step(self.log, self.violation_counts, {"op": "drain.step"}, self.obs, ())
-        return self.checker.check_full() + self.judge.check_liveness(self.obs)
+        return self.checker.check_full() + [note_undecided(v, self.env.undecided)
+                                             for v in self.judge.check_liveness(self.obs)]

@@ -88,3 +88,13 @@ class AnswersACount(AsyncPrefixStore):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         return super().get_num_new_matched_tokens(request, num_computed_tokens)[0]
+
+
+class NeverDecides(AsyncPrefixStore):
+    """A connector bug no claim of the contract can pin on one call: it answers
+    "not known yet" for ever for a prompt it holds, so the request waits for
+    ever (every_request_finishes; the message names the answer)."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        hit, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return (None, False) if hit else (hit, is_async)
