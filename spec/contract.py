@@ -164,11 +164,15 @@ def hit_with_last_state_leaves_last_token(c: ConnectorCall) -> Iterator[str]:
     An align-mode Mamba block keeps the state after its last position only: a
     recompute from ``n - 1`` would read the state after ``n`` as if it were
     the state after ``n - 1``. So the scheduler needs the hit to end before
-    the last token."""
+    the last token. A one-token prompt is the exception: its whole hit is
+    recomputed from position 0 (``_update_waiting_for_remote_kv`` sets the count
+    to ``n - 1``), which reads no state, and the P/D connectors load such a
+    prompt whole on purpose (NixlConnector ``num_prompt_tokens > backoff``,
+    MooncakeConnector ``num_prompt_tokens > 1``)."""
     if not c.is_hit or not c.has_last_state:
         return
     c.witness()
-    if c.covers_every_token:
+    if c.covers_every_token and c.num_tokens > 1:
         yield (f"{c.request_id}: a hit of {c.num_external} tokens from {c.num_computed} covers "
                f"all {c.num_tokens} tokens beside a last-state group")
 

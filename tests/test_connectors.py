@@ -221,6 +221,17 @@ def test_a_request_a_connector_never_decides_on_names_the_answer():
 
 
 @needs_vllm
+def test_a_one_token_prompt_loaded_whole_beside_mamba_is_no_breach(tmp_path):
+    """MooncakeConnector (like NixlConnector) loads a one-token remote prefill
+    whole with a Mamba group; vLLM recomputes it from position 0, reading no
+    state. hit_with_last_state_leaves_last_token once flagged it (a longer
+    connector-table run, 2026-11-28)."""
+    trace = ROOT / "model_tests" / "connectors" / "mooncake_one_token_mamba_hit.json"
+    out = run_kvspec(tmp_path, "replay", str(trace))
+    assert out.returncode == 0, out.stdout[-2000:]
+
+
+@needs_vllm
 def test_the_offloading_connector_crash_after_a_forced_reset_replays(tmp_path):
     """kvspec's finding on vLLM 0.32.0's OffloadingConnector: a request a
     forced reset preempted, re-admitted in the next step with a hit on its own
