@@ -130,6 +130,12 @@ def supports_hma(choice: ConnectorChoice) -> bool:
 NOT_PLAYED: dict[str, str] = {}
 
 
+def is_generic_world(world) -> bool:
+    """kvspec plays no world of its own around the connector (it derives from
+    no in-tree one): it does not see its store or transfers."""
+    return type(world) is GenericWorld
+
+
 def get_world(choice: ConnectorChoice):
     """The world kvspec plays around this connector: by the in-tree class it
     is or derives from (a copy with a change keeps its world). A connector

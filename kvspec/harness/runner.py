@@ -92,6 +92,13 @@ class Runner:
         self.content = KVContent(config.num_blocks, config.block_size, config.groups)
         self.env = EnvConnector(self.content, self._observe_request)
         self.target = make_target(target_name, config, self.env)
+        #: a real connector's world (None: kvspec's own connector answers), and
+        #: whether the log leaves out the add plan nothing then reads
+        self.world = getattr(self.target, "world", None)
+        self.hides_plan = False
+        if self.world is not None:  # (the worlds' module only for a real connector)
+            from kvspec.harness.connector_worlds import is_generic_world
+            self.hides_plan = is_generic_world(self.world)
         self.ghost, self.features = Ghost(), Counter()
         self.judge = Judge(self.checker, self.ghost, self.content, self.target, self.features)
         self.model_runner = ModelRunner(config, self.content, self.env, kv, self.ghost,
@@ -152,11 +159,9 @@ class Runner:
         answers its lookups gave (the connector's own, not the environment's
         plan), and for one kvspec plays no world around, without the plan,
         which nothing then reads."""
-        world = getattr(self.target, "world", None)
-        if world is None:
+        if self.world is None:
             return action
-        shown = {k: v for k, v in action.items()
-                 if not (k in PLAN_KEYS and type(world).__name__ == "GenericWorld")}
+        shown = {k: v for k, v in action.items() if not (self.hides_plan and k in PLAN_KEYS)}
         answers = [describe_lookup(c) for c in calls if c.op == "lookup"]
         if answers:
             shown["lookups"] = "; ".join(answers)
