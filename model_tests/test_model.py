@@ -17,7 +17,7 @@ class ImplMachine(KVSpecMachine):
 
 TestImplMachine = ImplMachine.TestCase
 # The same 150 runs every time: a CI run must not pass or fail by the draw (twice a
-# random draw here found a trace now kept in docs/notes/open/); exploring further is
+# random draw here found a new trace, since resolved); exploring further is
 # `kvspec fuzz`'s job, with a seed it prints.
 TestImplMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None,
                                     suppress_health_check=list(HealthCheck), derandomize=True,

@@ -86,6 +86,9 @@ class Hints:
     scheduled_blocks: int | None = None
     #: the output applied was scheduled before a preemption: it is stale
     stale: bool = False
+    #: stale: where the first step in flight after it that still counts for the
+    #: request started (it writes those positions after the failed load landed)
+    rewritten_from: int | None = None
 
 
 def get_params(name: str, hints: Hints, after: Counters, before: Counters) -> Params | None:
@@ -160,10 +163,14 @@ def must_recover(before: Counters, hints: Hints) -> bool:
     its tokens of this step: it must be cut back (or ended by the "fail" policy).
     Not yet scheduled in the step: under its real computed prefix, since past it
     lie the positions of later steps, in blocks that may be fresh (a block a
-    request gone since held, whose id the failed load reported)."""
+    request gone since held, whose id the failed load reported). Stale (the
+    request was cut back or preempted since): under what it counts that no
+    later step in flight writes again, since those writes land after the
+    failed load and make its positions valid."""
     if hints.first_invalid_block is None:
         return False
     counted = hints.start if hints.start is not None else \
+        hints.rewritten_from if hints.rewritten_from is not None else \
         before.num_computed - before.num_placeholders
     return hints.first_invalid_block * before.block_size < counted
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import attrs
+
 import pytest
 from typer.testing import CliRunner
 
@@ -151,6 +153,24 @@ def test_a_failed_block_under_the_prefix_must_be_recovered():
     leaves its count standing is not admitted, whatever else fits."""
     assert _step(4, 6, scheduled=2, failed_block=0)
     assert _step(4, 0, scheduled=2, failed_block=0) == []     # cut back to 0: recovered
+
+
+def test_a_stale_output_must_recover_only_what_no_later_step_rewrites():
+    """A stale output's failed block (its request was cut back since) binds the
+    request only under what it counts that no later step in flight writes
+    again: those writes land after the failed load. DecodeBenchConnector's
+    trace (model_tests/connectors/) met the case: r1 cut to 0, rescheduled
+    from 0, then its old step's failure at block index 1 reported."""
+    from kvspec.spec.conformance import must_recover
+    from kvspec.spec.effects import RUNNING, Counters
+    before = Counters(status=RUNNING, prompt_len=5, num_tokens=5, num_computed=4, num_cached=4,
+                      num_external=2, num_preemptions=0, num_blocks=4, block_size=2,
+                      num_placeholders=0, num_stats_sets=1, num_recoveries=1,
+                      num_resume_limit=0)
+    stale = Hints(num_new=3, first_invalid_block=1, stale=True)
+    assert must_recover(before, stale)                                  # nothing rewrites it
+    assert not must_recover(before, attrs.evolve(stale, rewritten_from=0))   # recomputed after
+    assert must_recover(before, attrs.evolve(stale, rewritten_from=3))  # a hit under 3 stays
 
 
 def test_async_load_counted_short_breaks_conformance(tmp_path):

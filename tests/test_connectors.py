@@ -232,6 +232,18 @@ def test_a_one_token_prompt_loaded_whole_beside_mamba_is_no_breach(tmp_path):
 
 
 @needs_vllm
+def test_a_stale_output_failure_a_later_step_rewrites_is_no_breach(tmp_path):
+    """DecodeBenchConnector, async with drafts: r1 is cut back to 0 by another
+    request's failed load and rescheduled from 0; then its old step's own failed
+    load (block index 1) comes back stale. The step in flight rewrites that block
+    after the failed load, so vLLM leaving r1 at 4 is right; the model once
+    demanded a cut (a longer connector-table run, 2026-11-28)."""
+    trace = ROOT / "model_tests" / "connectors" / "decodebench_stale_output_failed_load.json"
+    out = run_kvspec(tmp_path, "replay", str(trace))
+    assert out.returncode == 0, out.stdout[-2000:]
+
+
+@needs_vllm
 def test_the_offloading_connector_crash_after_a_forced_reset_replays(tmp_path):
     """kvspec's finding on vLLM 0.32.0's OffloadingConnector: a request a
     forced reset preempted, re-admitted in the next step with a hit on its own

@@ -64,9 +64,10 @@ def get_first_invalid_block(old, tables, bad, groups) -> int | None:
 
 def compute_hints(before: Observation, mid: Observation, ended: dict, step: StepView,
                   outcome: WorkerOutcome, answers_before: dict, asked: list,
-                  tainted=frozenset(), stale=frozenset()) -> dict[str, Hints]:
+                  tainted=frozenset(), stale=frozenset(), later=()) -> dict[str, Hints]:
     """Per request, what the step fixes; ``ended``: every request after the
-    step, departed ones as they ended."""
+    step, departed ones as they ended; ``later``: the steps still in flight
+    after it, oldest first (their ``InFlight`` jobs)."""
     answers = {rid: (local, external) for rid, local, external in asked}
     hints = {}
     for rid, new in ended.items():
@@ -86,5 +87,14 @@ def compute_hints(before: Observation, mid: Observation, ended: dict, step: Step
             scheduled_stats=None if was is None else (was.num_cached_tokens,
                                                       was.num_external_computed_tokens),
             scheduled_blocks=0 if was is None else get_num_blocks(was, mid.config.groups),
-            stale=rid in stale)
+            stale=rid in stale,
+            rewritten_from=get_rewritten_from(rid, later) if rid in stale else None)
     return hints
+
+
+def get_rewritten_from(rid: str, later) -> int | None:
+    """Where the first of the ``later`` steps in flight that still counts for
+    ``rid`` (its output not stale) started it: that step writes its positions
+    from there on after every earlier step's loads landed, failed or not."""
+    return next((job.step.num_computed_before[rid] for job in later
+                 if rid in job.step.num_computed_before and rid not in job.stale), None)

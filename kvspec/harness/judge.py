@@ -71,16 +71,17 @@ class Judge:
         return step
 
     def get_delivery_step(self, job, t: Transition, outcome, is_sync: bool,
-                          tainted: set[int]) -> ModelStep:
+                          tainted: set[int], later=()) -> ModelStep:
         """The model's view of a step's output coming back: async, the output
         alone; synchronous (a batch queue of depth 1), the schedule and its
         output as one step. ``job``: the step, as the batch queue kept it;
         ``tainted``: the blocks its failed loads left invalid
-        (``get_tainted_blocks``)."""
+        (``get_tainted_blocks``); ``later``: the steps still in flight after it."""
         ended = t.after.requests | t.departed
         if not is_sync:
             return self.get_model_step(t, compute_hints(
-                t.before, t.before, ended, job.step, outcome, {}, [], tainted, stale=job.stale))
+                t.before, t.before, ended, job.step, outcome, {}, [], tainted, stale=job.stale,
+                later=later))
         hints = compute_hints(job.before, job.mid, ended, job.step, outcome, job.answers_before,
                               job.asked, tainted)
         return self.get_model_step(self.get_transition("step", job.before, t.after, t.departed),

@@ -300,7 +300,8 @@ class Runner:
         tainted = get_tainted_blocks(before, job.report, job.mid,
                                      [j.step for j in (job, *self.queue.jobs)])
         found = self._settle(t, get_invalid_holders(before, tainted),
-                             self.judge.get_delivery_step(job, t, outcome, self.is_sync, tainted))
+                             self.judge.get_delivery_step(job, t, outcome, self.is_sync, tainted,
+                                                           self.queue.jobs))
         if self.is_sync:
             self.content.forget_completed()  # judged once, right after the step
         return found
