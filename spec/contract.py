@@ -86,8 +86,8 @@ class ConnectorCall(Witnessing):
 @invariant(cites="KVConnectorBase_V1.get_num_new_matched_tokens (base.py): returns "
                  "tuple[int | None, bool]", kind="connector", role="contract", action="lookup")
 def lookup_answer_has_the_api_types(c: ConnectorCall) -> Iterator[str]:
-    """A lookup answers a pair: the tokens it can load (or None: ask again
-    later) and whether it loads them asynchronously.
+    """A lookup answers a pair: the tokens it can load (an integer, or None:
+    ask again later) and whether it loads them asynchronously (a bool).
 
     Protects the scheduler from an answer it unpacks as something else: vLLM
     takes any pair apart without a check, so another shape fails deep inside

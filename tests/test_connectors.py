@@ -168,6 +168,8 @@ def test_a_send_reported_before_the_load_of_an_aborted_loader_is_no_breach():
 @pytest.mark.parametrize("connector, claim, says", [
     ("AsyncWithoutTokens", "async_load_has_tokens", "asynchronous load of 0 tokens"),
     ("AnswersACount", "lookup_answer_has_the_api_types", "answered 0, not (num_tokens"),
+    ("AnswersAString", "lookup_answer_has_the_api_types", "answered ('0', False), not"),
+    ("SwapsThePair", "lookup_answer_has_the_api_types", "answered (False, 0), not"),
 ])
 def test_a_lookup_answer_outside_the_api_is_the_connectors_breach(connector, claim, says):
     """Answers vLLM's API forbids are named as the connector's breach at the
@@ -180,6 +182,18 @@ def test_a_lookup_answer_outside_the_api_is_the_connectors_breach(connector, cla
     first, *rest = found.violations  # the cause first; vLLM's assert may follow it
     assert (first.invariant, says in first.message) == (claim, True), found.violations
     assert {v.invariant for v in rest} <= {"target_crashed"}
+
+
+def test_a_lookup_answer_is_typed_as_the_api_types_it():
+    """base.py's ``tuple[int | None, bool]``: numpy's integers pass; a bool
+    count (a swapped pair), a string or a missing flag do not."""
+    import numpy as np
+    from kvspec.harness.connector_worlds import is_lookup_answer
+    for ok in [(0, False), (None, False), (7, True), (np.int64(3), np.bool_(True)), (2, 1)]:
+        assert is_lookup_answer(ok), ok
+    for bad in [0, (0,), [0, False], (False, 0), ("5", True), (5, "False"), (5, None),
+                (1.0, False)]:
+        assert not is_lookup_answer(bad), bad
 
 
 @needs_vllm

@@ -30,6 +30,7 @@ A *world* is what kvspec knows of one connector's transfers:
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import tempfile
 import urllib.parse
@@ -1326,6 +1327,21 @@ class HF3FSWorld(GenericWorld):
         return done
 
 
+def is_lookup_answer(answer) -> bool:
+    """``(num_tokens or None, load_async)`` as base.py types it: a count that
+    is an integer (a bool there is a swapped pair) or None, and a flag that is
+    a bool (an integer's truth is unambiguous too; a string "False" is true)."""
+    if not (isinstance(answer, tuple) and len(answer) == 2):
+        return False
+    count, is_async = answer
+    return (count is None or isinstance(count, numbers.Integral) and not isinstance(count, bool)) \
+        and (isinstance(is_async, numbers.Integral) or is_numpy_bool(is_async))
+
+
+def is_numpy_bool(value) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+
+
 class ConnectorProbe:
     """Wraps one connector instance's scheduler-side methods (instance
     attributes shadow the class's, so ``isinstance`` checks vLLM makes, such
@@ -1353,7 +1369,7 @@ class ConnectorProbe:
         return probed
 
     def _after_get_num_new_matched_tokens(self, answer, request, num_computed_tokens):
-        if not (isinstance(answer, tuple) and len(answer) == 2):
+        if not is_lookup_answer(answer):
             self.env.record_malformed_lookup(request, num_computed_tokens, answer)
             raise ConnectorAnswerError(f"get_num_new_matched_tokens answered {answer!r}, "
                                        "not (num_tokens or None, load_async)")

@@ -90,6 +90,23 @@ class AnswersACount(AsyncPrefixStore):
         return super().get_num_new_matched_tokens(request, num_computed_tokens)[0]
 
 
+class AnswersAString(AsyncPrefixStore):
+    """Breach: the right shape, the count as a string
+    (lookup_answer_has_the_api_types)."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        hit, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return str(hit), is_async
+
+
+class SwapsThePair(AsyncPrefixStore):
+    """Breach: the flag first, the count second (lookup_answer_has_the_api_types)."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        hit, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return is_async, hit
+
+
 class NeverDecides(AsyncPrefixStore):
     """A connector bug no claim of the contract can pin on one call: it answers
     "not known yet" for ever for a prompt it holds, so the request waits for
