@@ -108,16 +108,22 @@ def get_run_unwitnessed(result, design_rules: bool) -> dict[str, str]:
 
 
 def get_unseen(target: str) -> dict[str, str]:
-    from kvspec.harness.connector_worlds import get_world, is_generic_world
+    from kvspec.harness.connector_worlds import (STORE_PROBE, get_connector_class, get_world,
+                                                 has_store_probe, is_generic_world)
     from kvspec.harness.targets import parse_connector_choice
     try:
         choice = parse_connector_choice(target)
         generic = choice is not None and is_generic_world(get_world(choice))
+        probed = generic and has_store_probe(get_connector_class(choice))
     except Exception:  # noqa: BLE001 - the run reported its own connector errors
         return {}
+    if not generic:
+        return {}
     why = (f"{choice.name} derives from no in-tree connector kvspec plays, so kvspec does not "
-           "see its store or transfers" if generic else "")
-    return dict.fromkeys(WORLD_CLAIMS, why) if why else {}
+           "see its transfers" + ("" if probed else
+                                  f" or its store (a {STORE_PROBE} method would show it)"))
+    return {claim: why for claim in WORLD_CLAIMS
+            if not (probed and claim == "hit_within_stored")}
 
 
 def known_table(known: dict) -> Table:

@@ -234,6 +234,51 @@ def test_a_request_a_connector_never_decides_on_names_the_answer():
     assert "answered 'not known yet'" in v.message, v.message
 
 
+def _run_store(connector: str, prompt: list[int]):
+    """r0's prompt stored (its send reported), the local prefix cache reset, then
+    r1 looked up on the connector's store alone."""
+    runner = Runner("vllm?connector=model_tests.connectors.async_store:" + connector,
+                    make_config(block_size=2, num_blocks=12, max_num_batched_tokens=8))
+    return runner, runner.run([
+        {"op": "add", "id": "r0", "prompt": [1, 2, 3, 4, 5], "max_tokens": 1},
+        {"op": "step"}, {"op": "step"}, {"op": "step", "finish_sends": ["r0"]},
+        {"op": "reset_prefix_cache"},
+        {"op": "add", "id": "r1", "prompt": prompt, "max_tokens": 1},
+        {"op": "drain"}])
+
+
+@needs_vllm
+def test_a_connector_that_shows_its_store_has_its_hits_judged():
+    """``kvspec_stored_end`` (docs/connectors.md) lets kvspec judge an
+    out-of-tree connector's hits against its store: the correct store's hit
+    is witnessed and holds; one that offers a block more than it saved is
+    named; a probe answering outside the request's tokens stops the run."""
+    runner, found = _run_store("AsyncPrefixStore", [1, 2, 3, 4, 9, 9, 9, 9])
+    assert found is None, found.violations
+    assert runner.witnessed["hit_within_stored"] >= 1
+    _, found = _run_store("OffersMoreThanStored", [1, 2, 3, 4, 9, 9, 9, 9])
+    assert found is not None
+    assert [v.invariant for v in found.violations][0] == "hit_within_stored", found.violations
+    assert "the store holds its prefix up to token 4" in found.violations[0].message
+    _, found = _run_store("StoreProbeOutOfRange", [1, 2, 3, 4, 9, 9, 9, 9])
+    assert found is not None
+    [v] = found.violations
+    assert v.invariant == "connector_answer" and "kvspec_stored_end(r0, start=0) answered 6" \
+        in v.message, v.message
+
+
+def test_the_never_witnessed_lines_say_whether_kvspec_sees_the_store():
+    """Without ``kvspec_stored_end`` the store claims say kvspec cannot see the
+    store and how to show it; with it, hit_within_stored is no longer excused."""
+    pytest.importorskip("vllm", reason="needs vLLM installed (the connector's base class)")
+    from kvspec.report import get_unseen
+    base = "vllm?connector=model_tests.connectors.async_store:"
+    unseen = get_unseen(base + "AsyncPrefixStore")
+    assert "hit_within_stored" not in unseen and "load_lands_in_given_blocks" in unseen
+    blind = get_unseen(base + "NoStoreProbe")
+    assert "or its store (a kvspec_stored_end method would show it)" in blind["hit_within_stored"]
+
+
 @needs_vllm
 def test_a_one_token_prompt_loaded_whole_beside_mamba_is_no_breach(tmp_path):
     """MooncakeConnector (like NixlConnector) loads a one-token remote prefill

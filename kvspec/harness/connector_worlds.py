@@ -195,8 +195,20 @@ def get_valid_values(tokens, num_tokens: int) -> dict:
     return {p: get_content(0, keys, p) for p in range(num_tokens)}
 
 
+#: what a connector kvspec plays no world for may define so that its hits are
+#: judged against its store (``hit_within_stored``): ``kvspec_stored_end(request,
+#: start)``, where the run of the request's tokens the store holds from position
+#: ``start`` ends (``start`` when it holds none of them); docs/connectors.md
+STORE_PROBE = "kvspec_stored_end"
+
+
+def has_store_probe(connector_class) -> bool:
+    return callable(getattr(connector_class, STORE_PROBE, None))
+
+
 class GenericWorld:
-    """Any connector: the scheduler-side calls are all kvspec sees."""
+    """Any connector: the scheduler-side calls are all kvspec sees, and its
+    store where the connector shows it (``STORE_PROBE``)."""
 
     #: the roles it runs in (kvspec's Config.kv_role), drawn per run
     roles: tuple[str, ...] = ("kv_both",)
@@ -240,8 +252,18 @@ class GenericWorld:
 
     def get_stored(self, request, start: int = 0) -> int | None:
         """How far the store holds the request's tokens from ``start`` (the
-        lookup's local count); None: not known, not judged."""
-        return None
+        lookup's local count): what the connector's ``STORE_PROBE`` says; None
+        (not known, not judged) where it has none."""
+        probe = getattr(getattr(self, "connector", None), STORE_PROBE, None)
+        if not callable(probe):
+            return None
+        end = probe(request, start)
+        if not (isinstance(end, numbers.Integral) and not isinstance(end, bool)
+                and start <= end <= request.num_tokens):
+            raise ConnectorAnswerError(
+                f"{STORE_PROBE}({request.request_id}, start={start}) answered {end!r}, not a "
+                f"token position in {start}..{request.num_tokens}")
+        return int(end)
 
     def on_meta(self, meta, scheduler_output) -> None:
         pass

@@ -57,6 +57,16 @@ class AsyncPrefixStore(KVConnectorBase_V1):
                   - num_computed_tokens)
         return hit, hit > 0
 
+    def kvspec_stored_end(self, request, start: int) -> int:
+        """For kvspec only (docs/connectors.md): where the run of the request's
+        tokens the store holds from ``start`` ends, read from the store."""
+        tokens, end = list(request.all_token_ids), start
+        for stop in range(self.block_size, len(tokens) + 1, self.block_size):
+            if tuple(tokens[:stop]) not in self.stored:
+                break
+            end = max(end, stop)
+        return end
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens) -> None:
         if num_external_tokens > 0:
             self.pending[request.request_id] = num_external_tokens
@@ -105,6 +115,30 @@ class SwapsThePair(AsyncPrefixStore):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         hit, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         return is_async, hit
+
+
+class OffersMoreThanStored(AsyncPrefixStore):
+    """Bug: a hit one block past its stored prefix, where the prompt has room
+    (hit_within_stored, judged by ``kvspec_stored_end``)."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        hit, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if hit and num_computed_tokens + hit + self.block_size < request.num_tokens:
+            hit += self.block_size
+        return hit, is_async
+
+
+class StoreProbeOutOfRange(AsyncPrefixStore):
+    """A broken probe: it answers a position past the request's tokens."""
+
+    def kvspec_stored_end(self, request, start: int) -> int:
+        return request.num_tokens + 1
+
+
+class NoStoreProbe(AsyncPrefixStore):
+    """The same store, not shown to kvspec: hit_within_stored is not judged."""
+
+    kvspec_stored_end = None
 
 
 class NeverDecides(AsyncPrefixStore):
