@@ -86,8 +86,9 @@ class ConnectorCall(Witnessing):
 @invariant(cites="KVConnectorBase_V1.get_num_new_matched_tokens (base.py): returns "
                  "tuple[int | None, bool]", kind="connector", role="contract", action="lookup")
 def lookup_answer_has_the_api_types(c: ConnectorCall) -> Iterator[str]:
-    """A lookup answers a pair: the tokens it can load (an integer, or None:
-    ask again later) and whether it loads them asynchronously (a bool).
+    """A lookup answers a pair: the tokens it can load (an integer, not a bool,
+    or None: ask again later) and whether it loads them asynchronously (a
+    bool; an integer, whose truth is as plain, passes too).
 
     Protects the scheduler from an answer it unpacks as something else: vLLM
     takes any pair apart without a check, so another shape fails deep inside

@@ -167,9 +167,11 @@ def test_a_send_reported_before_the_load_of_an_aborted_loader_is_no_breach():
 @needs_vllm
 @pytest.mark.parametrize("connector, claim, says", [
     ("AsyncWithoutTokens", "async_load_has_tokens", "asynchronous load of 0 tokens"),
-    ("AnswersACount", "lookup_answer_has_the_api_types", "answered 0, not (num_tokens"),
-    ("AnswersAString", "lookup_answer_has_the_api_types", "answered ('0', False), not"),
-    ("SwapsThePair", "lookup_answer_has_the_api_types", "answered (False, 0), not"),
+    ("AnswersACount", "lookup_answer_has_the_api_types", "answered 0 (an int, not a pair), not"),
+    ("AnswersAString", "lookup_answer_has_the_api_types",
+     "answered ('0', False) (num_tokens is a str, not an int or None), not"),
+    ("SwapsThePair", "lookup_answer_has_the_api_types",
+     "answered (False, 0) (num_tokens is a bool, not an int or None), not"),
 ])
 def test_a_lookup_answer_outside_the_api_is_the_connectors_breach(connector, claim, says):
     """Answers vLLM's API forbids are named as the connector's breach at the
@@ -260,11 +262,37 @@ def test_a_connector_that_shows_its_store_has_its_hits_judged():
     assert found is not None
     assert [v.invariant for v in found.violations][0] == "hit_within_stored", found.violations
     assert "the store holds its prefix up to token 4" in found.violations[0].message
-    _, found = _run_store("StoreProbeOutOfRange", [1, 2, 3, 4, 9, 9, 9, 9])
-    assert found is not None
-    [v] = found.violations
-    assert v.invariant == "connector_answer" and "kvspec_stored_end(r0, start=0) answered 6" \
-        in v.message, v.message
+    for broken, says in [("StoreProbeOutOfRange", "kvspec_stored_end(r0, start=0) answered 6, "
+                                                  "not an end position from 0 to "
+                                                  "request.num_tokens (5) inclusive"),
+                         ("StoreProbeRaises", "kvspec_stored_end(r0, start=0) raised "
+                                              "KeyError: 'store offline'")]:
+        _, found = _run_store(broken, [1, 2, 3, 4, 9, 9, 9, 9])
+        assert found is not None
+        [v] = found.violations
+        assert v.invariant == "connector_answer" and says in v.message, v.message
+
+
+def test_a_stored_prefix_that_ends_before_the_lookup_is_nothing_stored():
+    """A probe answering its stored prefix from token 0, which ends before the
+    lookup's start (the local prefix cache reaches further), means nothing
+    stored from there; the answer's range is the request's tokens."""
+    from types import SimpleNamespace
+
+    from kvspec.harness.connector_worlds import GenericWorld
+    from kvspec.harness.env import ConnectorAnswerError
+    world = GenericWorld()
+    request = SimpleNamespace(request_id="r1", num_tokens=8)
+    world.connector = SimpleNamespace(kvspec_stored_end=lambda request, start: 2)
+    assert world.get_stored(request, 6) == 6 and world.get_stored(request, 0) == 2
+    world.connector = SimpleNamespace(kvspec_stored_end=lambda request, start: 8)
+    assert world.get_stored(request, 6) == 8
+    for wrong in (9, -1, True, 2.0, None):
+        world.connector = SimpleNamespace(kvspec_stored_end=lambda request, start, v=wrong: v)
+        with pytest.raises(ConnectorAnswerError, match="not an end position"):
+            world.get_stored(request, 6)
+    world.connector = SimpleNamespace()
+    assert world.get_stored(request, 6) is None
 
 
 def test_the_never_witnessed_lines_say_whether_kvspec_sees_the_store():

@@ -198,7 +198,7 @@ def get_valid_values(tokens, num_tokens: int) -> dict:
 #: what a connector kvspec plays no world for may define so that its hits are
 #: judged against its store (``hit_within_stored``): ``kvspec_stored_end(request,
 #: start)``, where the run of the request's tokens the store holds from position
-#: ``start`` ends (``start`` when it holds none of them); docs/connectors.md
+#: ``start`` ends (``start`` or less when it holds none of them); docs/connectors.md
 STORE_PROBE = "kvspec_stored_end"
 
 
@@ -257,13 +257,18 @@ class GenericWorld:
         probe = getattr(getattr(self, "connector", None), STORE_PROBE, None)
         if not callable(probe):
             return None
-        end = probe(request, start)
+        where = f"{STORE_PROBE}({request.request_id}, start={start})"
+        try:
+            end = probe(request, start)
+        except Exception as exc:  # the connector's hook, not the scheduler, failed
+            raise ConnectorAnswerError(f"{where} raised {type(exc).__name__}: {exc}") from None
         if not (isinstance(end, numbers.Integral) and not isinstance(end, bool)
-                and start <= end <= request.num_tokens):
+                and 0 <= end <= request.num_tokens):
             raise ConnectorAnswerError(
-                f"{STORE_PROBE}({request.request_id}, start={start}) answered {end!r}, not a "
-                f"token position in {start}..{request.num_tokens}")
-        return int(end)
+                f"{where} answered {end!r}, not an end position from 0 to "
+                f"request.num_tokens ({request.num_tokens}) inclusive")
+        # a stored prefix that ends before the lookup's start holds none of it
+        return max(int(end), start)
 
     def on_meta(self, meta, scheduler_output) -> None:
         pass
@@ -1350,14 +1355,29 @@ class HF3FSWorld(GenericWorld):
 
 
 def is_lookup_answer(answer) -> bool:
-    """``(num_tokens or None, load_async)`` as base.py types it: a count that
-    is an integer (a bool there is a swapped pair) or None, and a flag that is
-    a bool (an integer's truth is unambiguous too; a string "False" is true)."""
+    """``(num_tokens or None, load_async)`` as base.py types it."""
+    return not get_lookup_answer_problem(answer)
+
+
+def get_lookup_answer_problem(answer) -> str:
+    """What is wrong with a lookup's answer ("": nothing): a pair whose count is
+    an integer (a bool there is a swapped pair) or None, and whose flag is a
+    bool (an integer's truth is unambiguous too, numpy's included; a string
+    "False" is true)."""
     if not (isinstance(answer, tuple) and len(answer) == 2):
-        return False
+        size = f" of {len(answer)}" if isinstance(answer, (tuple, list)) else ""
+        return f"{name_type(answer)}{size}, not a pair"
     count, is_async = answer
-    return (count is None or isinstance(count, numbers.Integral) and not isinstance(count, bool)) \
-        and (isinstance(is_async, numbers.Integral) or is_numpy_bool(is_async))
+    if not (count is None or isinstance(count, numbers.Integral) and not isinstance(count, bool)):
+        return f"num_tokens is {name_type(count)}, not an int or None"
+    if not (isinstance(is_async, numbers.Integral) or is_numpy_bool(is_async)):
+        return f"load_async is {name_type(is_async)}, not a bool"
+    return ""
+
+
+def name_type(value) -> str:
+    name = type(value).__name__
+    return ("an " if name[0] in "aeiou" else "a ") + name
 
 
 def is_numpy_bool(value) -> bool:
@@ -1391,10 +1411,11 @@ class ConnectorProbe:
         return probed
 
     def _after_get_num_new_matched_tokens(self, answer, request, num_computed_tokens):
-        if not is_lookup_answer(answer):
-            self.env.record_malformed_lookup(request, num_computed_tokens, answer)
-            raise ConnectorAnswerError(f"get_num_new_matched_tokens answered {answer!r}, "
-                                       "not (num_tokens or None, load_async)")
+        problem = get_lookup_answer_problem(answer)
+        if problem:
+            self.env.record_malformed_lookup(request, num_computed_tokens, answer, problem)
+            raise ConnectorAnswerError(f"get_num_new_matched_tokens answered {answer!r} "
+                                       f"({problem}), not (num_tokens or None, load_async)")
         self.is_async[request.request_id] = bool(answer[1])
         self.env.record_lookup(request, num_computed_tokens, answer,
                                self.world.get_stored(request, num_computed_tokens))

@@ -126,11 +126,13 @@ class EnvConnector:
         plan = self.plans.get(request_id)
         return plan is None or not plan.beyond_contract
 
-    def record_malformed_lookup(self, request, num_computed: int, answer) -> None:
-        """A lookup answered outside the API's types: the call the contract
-        judges (``lookup_answer_has_the_api_types``), whoever the request is."""
+    def record_malformed_lookup(self, request, num_computed: int, answer, problem: str) -> None:
+        """A lookup answered outside the API's types (``problem`` says how): the
+        call the contract judges (``lookup_answer_has_the_api_types``), whoever
+        the request is."""
         self.calls.append(ConnectorCall("lookup", request.request_id, request.num_tokens,
-                                        num_computed, None, malformed=repr(answer)[:200]))
+                                        num_computed, None,
+                                        malformed=f"{repr(answer)[:200]} ({problem})"))
 
     def record_lookup(self, request, num_computed: int, answer, stored: int | None) -> None:
         """A lookup's answer: the latest per request (a load starts at
@@ -265,4 +267,6 @@ class EnvConnector:
 class ConnectorAnswerError(ValueError):
     """A connector answered outside the API's types: recorded for the contract
     (``record_malformed_lookup``), and raised so that the scheduler never uses
-    the answer; the run reports the contract claim, not a scheduler crash."""
+    the answer; the run reports the contract claim, not a scheduler crash.
+    Raised too where a connector's kvspec hook (``kvspec_stored_end``) fails or
+    answers out of range: the connector's, not the scheduler's."""

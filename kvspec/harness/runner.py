@@ -66,8 +66,9 @@ def describe_lookup(c) -> str:
     return f"{c.request_id} -> {c.num_external}" + (" async" if c.is_async else "")
 
 
-CONNECTOR_ANSWER = ("The connector answered outside the API's types; kvspec stopped the call "
-                    "before the scheduler used the answer.")
+CONNECTOR_ANSWER = ("The connector answered outside the API's types, or its kvspec hook "
+                    "(kvspec_stored_end) failed or answered out of range; kvspec stopped the "
+                    "call before the scheduler used the answer.")
 
 
 class BudgetSpent(Exception):

@@ -135,6 +135,13 @@ class StoreProbeOutOfRange(AsyncPrefixStore):
         return request.num_tokens + 1
 
 
+class StoreProbeRaises(AsyncPrefixStore):
+    """A broken probe: it raises (the connector's fault, not vLLM's crash)."""
+
+    def kvspec_stored_end(self, request, start: int) -> int:
+        raise KeyError("store offline")
+
+
 class NoStoreProbe(AsyncPrefixStore):
     """The same store, not shown to kvspec: hit_within_stored is not judged."""
 
