@@ -702,7 +702,11 @@ def send_source_intact(ctx: Context):
 
     Protects the receiving instance (P/D disaggregation, offloading): freeing a
     block under an in-flight send ships whatever overwrote it. Witnessed by a
-    send in flight."""
+    send in flight. A slot may change to the valid content of its position:
+    one that held garbage when the send began (its request's load failed and
+    it ended before the failure was reported) is recomputed in place by
+    another holder of the block the failure cut back, which repairs what the
+    send ships."""
     ctx.witness(len(ctx.oracle.sends))
     yield from ctx.oracle.check_sends()
 

@@ -87,6 +87,10 @@ class KeyBook:
             self._book[request_id] = (tuple(tokens), keys)
         return keys
 
+    def get_known(self, request_id: str) -> list[int]:
+        """The keys last computed for the request's tokens (none if never)."""
+        return self._book.get(request_id, ((), []))[1]
+
     def keys_of(self, r: RequestView) -> list[int]:
         """``keys`` of a view's tokens, its prompt and outputs compared apart
         (no copy of all its tokens; an unchanged prompt is the same tuple)."""
@@ -298,7 +302,8 @@ class KVContent:
         #: scheduler still holds such a request (waiting for the worker's
         #: report) its load may still be writing every block it was given
         self.orphaned_loads: dict[str, LoadJob] = {}
-        self.sends: dict[str, dict[tuple[int, int], int]] = {}
+        #: request id -> slot -> (what it held when the send began, its valid content)
+        self.sends: dict[str, dict[tuple[int, int], tuple]] = {}
         self.book = KeyBook()
         #: slots two requests wrote in the last step: (block, slot, first, second)
         self.double_writes: list[tuple[int, int, str, str]] = []
@@ -493,9 +498,12 @@ class KVContent:
         return bool(self.failed_blocks) or any(job.is_async for job in self.loads.values())
 
     def start_send(self, request_id: str, block_ids, num_tokens: int) -> None:
-        """A send ships the full-attention group's KV (``block_ids``: its table)."""
+        """A send ships the full-attention group's KV (``block_ids``: its table):
+        per slot, what it holds now and the valid content of its position."""
+        keys = self.book.get_known(request_id)
         self.sends[request_id] = {
-            self._slot(0, block_ids, p): self._read(0, block_ids, p) for p in range(num_tokens)}
+            self._slot(0, block_ids, p): (self._read(0, block_ids, p), get_content(0, keys, p))
+            for p in range(num_tokens)}
 
     def finish_send(self, request_id: str) -> None:
         self.sends.pop(request_id, None)
@@ -989,8 +997,14 @@ class KVContent:
                    f"in the same step")
 
     def check_sends(self) -> Iterator[str]:
+        """A send's slots hold what they held when it began, or the valid
+        content of their positions: a slot that held garbage then (a failed
+        load its request ended before the failure was reported) may be
+        recomputed in place by another holder of the block the failure cut
+        back, which repairs what the send ships."""
         for rid, snapshot in self.sends.items():
-            for (b, s), value in snapshot.items():
-                if self.slots[b][s] != value:
+            for (b, s), (value, valid) in snapshot.items():
+                now = self.slots[b][s]
+                if now != value and now != valid:
                     yield f"{rid}: block {b} was overwritten while its KV was being sent"
                     break

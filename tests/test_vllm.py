@@ -63,6 +63,17 @@ def test_accepted_findings_are_written_up():
             assert recorded_invariants(path), f"{finding.id}: {trace} records no verdict"
 
 
+FALSE_ALARMS = sorted((Path(__file__).resolve().parents[1] / "model_tests" / "vllm_regressions")
+                      .glob("*.json"))
+
+
+@pytest.mark.parametrize("path", FALSE_ALARMS, ids=[p.stem for p in FALSE_ALARMS])
+def test_a_false_alarm_the_fuzzer_once_raised_on_vllm_now_passes(path):
+    """model_tests/vllm_regressions/README.md says what each was."""
+    outcome = replay_trace(path)
+    assert not outcome.violations, violation_text(outcome)
+
+
 def trace_target(path: Path) -> str:
     return json.loads(path.read_text())["target"]
 
