@@ -202,8 +202,9 @@ def get_valid_values(tokens, num_tokens: int) -> dict:
 STORE_PROBE = "kvspec_stored_end"
 
 
-def has_store_probe(connector_class) -> bool:
-    return callable(getattr(connector_class, STORE_PROBE, None))
+def has_store_probe(connector) -> bool:
+    """The connector (its class or an instance) defines ``STORE_PROBE``."""
+    return callable(getattr(connector, STORE_PROBE, None))
 
 
 class GenericWorld:
@@ -254,16 +255,16 @@ class GenericWorld:
         """How far the store holds the request's tokens from ``start`` (the
         lookup's local count): what the connector's ``STORE_PROBE`` says; None
         (not known, not judged) where it has none."""
-        probe = getattr(getattr(self, "connector", None), STORE_PROBE, None)
-        if not callable(probe):
+        connector = getattr(self, "connector", None)
+        if not has_store_probe(connector):
             return None
+        probe = getattr(connector, STORE_PROBE)
         where = f"{STORE_PROBE}({request.request_id}, start={start})"
         try:
             end = probe(request, start)
         except Exception as exc:  # the connector's hook, not the scheduler, failed
             raise ConnectorAnswerError(f"{where} raised {type(exc).__name__}: {exc}") from None
-        if not (isinstance(end, numbers.Integral) and not isinstance(end, bool)
-                and 0 <= end <= request.num_tokens):
+        if not (is_int(end) and 0 <= end <= request.num_tokens):
             raise ConnectorAnswerError(
                 f"{where} answered {end!r}, not an end position from 0 to "
                 f"request.num_tokens ({request.num_tokens}) inclusive")
@@ -1354,11 +1355,6 @@ class HF3FSWorld(GenericWorld):
         return done
 
 
-def is_lookup_answer(answer) -> bool:
-    """``(num_tokens or None, load_async)`` as base.py types it."""
-    return not get_lookup_answer_problem(answer)
-
-
 def get_lookup_answer_problem(answer) -> str:
     """What is wrong with a lookup's answer ("": nothing): a pair whose count is
     an integer (a bool there is a swapped pair) or None, and whose flag is a
@@ -1368,11 +1364,17 @@ def get_lookup_answer_problem(answer) -> str:
         size = f" of {len(answer)}" if isinstance(answer, (tuple, list)) else ""
         return f"{name_type(answer)}{size}, not a pair"
     count, is_async = answer
-    if not (count is None or isinstance(count, numbers.Integral) and not isinstance(count, bool)):
+    if not (count is None or is_int(count)):
         return f"num_tokens is {name_type(count)}, not an int or None"
     if not (isinstance(is_async, numbers.Integral) or is_numpy_bool(is_async)):
         return f"load_async is {name_type(is_async)}, not a bool"
     return ""
+
+
+def is_int(value) -> bool:
+    """An integer, numpy's included, and not a bool (a bool where a count
+    belongs is a mistake: a swapped pair, a flag for a count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def name_type(value) -> str:

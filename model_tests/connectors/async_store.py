@@ -43,29 +43,25 @@ class AsyncPrefixStore(KVConnectorBase_V1):
         pass
 
     # the scheduler side
-    def get_stored_prefix(self, prompt) -> int:
-        """The longest stored whole-block prefix, leaving at least one token."""
+    def get_stored_prefix(self, tokens, limit: int) -> int:
+        """The longest stored whole-block prefix of ``tokens`` ending by ``limit``."""
         found = 0
-        for end in range(self.block_size, len(prompt), self.block_size):
-            if tuple(prompt[:end]) not in self.stored:
+        for end in range(self.block_size, limit + 1, self.block_size):
+            if tuple(tokens[:end]) not in self.stored:
                 break
             found = end
         return found
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        hit = max(0, self.get_stored_prefix(list(request.prompt_token_ids))
-                  - num_computed_tokens)
+        prompt = list(request.prompt_token_ids)  # a hit leaves at least one token
+        hit = max(0, self.get_stored_prefix(prompt, len(prompt) - 1) - num_computed_tokens)
         return hit, hit > 0
 
     def kvspec_stored_end(self, request, start: int) -> int:
         """For kvspec only (docs/connectors.md): where the run of the request's
         tokens the store holds from ``start`` ends, read from the store."""
-        tokens, end = list(request.all_token_ids), start
-        for stop in range(self.block_size, len(tokens) + 1, self.block_size):
-            if tuple(tokens[:stop]) not in self.stored:
-                break
-            end = max(end, stop)
-        return end
+        tokens = list(request.all_token_ids)
+        return max(start, self.get_stored_prefix(tokens, len(tokens)))
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens) -> None:
         if num_external_tokens > 0:
