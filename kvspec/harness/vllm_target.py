@@ -487,12 +487,16 @@ class VllmTarget(VllmObserver):
                       logprobs=None, prompt_logprobs_dict={}, pooler_output=[],
                       kv_connector_output=kv)
         runner = m.ModelRunnerOutput(**{k: v for k, v in kwargs.items() if k in m.output_fields})
-        loading = self._loading()
+        # the loads the worker has not run yet (a run one reports itself, in
+        # the output of the step that ran it, which may still be in flight)
+        unrun = self._loading() & set(self.env.content.loads)
         with _LocateAsserts():
             self.scheduler.update_from_output(out, runner)
         # A request this call ended mid-load (the "fail" policy) keeps its blocks
-        # until the worker reports the load: report it at the next step.
-        self._cancelled_loads |= {rid for rid in loading - recving
+        # until the worker reports the load: a load not run yet is dropped with
+        # the request, reported at the next step as a worker ending the transfer
+        # would; reporting a run one too would report it twice.
+        self._cancelled_loads |= {rid for rid in unrun - recving
                                   if rid in self.scheduler.requests
                                   and self.scheduler.requests[rid].is_finished()}
 
