@@ -1135,13 +1135,18 @@ def export_test(trace: Path = typer.Argument(..., help="a trace of the vllm targ
     from kvspec.export_test import ExportError, get_test_name, record, render
     from kvspec.harness.trace import TraceError, load_trace
     try:
-        named = target or load_trace(trace)["target"]
+        data = load_trace(trace)
     except TraceError as exc:
         fail(str(exc))
+    named = target or data["target"]
     if name is not None and not name.isidentifier():
         fail(f"--name: {shown(name, 60)} is not a Python identifier")
-    if named.startswith("vllm"):
-        use_source(vllm)
+    if named.startswith("vllm"):  # as replay: on the vLLM the trace was found on
+        found_on = _recorded_sources([trace], [data], [named])
+        use_source(vllm if vllm is not None else recorded_source(found_on))
+        note_other_sources(found_on)
+    elif vllm is not None:
+        fail("--vllm applies to traces of the vllm target")
     try:
         recording = record(trace, target)
         text = render(recording, trace, name)

@@ -138,6 +138,12 @@ def test_review_reports_a_regression_that_passes_on_the_base(tmp_path):
     on_release = kvspec(["replay", str(trace), "--vllm", "installed"], tmp_path)
     assert on_release.returncode == 0, on_release.stdout[-2000:] + on_release.stderr[-2000:]
     assert "whose scheduler code differs: --vllm" in " ".join(on_release.stdout.split())
+    # `kvspec export-test` of it records on that copy too (it once recorded on the
+    # installed release and said the trace broke no claim)
+    export = kvspec(["export-test", str(trace), "-o", "test_regression.py"], tmp_path)
+    assert "replaying on the vLLM the trace was found on" in export.stdout, \
+        export.stdout[-2000:] + export.stderr[-2000:]
+    assert "breaks no claim" not in export.stdout + export.stderr
 
 
 @pytest.mark.parametrize("edit", REFACTORS, ids=lambda e: e.stem)
