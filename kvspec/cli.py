@@ -1016,17 +1016,25 @@ def replay(traces: list[Path] = typer.Argument(..., help="trace files written by
     except TraceError as exc:
         fail(str(exc))
     named = [target if target is not None else data["target"] for data in loaded]
+    use_found_on_source(traces, loaded, named, vllm)
+    codes = [_replay_one(t, target, n, ignore) for t, n in zip(traces, named)]
+    if len(traces) > 1:
+        failing = sum(1 for c in codes if c)
+        console.print(f"{len(traces)} traces replayed: {failing} still fail")
+    raise typer.Exit(1 if any(codes) else 0)
+
+
+def use_found_on_source(traces: list[Path], loaded: list[dict], named: list[str],
+                        vllm: str | None) -> None:
+    """For traces of the vllm target: ``--vllm`` if given, else the vLLM they
+    were found on (``recorded_source``), with a note for each found elsewhere;
+    ``--vllm`` on traces of other targets is refused."""
     if any(n.startswith("vllm") for n in named):
         found_on = _recorded_sources(traces, loaded, named)
         use_source(vllm if vllm is not None else recorded_source(found_on))
         note_other_sources(found_on)
     elif vllm is not None:
         fail("--vllm applies to traces of the vllm target")
-    codes = [_replay_one(t, target, n, ignore) for t, n in zip(traces, named)]
-    if len(traces) > 1:
-        failing = sum(1 for c in codes if c)
-        console.print(f"{len(traces)} traces replayed: {failing} still fail")
-    raise typer.Exit(1 if any(codes) else 0)
 
 
 def _recorded_sources(traces: list[Path], loaded: list[dict],
@@ -1141,12 +1149,7 @@ def export_test(trace: Path = typer.Argument(..., help="a trace of the vllm targ
     named = target or data["target"]
     if name is not None and not name.isidentifier():
         fail(f"--name: {shown(name, 60)} is not a Python identifier")
-    if named.startswith("vllm"):  # as replay: on the vLLM the trace was found on
-        found_on = _recorded_sources([trace], [data], [named])
-        use_source(vllm if vllm is not None else recorded_source(found_on))
-        note_other_sources(found_on)
-    elif vllm is not None:
-        fail("--vllm applies to traces of the vllm target")
+    use_found_on_source([trace], [data], [named], vllm)
     try:
         recording = record(trace, target)
         text = render(recording, trace, name)
