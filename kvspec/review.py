@@ -223,7 +223,37 @@ class ReviewVerdict:
         return {0: "pass", 1: "regression", 3: "incomplete"}.get(self.code, "error")
 
 
-def review_verdict(result, hunks: list[Hunk], base_errors, code_changed) -> ReviewVerdict:
+def get_model_claims(violations) -> frozenset[str]:
+    """The violated claims that are the transition model's ("model" kind): they
+    say a step did something the spec does not admit, not what harm it does."""
+    from kvspec.spec.catalogue import REGISTRY
+    return frozenset(v.invariant for v in violations
+                     if v.invariant in REGISTRY and REGISTRY[v.invariant].kind == "model")
+
+
+def get_harm(trace: Path, violations):
+    """A regression whose every violated claim is a model claim, replayed on
+    HEAD (active in this process) with those claims unchecked: the claims the
+    transition goes on to break, which say what it costs a user (None: some
+    claim besides the model's broke already, or the replay could not run)."""
+    from kvspec.harness.replay import replay_trace
+    from kvspec.harness.trace import TraceError
+    model = get_model_claims(violations)
+    if not model or model != {v.invariant for v in violations}:
+        return None
+    try:
+        return replay_trace(trace, ignore=model)
+    except (TraceError, ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def harm_claims(harm) -> list[str]:
+    return sorted({v.invariant for v in harm.violations}) \
+        if harm is not None and not isinstance(harm, str) else []
+
+
+def review_verdict(result, hunks: list[Hunk], base_errors, code_changed,
+                   harm=None) -> ReviewVerdict:
     """The review's first line and exit code (see the module doc)."""
     unrun = [h for h in hunks if h.never_ran]
     notes = []
@@ -244,8 +274,10 @@ def review_verdict(result, hunks: list[Hunk], base_errors, code_changed) -> Revi
     tail = "".join(f" | {note}" for note in notes)
     if result is not None and result.counterexample is not None:
         claims = sorted({v.invariant for v in result.counterexample.violations})
+        led = harm_claims(harm)
+        leads = f"; it leads on to {', '.join(led)}" if led else ""
         return ReviewVerdict(f"REGRESSION on HEAD (passes on BASE): {', '.join(claims)}"
-                             f"{tail}", 1)
+                             f"{leads}{tail}", 1)
     if unrun or base_errors:
         return ReviewVerdict(f"INCOMPLETE: no regression found, but not all of the change "
                              f"was checked{tail}", 3)
@@ -275,6 +307,9 @@ class Review:
     base_as_released: object = None
     wall: float = 0.0
     base_import_s: float | None = None
+    #: for a regression found by model claims only: the same trace on HEAD with
+    #: those claims left unchecked, to show the harm the transition leads to
+    harm: object = None
 
 
 def check_head(review: Review, worker, seed: int, out: Path, console,
@@ -308,10 +343,11 @@ def check_head(review: Review, worker, seed: int, out: Path, console,
     if ce is not None:  # what BASE does with it when nothing of kvspec's is applied
         review.base_as_released = worker.replay(with_connector("vllm?fixes=none", target),
                                                 ce.runner.config, list(ce.runner.actions))
+        review.harm = get_harm(Path(review.result.trace_path), ce.violations)
     review.base_import_s = worker.import_seconds
     changed = [s for s in prep.statuses if s.status == "code-changed"]
     review.verdict = review_verdict(review.result, review.hunks,
-                                    prep.recogniser.base_errors, changed)
+                                    prep.recogniser.base_errors, changed, review.harm)
 
 
 def to_json(review: Review, markdown_path: Path) -> dict:
@@ -327,7 +363,8 @@ def to_json(review: Review, markdown_path: Path) -> dict:
             "claims": sorted({v.invariant for v in ce.violations}),
             "trace": str(r.trace_path), "shrink_cut_by_budget": r.shrink_cut,
             "fails_on_base_as_released": review.base_as_released is not None
-            and review.base_as_released.fails},
+            and review.base_as_released.fails,
+            "leads_on_to": harm_claims(review.harm)},
         "pre_existing": [] if r is None else [
             {"finding": h.finding, "count": h.count, "how": h.how, "trace": str(h.trace_path)}
             for h in r.known.values()],
@@ -425,6 +462,7 @@ def _regression(review: Review, command_arg) -> list[str]:
           "| step | action | requests after it |", "| --- | --- | --- |"]
     md += [f"| {s.index} | `{s.action}` | {s.requests} |" for s in ce.runner.log]
     md += [""] + [f"- **{x.invariant}**: {x.message}" for x in ce.violations] + [""]
+    md += _harm(review.harm, get_model_claims(ce.violations), trace, review, command_arg)
     if result.shrink_cut:
         md += ["The budget ran out while this example was being shrunk: it may hold actions "
                "it does not need (a longer `--budget` shrinks it further).", ""]
@@ -442,3 +480,23 @@ def _regression(review: Review, command_arg) -> list[str]:
            "    # passes",
            "```", ""]
     return md
+
+
+def _harm(harm, model: frozenset[str], trace: Path, review: Review, command_arg) -> list[str]:
+    """What a regression found by the transition model alone goes on to do."""
+    if harm is None:
+        return []
+    ignored = " ".join(f"--ignore {c}" for c in sorted(model))
+    if isinstance(harm, str):
+        return [f"The same trace with {', '.join(sorted(model))} unchecked could not be "
+                f"replayed on HEAD ({harm}).", ""]
+    if not harm.violations:
+        return [f"With {', '.join(sorted(model))} unchecked, the rest of this trace breaks "
+                "no other claim on HEAD: the transition is one the model does not admit, "
+                "and this run shows no harm from it yet (a longer run may).", ""]
+    return [f"What it leads to: with {', '.join(sorted(model))} unchecked, the same trace "
+            "on HEAD goes on to break:", ""] + [
+        f"- **{x.invariant}**: {x.message}" for x in harm.violations] + [
+        "", f"(`kvspec replay {command_arg(trace)} --vllm "
+        f"{command_arg(review.head.cli_name())} {ignored}`)", ""]
+

@@ -8,7 +8,7 @@ from pathlib import Path
 from kvspec.harness.fuzz import FuzzResult, KnownHit
 from kvspec.harness.vllm_source import resolve
 from kvspec.review import (Hunk, _map_back, attach_coverage, attach_statements, changed_hunks,
-                           review_verdict)
+                           get_harm, review_verdict)
 
 BASE = """\
 def schedule(self):
@@ -94,6 +94,34 @@ def test_pre_existing_findings_do_not_fail_a_review():
                             ["no_caching_of_invalid_blocks"], 3)
     verdict = review_verdict(r, [], [], [])
     assert verdict.code == 0 and "recompute-failed-block-stays-cached (3x)" in verdict.line
+
+
+def test_a_regression_of_the_model_alone_names_what_it_leads_to():
+    from types import SimpleNamespace as NS
+
+    from kvspec.spec.registry import Violation
+    r = result()
+    model = Violation("transition_admitted_by_model", "r0 kept 4 computed tokens")
+    r.counterexample = NS(violations=[model])
+    harm = NS(violations=[Violation("update_from_output_relation", "kept a token")])
+    verdict = review_verdict(r, [], [], [], harm)
+    assert verdict.code == 1
+    assert verdict.line.startswith("REGRESSION on HEAD (passes on BASE): "
+                                   "transition_admitted_by_model; it leads on to "
+                                   "update_from_output_relation")
+    assert "leads on" not in review_verdict(r, [], [], [], None).line
+
+
+def test_harm_is_sought_only_when_the_model_alone_broke(tmp_path):
+    """A regression that already breaks a claim of its own harm (data, state)
+    needs no second replay; a missing trace is one line, not a traceback."""
+    from kvspec.spec.registry import Violation
+    data = Violation("computed_means_valid", "r0 counts block 2, which holds garbage")
+    model = Violation("transition_admitted_by_model", "r0 kept 4 computed tokens")
+    assert get_harm(tmp_path / "t.json", [model, data]) is None
+    assert get_harm(tmp_path / "t.json", [data]) is None
+    missing = get_harm(tmp_path / "t.json", [model])
+    assert isinstance(missing, str) and "t.json" in missing
 
 
 def test_a_base_that_could_not_answer_makes_it_incomplete():

@@ -123,6 +123,11 @@ def test_review_reports_a_regression_that_passes_on_the_base(tmp_path):
     assert done.returncode == 1, done.stderr[-2000:]
     report = json.loads(done.stdout)
     assert report["verdict"] == "regression" and report["regression"]["claims"]
+    # found by the transition model; the review says what it does to a user (a
+    # token sampled from invalid KV kept), which once showed only with --ignore
+    assert report["regression"]["claims"] == ["transition_admitted_by_model"]
+    assert "update_from_output_relation" in report["regression"]["leads_on_to"]
+    assert "leads on to" in report["verdict_line"]
     trace = tmp_path / report["regression"]["trace"]
     hunk, = report["hunks"]
     assert hunk["path"] == "vllm/v1/core/sched/scheduler.py" and hunk["runs"] > 0
