@@ -81,7 +81,7 @@ FIXES: dict[str, Patch] = {p.id: p for p in [
           "every request a load failure affects is cut back at its first failed block, "
           "shared or not, has its blocks from there on evicted, and waits while another "
           "request recomputes a shared one; failed blocks leave the prefix cache under both "
-          "policies",
+          "policies and are cached again once recomputed",
           "vllm-0.32.0-recompute-failed-block-stays-cached, "
           "vllm-0.32.0-fail-policy-shared-failure-downstream-cached"),
     Patch("failed-async-load-self-reservation-hang", "fix",
