@@ -509,17 +509,17 @@ def report(result, design_rules: bool = True, prep=None, first_line: bool = True
         console.print(Text("the budget ran out while shrinking: the trace is the smallest "
                            "found by then and a few seconds of trace-level minimization "
                            "(it replays as saved)", style="yellow"))
-    show_counterexample(ce.runner.log, ce.violations, result.trace_path)
+    show_counterexample(ce.runner.log, ce.violations, result.trace_path, ce.runner.config)
     return code
 
 
-def show_counterexample(steps, violations, trace_path=None) -> None:
+def show_counterexample(steps, violations, trace_path=None, config=None) -> None:
     """Print a finding. If printing itself fails (an encoding the terminal lacks,
     a closed pipe), one line on stderr says so: the finding stands (exit 1) and
     its trace is saved; it is never reported as bad input."""
     from kvspec.report import print_counterexample
     try:
-        print_counterexample(console, steps, violations, trace_path)
+        print_counterexample(console, steps, violations, trace_path, config)
     except Exception as exc:
         saved = f"; trace saved: {shown(trace_path)}" if trace_path else ""
         print(f"kvspec: the counterexample could not be printed ({type(exc).__name__}){saved}",
@@ -1094,7 +1094,7 @@ def _source_name(recorded: dict) -> str:
 
 def _replay_one(trace: Path, target: str | None, named: str, ignore) -> int:
     from kvspec.harness.replay import replay_trace
-    from kvspec.harness.trace import TraceError
+    from kvspec.harness.trace import TraceError, load_trace
     try:
         check_target(named, "" if target is not None else f" (named by {shown(trace)})")
         heartbeat = None if console.is_terminal else replay_progress_line
@@ -1110,7 +1110,8 @@ def _replay_one(trace: Path, target: str | None, named: str, ignore) -> int:
         console.print(Text(f"note: the recorded verdict names {shown(name, 60)}, which is no "
                            "claim of this kvspec"))
     if outcome.violations:
-        show_counterexample(outcome.steps, outcome.violations)
+        show_counterexample(outcome.steps, outcome.violations,
+                            config=load_trace(trace)["config"])
         if outcome.recorded is None:
             same = "the trace records no verdict"
         elif outcome.same_as_recorded:
@@ -1310,7 +1311,7 @@ def bmc_cmd(target: str = typer.Option("impl", help="target to check"),
     path = save_trace(out / f"{target.replace(':', '_')}.json", target=target,
                       config=ce.runner.config, actions=ce.runner.actions,
                       violations=ce.violations, steps=ce.runner.log)
-    show_counterexample(ce.runner.log, ce.violations, path)
+    show_counterexample(ce.runner.log, ce.violations, path, ce.runner.config)
     raise typer.Exit(1)
 
 

@@ -14,19 +14,47 @@ from kvspec.text import command_arg, printable
 # as Text (never parsed as rich markup) and made printable first.
 
 
+def config_line(config) -> str:
+    """A run's configuration in one line, as a reader of a counterexample needs it."""
+    mixed = config.has_mixed_block_sizes
+    groups = ", ".join(g.kind + (f" (window {g.sliding_window})" if g.sliding_window else "")
+                       + (f" in blocks of {g.block_size}" if mixed else "")
+                       for g in config.groups)
+    sizes = (f"hash block {config.hash_block_size}, hits per {config.scheduler_block_size} "
+             "tokens" if mixed else f"block size {config.block_size}")
+    return (f"{sizes}, {config.num_blocks} blocks, groups: {groups}; "
+            f"token budget {config.max_num_batched_tokens}, max_num_seqs "
+            f"{config.max_num_seqs}, max_model_len {config.max_model_len}, long-prefill "
+            f"threshold {config.long_prefill_token_threshold}; {config.policy} policy; load "
+            f"failure policy \"{config.kv_load_failure_policy}\"; "
+            f"{'async' if config.async_scheduling else 'sync'} scheduling"
+            + (f" with {config.num_speculative_tokens} draft tokens"
+               if config.num_speculative_tokens else "") + f"; connector role {config.kv_role}")
+
+
 def step_table(steps, violations) -> Table:
+    """The steps of a counterexample; a run stops at the first step that breaks
+    a claim, so with violations the last row is where they were seen (marked)."""
     table = Table(title="counterexample", show_lines=False)
     table.add_column("step", justify="right")
     table.add_column("action")
     table.add_column("requests after it (status c=computed/tokens hit=cached/external b=blocks)")
-    for s in steps:
-        table.add_row(str(s.index), Text(printable(s.action)),
+    for i, s in enumerate(steps):
+        failing = bool(violations) and i == len(steps) - 1
+        table.add_row(Text(f"{s.index} *", style="bold red") if failing else str(s.index),
+                      Text(printable(s.action)),
                       Text(printable(s.requests).replace(" r", "\nr")))
     return table
 
 
-def print_counterexample(console: Console, steps, violations, trace_path=None) -> None:
+def print_counterexample(console: Console, steps, violations, trace_path=None,
+                         config=None) -> None:
+    if config is not None:
+        console.print(Text(f"configuration: {config_line(config)}"))
     console.print(step_table(steps, violations))
+    if violations and steps:
+        console.print(Text(f"* the claims below broke at step {steps[-1].index}, the last row",
+                           style="red"))
     for v in violations:
         console.print(Text.assemble(("violated:", "bold red"),
                                     f" {printable(v.invariant)}: {printable(v.message)}"))

@@ -22,6 +22,7 @@ from pathlib import Path
 import attrs
 
 from kvspec.harness.vllm_source import CHECKED_MODULES, VllmSource
+from kvspec.report import config_line
 
 #: equal lines between two changes that still make them one hunk (as a diff's context)
 JOIN = 3
@@ -392,23 +393,6 @@ LEGEND = (
     "every load and send completes and every request must finish.")
 
 
-def _config_line(config) -> str:
-    mixed = config.has_mixed_block_sizes
-    groups = ", ".join(g.kind + (f" (window {g.sliding_window})" if g.sliding_window else "")
-                       + (f" in blocks of {g.block_size}" if mixed else "")
-                       for g in config.groups)
-    sizes = (f"hash block {config.hash_block_size}, hits per {config.scheduler_block_size} "
-             "tokens" if mixed else f"block size {config.block_size}")
-    return (f"{sizes}, {config.num_blocks} blocks, groups: {groups}; "
-            f"token budget {config.max_num_batched_tokens}, max_num_seqs "
-            f"{config.max_num_seqs}, max_model_len {config.max_model_len}, long-prefill "
-            f"threshold {config.long_prefill_token_threshold}; {config.policy} policy; load "
-            f"failure policy \"{config.kv_load_failure_policy}\"; "
-            f"{'async' if config.async_scheduling else 'sync'} scheduling"
-            + (f" with {config.num_speculative_tokens} draft tokens"
-               if config.num_speculative_tokens else "") + f"; connector role {config.kv_role}")
-
-
 def markdown(review: Review) -> str:
     from kvspec.spec.catalogue import REGISTRY
     from kvspec.text import command_arg
@@ -458,9 +442,11 @@ def _regression(review: Review, command_arg) -> list[str]:
     result = review.result
     ce = result.counterexample
     trace = Path(result.trace_path).resolve()
-    md = ["### Regression", "", f"Configuration: {_config_line(ce.runner.config)}.", "",
+    md = ["### Regression", "", f"Configuration: {config_line(ce.runner.config)}.", "",
           "| step | action | requests after it |", "| --- | --- | --- |"]
-    md += [f"| {s.index} | `{s.action}` | {s.requests} |" for s in ce.runner.log]
+    log = ce.runner.log
+    md += [f"| {s.index} | `{s.action}` | {s.requests} |" for s in log[:-1]]
+    md += [f"| **{s.index} (broke here)** | `{s.action}` | {s.requests} |" for s in log[-1:]]
     md += [""] + [f"- **{x.invariant}**: {x.message}" for x in ce.violations] + [""]
     md += _harm(review.harm, get_model_claims(ce.violations), trace, review, command_arg)
     if result.shrink_cut:

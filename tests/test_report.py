@@ -1,0 +1,37 @@
+"""The counterexample as the terminal shows it: the configuration first, and
+the row where the claims broke marked (a run stops at that step)."""
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+from rich.console import Console
+
+from kvspec.harness.target import make_config
+from kvspec.report import config_line, print_counterexample
+from kvspec.spec.registry import Violation
+
+
+def render(steps, violations, config=None) -> str:
+    console = Console(record=True, width=200, color_system=None)
+    print_counterexample(console, steps, violations, config=config)
+    return console.export_text()
+
+
+STEPS = [NS(index=0, action="add(id=r0)", requests="r0:WAITING c=0/4 b=[]"),
+         NS(index=1, action="step()", requests="r0:RUNNING c=4/4 b=[0]")]
+
+
+def test_the_last_row_is_marked_where_the_claims_broke():
+    out = render(STEPS, [Violation("cached_le_computed", "r0 caches 8 of 4")])
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert "1 *" in rows[-1] and "*" not in rows[0]
+    assert "the claims below broke at step 1, the last row" in out
+
+
+def test_no_mark_without_a_violation_and_the_configuration_comes_first():
+    config = make_config(block_size=4, num_blocks=9, max_num_batched_tokens=4, max_num_seqs=2,
+                         max_model_len=13)
+    out = render(STEPS, [], config)
+    assert out.startswith(f"configuration: {config_line(config)}"[:60])
+    assert f"configuration: {config_line(config)}" in " ".join(out.split())
+    assert "block size 4, 9 blocks" in out and "*" not in out
