@@ -130,6 +130,12 @@ FIXES: dict[str, Patch] = {p.id: p for p in [
           "allocate_slots no longer runs out of blocks it said it had (the per-step "
           "check only; the full-sequence estimate is unchanged)",
           "vllm-0.32.0-mamba-external-hit-undercounted"),
+    Patch("admission-cap-counts-real-blocks", "fix",
+          "the sliding-window and chunked-local admission cap is compared with the real "
+          "blocks a request holds, not with its block table's length (null entries for "
+          "positions out of the window included), so an async load past its window "
+          "reserves the block its next step needs",
+          "vllm-0.32.0-window-reservation-counts-null-blocks"),
     # Backports of upstream fixes for findings of older releases only (0.32.0 has
     # the fix already, so they fit only the releases named in their variants).
     Patch("async-load-counts-whole-block", "fix",
