@@ -7,7 +7,9 @@ regressions; one that fails on BASE too is pre-existing (named when it is a
 known finding). It also says how much of the change ran: for every hunk HEAD
 changes, in how many of the check's runs its lines executed (line coverage by
 coverage.py, one context per run). A changed hunk that never ran is named in
-the verdict's first lines, and the review does not pass.
+the verdict's first lines, and the review does not pass. Lost performance
+(an efficiency claim: work a later request redoes, nothing corrupted) is asked
+of BASE the same way: lost on HEAD only, it is a performance regression.
 
 Exit codes: 0 no regression and every changed line kvspec can run ran; 1 a
 regression; 2 bad input; 3 no regression found, but part of the change never
@@ -248,13 +250,46 @@ def get_harm(trace: Path, violations):
         return f"{type(exc).__name__}: {exc}"
 
 
+@attrs.frozen
+class LostOnHead:
+    """Lost performance the check on HEAD met, and what BASE does with its trace."""
+
+    claims: tuple[str, ...]
+    count: int
+    trace: str
+    #: "head-only" (BASE keeps the performance), "pre-existing" (BASE loses it
+    #: too), or "unknown: <why>" (BASE could not replay it)
+    on_base: str
+
+    @property
+    def is_regression(self) -> bool:
+        return self.on_base == "head-only"
+
+
+def classify_lost(efficiency: dict, worker, target: str) -> list[LostOnHead]:
+    """Each lost performance HEAD showed, its kept trace replayed on BASE (with
+    the same fixes) answering with BASE's own lost performance."""
+    from kvspec.harness.trace import TraceError, load_trace
+    found = []
+    for hit in efficiency.values():
+        try:
+            data = load_trace(Path(hit.trace_path))
+            base = worker.replay(target, data["config"], list(data["actions"]), lost=True)
+            on_base = f"unknown: {base.error}" if base.error else (
+                "pre-existing" if set(hit.claims) & base.claims else "head-only")
+        except (TraceError, TypeError, OSError) as exc:
+            on_base = f"unknown: {exc}"
+        found.append(LostOnHead(tuple(hit.claims), hit.count, str(hit.trace_path), on_base))
+    return found
+
+
 def harm_claims(harm) -> list[str]:
     return sorted({v.invariant for v in harm.violations}) \
         if harm is not None and not isinstance(harm, str) else []
 
 
 def review_verdict(result, hunks: list[Hunk], base_errors, code_changed,
-                   harm=None) -> ReviewVerdict:
+                   harm=None, lost=()) -> ReviewVerdict:
     """The review's first line and exit code (see the module doc)."""
     unrun = [h for h in hunks if h.never_ran]
     notes = []
@@ -272,6 +307,10 @@ def review_verdict(result, hunks: list[Hunk], base_errors, code_changed,
     if known:
         notes.append("pre-existing (fail on the base too): " + ", ".join(
             f"{h.finding or 'not a known finding'} ({h.count}x)" for h in known.values()))
+    old_lost = [x for x in lost if not x.is_regression]
+    if old_lost:
+        notes.append("lost performance not HEAD's own: " + ", ".join(
+            f"{'+'.join(x.claims)} ({x.count}x, BASE: {x.on_base})" for x in old_lost))
     tail = "".join(f" | {note}" for note in notes)
     if result is not None and result.counterexample is not None:
         claims = sorted({v.invariant for v in result.counterexample.violations})
@@ -279,6 +318,11 @@ def review_verdict(result, hunks: list[Hunk], base_errors, code_changed,
         leads = f"; it leads on to {', '.join(led)}" if led else ""
         return ReviewVerdict(f"REGRESSION on HEAD (passes on BASE): {', '.join(claims)}"
                              f"{leads}{tail}", 1)
+    new_lost = [x for x in lost if x.is_regression]
+    if new_lost:
+        return ReviewVerdict("REGRESSION on HEAD (performance; BASE keeps it): lost "
+                             + ", ".join(f"{'+'.join(x.claims)} ({x.count}x)" for x in new_lost)
+                             + f", no safety claim broken{tail}", 1)
     if unrun or base_errors:
         return ReviewVerdict(f"INCOMPLETE: no regression found, but not all of the change "
                              f"was checked{tail}", 3)
@@ -311,6 +355,8 @@ class Review:
     #: for a regression found by model claims only: the same trace on HEAD with
     #: those claims left unchecked, to show the harm the transition leads to
     harm: object = None
+    #: the run's lost performance, each asked of BASE (see ``classify_lost``)
+    lost: list = attrs.Factory(list)
 
 
 def check_head(review: Review, worker, seed: int, out: Path, console,
@@ -345,10 +391,12 @@ def check_head(review: Review, worker, seed: int, out: Path, console,
         review.base_as_released = worker.replay(with_connector("vllm?fixes=none", target),
                                                 ce.runner.config, list(ce.runner.actions))
         review.harm = get_harm(Path(review.result.trace_path), ce.violations)
+    review.lost = classify_lost(getattr(review.result, "efficiency", {}) or {}, worker, target)
     review.base_import_s = worker.import_seconds
     changed = [s for s in prep.statuses if s.status == "code-changed"]
     review.verdict = review_verdict(review.result, review.hunks,
-                                    prep.recogniser.base_errors, changed, review.harm)
+                                    prep.recogniser.base_errors, changed, review.harm,
+                                    review.lost)
 
 
 def to_json(review: Review, markdown_path: Path) -> dict:
@@ -366,6 +414,7 @@ def to_json(review: Review, markdown_path: Path) -> dict:
             "fails_on_base_as_released": review.base_as_released is not None
             and review.base_as_released.fails,
             "leads_on_to": harm_claims(review.harm)},
+        "lost_performance": [attrs.asdict(x) for x in review.lost],
         "pre_existing": [] if r is None else [
             {"finding": h.finding, "count": h.count, "how": h.how, "trace": str(h.trace_path)}
             for h in r.known.values()],
@@ -416,6 +465,13 @@ def markdown(review: Review) -> str:
         md += [f"| {h.finding or 'not a known finding'} | {h.count} | {h.upstream} | "
                f"`{Path(h.trace_path).resolve()}` |" for h in result.known.values()]
         md.append("")
+    if review.lost:
+        md += ["### Lost performance (no safety claim broken)", "",
+               "| claims | times on HEAD | on BASE | trace |", "| --- | --- | --- | --- |"]
+        md += [f"| {', '.join(x.claims)} | {x.count} | {x.on_base} | `{Path(x.trace).resolve()}` |"
+               for x in review.lost]
+        md += ["", "HEAD-only: BASE, with the same fixes, keeps that performance on the same "
+               "trace, so the change loses it; pre-existing: BASE loses it too.", ""]
     md += ["### Coverage of the change", "",
            "| hunk | in a module kvspec checks | lines with code that ran | runs that ran it |",
            "| --- | --- | --- | --- |"]

@@ -76,3 +76,8 @@ def test_lost_performance_never_stops_a_run(tmp_path):
     assert [v.invariant for v in runner.lost[0].violations][:1] == ["computed_blocks_are_cached"]
     assert len(runner.lost[0].runner.actions) == len(data["actions"])
     runner.apply({"op": "drain"})  # the run goes on
+    # a replay asked for its lost performance (review asks BASE so) answers with it
+    from kvspec.harness.known import replay
+    assert replay(PLAIN_HASH, data["config"], data["actions"]).violations == ()
+    lost = replay(PLAIN_HASH, data["config"], data["actions"], lost=True)
+    assert "computed_blocks_are_cached" in lost.claims and lost.error is None

@@ -164,3 +164,49 @@ def test_patched_code_run_through_a_link_maps_back(tmp_path):
             return {3: ["run0"], 4: ["run1"], 5: ["run2"]}  # 3: the fix's own line
     lines = measured_lines(Data(), head, {code_file: (imported, BASE, patched)})
     assert lines == {"vllm/v1/core/sched/scheduler.py": {3: {"run1"}, 4: {"run2"}}}
+
+
+def test_lost_performance_head_only_is_a_regression_and_base_s_is_a_note(tmp_path):
+    """Lost performance HEAD shows and BASE keeps is a (performance) regression;
+    what BASE loses too is named beside the verdict, not held against HEAD."""
+    from kvspec.review import LostOnHead
+    head_only = LostOnHead(("computed_blocks_are_cached",), 4, "t.json", "head-only")
+    old = LostOnHead(("computed_blocks_are_cached",), 2, "u.json", "pre-existing")
+    verdict = review_verdict(result(), [], [], [], None, [head_only])
+    assert verdict.code == 1
+    assert verdict.line.startswith("REGRESSION on HEAD (performance; BASE keeps it): lost "
+                                   "computed_blocks_are_cached (4x)")
+    passing = review_verdict(result(), [], [], [], None, [old])
+    assert passing.code == 0
+    assert "lost performance not HEAD's own: computed_blocks_are_cached (2x, BASE: " \
+           "pre-existing)" in passing.line
+
+
+def test_lost_performance_is_replayed_on_base_with_its_own_lost_performance(tmp_path):
+    """classify_lost asks BASE for its lost performance (``lost=True``), so a
+    trace that loses it on BASE as well is pre-existing."""
+    import json
+
+    from kvspec.harness.fuzz import KnownHit
+    from kvspec.harness.known import Outcome
+    from kvspec.review import classify_lost
+    trace = Path(__file__).resolve().parents[1] / "model_tests" / "vllm_regressions" / \
+        "failed_load_recomputed_blocks_cached_again.json"
+    asked = []
+
+    class Base:
+        def __init__(self, answer):
+            self.answer = answer
+
+        def replay(self, target, config, actions, lost=False):
+            asked.append((target, len(actions), lost))
+            return self.answer
+
+    hit = KnownHit(None, "m", "", ["computed_blocks_are_cached"], 3, trace_path=trace)
+    lost = Outcome((("computed_blocks_are_cached", "block 1 not cached"),))
+    assert classify_lost({"k": hit}, Base(lost), "vllm")[0].on_base == "pre-existing"
+    assert classify_lost({"k": hit}, Base(Outcome()), "vllm")[0].on_base == "head-only"
+    assert classify_lost({"k": hit}, Base(Outcome(error="boom")), "vllm")[0].on_base == \
+        "unknown: boom"
+    actions = len(json.loads(trace.read_text())["actions"])
+    assert asked == [("vllm", actions, True)] * 3

@@ -6,7 +6,7 @@ imported the base once, whether each counterexample also fails there. The
 worker starts importing as soon as it is spawned, beside the head's import.
 
 Protocol: one JSON object per line on the worker's stdin and stdout.
-Requests ``{"op": "replay", "target", "config", "actions"}`` and
+Requests ``{"op": "replay", "target", "config", "actions", "lost"}`` and
 ``{"op": "describe", "target"}``; the first line the worker writes is
 ``{"ready": true, ...}`` (or ``{"ready": false, "error": ...}``). vLLM's own
 output goes to the worker's stderr, never into the protocol.
@@ -95,10 +95,11 @@ class BaseWorker:
         """The base target with the fixes the head run applied."""
         return fixes_target(applied)
 
-    def replay(self, target: str, config, actions: list[dict]) -> Outcome:
+    def replay(self, target: str, config, actions: list[dict], lost: bool = False) -> Outcome:
+        """``lost``: see :func:`kvspec.harness.known.replay`."""
         from kvspec.harness.trace import config_to_dict
         answer = self._ask({"op": "replay", "target": target, "config": config_to_dict(config),
-                            "actions": actions})
+                            "actions": actions, "lost": lost})
         return Outcome(tuple(tuple(v) for v in answer.get("violations", ())), answer.get("error"))
 
     def describe(self, target: str) -> dict:
@@ -147,7 +148,8 @@ def _handle(request: dict) -> dict:
     from kvspec.harness.known import replay
     from kvspec.harness.trace import config_from_dict
     if request["op"] == "replay":
-        got = replay(request["target"], config_from_dict(request["config"]), request["actions"])
+        got = replay(request["target"], config_from_dict(request["config"]), request["actions"],
+                     lost=bool(request.get("lost")))
         return {"violations": [list(v) for v in got.violations], "error": got.error}
     if request["op"] == "describe":
         from kvspec.harness.targets import parse_vllm_target

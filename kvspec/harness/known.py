@@ -63,18 +63,22 @@ class Outcome:
         return bool(self.violations)
 
 
-def replay(target: str, config, actions: list[dict]) -> Outcome:
-    """Run ``actions`` on a fresh ``target`` in this process."""
+def replay(target: str, config, actions: list[dict], lost: bool = False) -> Outcome:
+    """Run ``actions`` on a fresh ``target`` in this process. ``lost``: a run
+    that breaks no other claim answers with its lost performance (efficiency
+    claims, which never stop a run) instead of nothing."""
     from kvspec.harness.runner import Runner
     from kvspec.harness.targets import TargetCannotMap
     try:
-        failure = Runner(target, config).run(actions)
+        runner = Runner(target, config)
+        failure = runner.run(actions)
     except TargetCannotMap as exc:
         return Outcome(error=f"the target cannot map it: {exc}")
     except (ValueError, TypeError, RuntimeError, ImportError) as exc:
         return Outcome(error=f"{type(exc).__name__}: {exc}")
     if failure is None:
-        return Outcome()
+        return Outcome(tuple((v.invariant, v.message) for ce in runner.lost
+                             for v in ce.violations) if lost else ())
     return Outcome(tuple((v.invariant, v.message) for v in failure.violations))
 
 
