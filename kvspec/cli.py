@@ -495,7 +495,8 @@ def report(result, design_rules: bool = True, prep=None, first_line: bool = True
     from kvspec.run import get_scaled_runs
     console.print(f"{result.runs} runs{get_scaled_runs(result)}, {result.actions} actions in "
                   f"{result.elapsed:.1f}s ({rate(result)})")
-    for name, why in get_run_unwitnessed(result, design_rules).items():
+    for name, why in get_run_unwitnessed(result, design_rules,
+                                          getattr(prep, "profile", None)).items():
         console.print(f"[yellow]never witnessed:[/] {name}" + (f" ({why})" if why else ""))
     if result.known:
         console.print(known_table(result.known))

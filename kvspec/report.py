@@ -125,14 +125,44 @@ WORLD_CLAIMS = ("hit_within_stored", "load_lands_in_given_blocks",
                 "load_reads_what_was_stored", "delay_covers_reads_in_flight")
 
 
-def get_run_unwitnessed(result, design_rules: bool) -> dict[str, str]:
+def get_unreachable(profile) -> dict[str, str]:
+    """Claims a run drawn from ``profile`` can never witness, and why: what
+    they need is outside what it draws (its restrictions, the verdict line's
+    "not mapped" part), so a longer run would not reach them either."""
+    from kvspec.harness.machine import LAYOUTS
+    if profile is None:
+        return {}
+    out: dict[str, str] = {}
+    groups = {kind for layout in profile.layouts for kind in LAYOUTS.get(layout, ())}
+    if "async" not in profile.scheduling:
+        for claim in ("placeholders_nonnegative", "placeholders_match_in_flight"):
+            out[claim] = ("needs async scheduling, which this run does not draw (scheduling="
+                          f"{','.join(profile.scheduling)}); only it keeps output placeholders")
+    if "sliding_window" not in groups:
+        out["every_group_serves_computed"] = (
+            "needs a sliding-window group, which this run does not draw (layouts="
+            f"{','.join(profile.layouts)})")
+    if "last_state" not in groups:
+        out["hit_with_last_state_leaves_last_token"] = (
+            "needs a last-state group, which this run does not draw (layouts="
+            f"{','.join(profile.layouts)})")
+    if not profile.load_failures:
+        out["failed_block_recomputed_once"] = "needs a failed load; this run fails none"
+    if not {"kv_both", "kv_producer"} & set(profile.kv_roles) or profile.connectors == ("none",):
+        out["send_source_intact"] = ("needs a KV send, and no connector role this run draws "
+                                     f"stores KV (kv_roles={','.join(profile.kv_roles)})")
+    assert set(out) <= set(REGISTRY), set(out) - set(REGISTRY)
+    return out
+
+
+def get_run_unwitnessed(result, design_rules: bool, profile=None) -> dict[str, str]:
     """``unwitnessed`` for a run's result: its violated claims left out, and
     for a connector kvspec plays no world of its own around, why the claims
     on its store and transfers have nothing to judge."""
     violated = {v.invariant for v in result.counterexample.violations} \
         if result.counterexample is not None else set()
     return unwitnessed(result.checks, result.witnessed, design_rules, violated,
-                       get_unseen(result.target))
+                       {**get_unreachable(profile), **get_unseen(result.target)})
 
 
 def get_unseen(target: str) -> dict[str, str]:
@@ -212,7 +242,7 @@ def json_summary(result, version: str, budget_s: float, profile, design_rules: b
         "shrinking": {"started_s": None if result.shrink_started is None
                       else round(result.shrink_started, 3), "cut_by_budget": result.shrink_cut},
         "design_rules": design_rules, "claims": claims,
-        "unwitnessed": get_run_unwitnessed(result, design_rules),
+        "unwitnessed": get_run_unwitnessed(result, design_rules, profile),
         "features": {f: result.features.get(f, 0) for f in FEATURES},
         # docs/spec.md, "Incremental checking"
         "state_checks": {"incremental": result.state_checks.get("incremental", 0),

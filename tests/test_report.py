@@ -35,3 +35,22 @@ def test_no_mark_without_a_violation_and_the_configuration_comes_first():
     assert out.startswith(f"configuration: {config_line(config)}"[:60])
     assert f"configuration: {config_line(config)}" in " ".join(out.split())
     assert "block size 4, 9 blocks" in out and "*" not in out
+
+
+def test_a_claim_the_drawn_environment_cannot_reach_says_why_not_longer_run():
+    """A claim the profile rules out is never promised to a longer run."""
+    import attrs
+
+    from kvspec.harness.profiles import MODELLED
+    from kvspec.report import get_unreachable, unwitnessed
+    assert get_unreachable(MODELLED) == {}  # the whole environment reaches every claim
+    narrow = attrs.evolve(MODELLED, layouts=("full",), scheduling=("sync",),
+                          load_failures=False, kv_roles=("kv_consumer",))
+    why = get_unreachable(narrow)
+    assert set(why) == {"every_group_serves_computed", "hit_with_last_state_leaves_last_token",
+                        "placeholders_nonnegative", "placeholders_match_in_flight",
+                        "failed_block_recomputed_once", "send_source_intact"}
+    assert "layouts=full" in why["every_group_serves_computed"]
+    told = unwitnessed({}, {}, unseen=why)
+    assert "longer run" not in told["every_group_serves_computed"]
+    assert "longer run" in told["stats_set_exactly_once"]  # reachable: a longer run may
