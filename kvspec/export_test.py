@@ -513,7 +513,11 @@ def _update(scheduler, out, sampled, finished_sending=(), finished_recving=(),
             invalid_block_ids=(), failed_recving=()):
     """The worker's output for `out`: `sampled` as recorded; a request that
     a scheduler schedules where the recording has none samples if the step
-    reached the end of its prompt."""
+    reached the end of its prompt. A recorded finished load is reported only
+    for a request with a load in flight here (waiting for it, or ended while
+    it ran): a scheduler that admits differently (a fix) may not have started
+    it, and a worker reports only the loads it ran."""
+    finished_recving = {rid for rid in finished_recving if _has_load_in_flight(scheduler, rid)}
     req_ids = list(out.num_scheduled_tokens)
     tokens = []
     for rid in req_ids:
@@ -537,6 +541,12 @@ def _update(scheduler, out, sampled, finished_sending=(), finished_recving=(),
     scheduler.ledger.note_output(out, finished_sending, finished_recving,
                                  set(invalid_block_ids))
     scheduler.ledger.check()
+
+
+def _has_load_in_flight(scheduler, rid):
+    request = scheduler.requests.get(rid)
+    return request is not None and (request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                                    or RequestStatus.is_finished(request.status))
 
 
 def _healed(scheduler, out):
@@ -580,7 +590,9 @@ def _config_code(rec: Recording) -> str:
              "        kv_connector_module_path=__name__,",
              f"        kv_role={c.kv_role!r},",
              f"        disable_hybrid_kv_cache_manager={len(c.groups) == 1},"]
-    if not c.async_scheduling:
+    # as the vllm target: sync drafts need spec decode configured, except beside a
+    # last-state group, where the target draws none (vllm_target.NO_DRAFTS_WITH_STATE)
+    if not c.async_scheduling and not any(g.kind == "last_state" for g in c.groups):
         lines.append("        num_speculative_tokens=2,  # drafts reach the scheduler")
     elif c.num_speculative_tokens:
         lines.append(f"        num_speculative_tokens={c.num_speculative_tokens},")
