@@ -1095,7 +1095,7 @@ def _source_name(recorded: dict) -> str:
 
 def _replay_one(trace: Path, target: str | None, named: str, ignore) -> int:
     from kvspec.harness.replay import replay_trace
-    from kvspec.harness.trace import TraceError, load_trace
+    from kvspec.harness.trace import TraceError
     try:
         check_target(named, "" if target is not None else f" (named by {shown(trace)})")
         heartbeat = None if console.is_terminal else replay_progress_line
@@ -1111,8 +1111,7 @@ def _replay_one(trace: Path, target: str | None, named: str, ignore) -> int:
         console.print(Text(f"note: the recorded verdict names {shown(name, 60)}, which is no "
                            "claim of this kvspec"))
     if outcome.violations:
-        show_counterexample(outcome.steps, outcome.violations,
-                            config=load_trace(trace)["config"])
+        show_counterexample(outcome.steps, outcome.violations, config=outcome.config)
         if outcome.recorded is None:
             same = "the trace records no verdict"
         elif outcome.same_as_recorded:

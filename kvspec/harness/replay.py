@@ -30,6 +30,8 @@ class ReplayOutcome:
     recorded: list | None = None
     #: names in the recorded verdict that are no claim of this kvspec
     unknown_claims: list = attrs.Factory(list)
+    #: the configuration the trace ran under
+    config: object = None
 
 
 @attrs.frozen
@@ -88,4 +90,4 @@ def replay_trace(path: Path, target: str | None = None,
     got = [(v.invariant, v.message) for v in violations]
     unknown = sorted({claim for claim, _ in recorded} - set(REGISTRY) - set(RUN_OUTCOMES))
     return ReplayOutcome(name, runner.actions, violations, runner.log, recorded == got,
-                         recorded if "verdict" in data else None, unknown)
+                         recorded if "verdict" in data else None, unknown, data["config"])
