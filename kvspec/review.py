@@ -406,6 +406,7 @@ def to_json(review: Review, markdown_path: Path) -> dict:
         "verdict": review.verdict.word, "verdict_line": review.verdict.line,
         "exit_code": review.verdict.code, "base": review.base.label(),
         "head": review.head.label(), "wall_s": round(review.wall, 1),
+        "sources": {"base": review.base.as_dict(), "head": review.head.as_dict()},
         "budget_s": review.seconds, "runs": 0 if r is None else r.runs,
         "actions": 0 if r is None else r.actions, "markdown": str(markdown_path),
         "regression": None if ce is None else {

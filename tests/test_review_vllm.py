@@ -7,9 +7,9 @@
   be: ``vllm_patches.register_edit``); the correct refactor holds a short check.
 - A branch that already carries one of kvspec's fixes: that fix is "not needed",
   nothing is stepped around and load failures are drawn.
-- ``kvspec review`` end to end, on copies of the installed vLLM: a regression is
-  reported with a counterexample that passes on the base; the refactor passes,
-  with its changed hunk run.
+- ``kvspec review`` end to end on the installed vLLM: a regression, given as the
+  edit's diff, is reported with a counterexample that passes on the base; the
+  refactor, given as a copy, passes with its changed hunk run.
 """
 from __future__ import annotations
 
@@ -114,15 +114,17 @@ REGRESSION = BATTERY / "edits" / "02-recovery-scans-full-blocks-only.diff"
 
 @pytest.mark.skipif(not REGRESSION.is_file(), reason="the battery's edit 02 is missing")
 def test_review_reports_a_regression_that_passes_on_the_base(tmp_path):
-    copy = make_copy(tmp_path / "head", REGRESSION)
+    # HEAD is the edit itself, a diff applied to BASE (as a pull request's .diff is)
     # seed 0 meets the regression after about 60 runs (a failed sync load of a
     # single group's last, partial block): 15 s on a quiet machine, nearer 16 on
     # CI's loaded one, hence twice that
-    done = kvspec(["review", "installed", str(copy), "--budget", "30s", "--json",
+    done = kvspec(["review", "installed", str(REGRESSION), "--budget", "30s", "--json",
                    "--out", "out"], tmp_path)
     assert done.returncode == 1, done.stderr[-2000:]
     report = json.loads(done.stdout)
     assert report["verdict"] == "regression" and report["regression"]["claims"]
+    head = report["sources"]["head"]
+    assert head["kind"] == "patched" and head["patch"] == str(REGRESSION), head
     # found by the transition model; the review says what it does to a user (a
     # token sampled from invalid KV kept), which once showed only with --ignore
     assert report["regression"]["claims"] == ["transition_admitted_by_model"]

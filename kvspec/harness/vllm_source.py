@@ -84,6 +84,8 @@ class VllmSource:
     commit: str | None = None
     #: a checkout with uncommitted changes under ``vllm/``
     dirty: bool = False
+    #: kind "patched": the patch applied over another source (its name as given)
+    patch: str | None = None
 
     @property
     def is_installed(self) -> bool:
@@ -91,22 +93,28 @@ class VllmSource:
 
     def label(self) -> str:
         """``vLLM 0.33.0 (wheel /x/vllm-0.33.0-….whl)``."""
-        where = "installed" if self.is_installed else f"{self.kind} {self.given}"
         commit = f", commit {self.commit[:12]}{' + changes' if self.dirty else ''}" \
             if self.commit else ""
-        return f"vLLM {self.version} ({where}{commit})"
+        return f"vLLM {self.version} ({self.where()}{commit})"
+
+    def where(self) -> str:
+        """``installed``, ``wheel /x/vllm-….whl``, ``installed + patch pr.diff``."""
+        if self.is_installed:
+            return "installed"
+        return self.given if self.kind == "patched" else f"{self.kind} {self.given}"
 
     def cli_name(self) -> str:
         """How to name this source again on the command line (``--vllm``): a git
         ref by the directory it was unpacked into (``replay`` has no ``--repo``)."""
         if self.is_installed:
             return "installed"
-        return str(self.root) if self.kind == "git" else self.given
+        return str(self.root) if self.kind in ("git", "patched") else self.given
 
     def as_dict(self) -> dict:
         return {"given": self.given, "kind": self.kind, "version": self.version,
                 "path": str(self.package), "root": None if self.root is None else str(self.root),
                 "commit": self.commit, "uncommitted_changes": self.dirty,
+                "patch": self.patch,
                 "content_hash": content_hash(self)}
 
 
@@ -134,9 +142,132 @@ def resolve(given: str | None, repo: Path | None = None) -> VllmSource:
             return _from_wheel(path)
         if path.name.endswith((".tar.gz", ".tgz")):
             return _from_sdist(path)
+        if path.suffix in PATCH_SUFFIXES:
+            raise SourceError(f"vLLM source {_shown(given)}: a patch, not a source (kvspec "
+                              f"review BASE {_shown(given)} applies it to BASE)")
         raise SourceError(f"vLLM source {_shown(given)}: not a wheel (.whl) or an sdist "
                           "(.tar.gz)")
     return _from_directory(path, given)
+
+
+#: what names a patch rather than a source (``review BASE PATCH``)
+PATCH_SUFFIXES = (".diff", ".patch")
+#: a patch read from standard input
+STDIN = "-"
+
+
+def is_patch(given: str) -> bool:
+    """``given`` names a patch: ``-`` (standard input), or a ``.diff`` or
+    ``.patch`` file."""
+    return given.strip() == STDIN or Path(given).suffix in PATCH_SUFFIXES
+
+
+def resolve_change(given: str, base: VllmSource, repo: Path | None = None) -> VllmSource:
+    """A review's HEAD: a source as for :func:`resolve`, or a patch applied to
+    ``base`` (:func:`patched`)."""
+    if not is_patch(given):
+        return resolve(given, repo)
+    if given.strip() == STDIN:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise SourceError("patch -: standard input is a terminal; pipe a diff in "
+                              "(git diff BASE | kvspec review BASE -)")
+        text = sys.stdin.read()
+        return patched(base, text, "from standard input")
+    path = Path(given).expanduser()
+    if not path.is_file():
+        raise SourceError(f"patch {_shown(given)}: no such file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SourceError(f"patch {_shown(given)}: cannot read it ({exc})") from None
+    return patched(base, text, str(path))
+
+
+def patched(base: VllmSource, text: str, name: str) -> VllmSource:
+    """``base`` with the unified diff ``text`` applied (a pull request's
+    ``.diff``, ``git diff`` or ``git format-patch`` output, paths ``a/vllm/...``):
+    a tree of links to ``base``'s files in ``.kvspec/sources/patch-*``, the files
+    the diff changes copied and patched with ``git apply``, which applies
+    exactly or not at all. Files outside ``vllm/`` (tests, docs) are left out;
+    a diff that changes nothing under ``vllm/`` or does not apply to ``base``
+    is a SourceError naming the first file that did not fit."""
+    if not text.strip():
+        raise SourceError(f"patch {_shown(name)}: empty")
+    files = _patch_files(text, name)
+    inside = [f for f in files if f.startswith("vllm/")]
+    if not inside:
+        raise SourceError(f"patch {_shown(name)}: changes no file under vllm/ (it changes "
+                          f"{', '.join(files[:3])}{', ...' if len(files) > 3 else ''})")
+    root = CACHE / f"patch-{_digest(str(base.package.resolve()) + chr(0) + text)}"
+    diff = root.with_suffix(".diff")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    diff.write_text(text, encoding="utf-8")
+    _unpack_into(root, lambda tmp: _apply_over(base, diff, inside, tmp, name))
+    return VllmSource(f"{base.where()} + patch {name}", "patched", root.resolve(),
+                      (root / "vllm").resolve(), base.version, commit=base.commit,
+                      patch=name)
+
+
+def _patch_files(text: str, name: str) -> list[str]:
+    """The paths a diff reads or writes (its ``--- a/`` and ``+++ b/`` lines),
+    once git has read it as a patch; or a SourceError."""
+    done = _git_apply(Path.cwd(), ["--numstat", "-"], text)
+    if done.returncode != 0:
+        raise SourceError(f"patch {_shown(name)}: not a patch git can read "
+                          f"({_first_line(done.stderr)})")
+    files = re.findall(r"^(?:---|\+\+\+) [ab]/(\S+)", text, re.M)
+    if not files:
+        raise SourceError(f"patch {_shown(name)}: no file changes in it (a unified diff with "
+                          "a/ and b/ paths, as git diff writes)")
+    return list(dict.fromkeys(files))
+
+
+def _apply_over(base: VllmSource, diff: Path, inside: list[str], tmp: Path,
+                name: str) -> None:
+    """Links to every file of ``base``'s package (no compiled ones), then the
+    files the diff changes made real copies and the diff applied."""
+    package = base.package.resolve()
+    for where, dirs, names in os.walk(package):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        here = tmp / "vllm" / Path(where).relative_to(package)
+        here.mkdir(parents=True, exist_ok=True)
+        for file in names:
+            if not _is_compiled(file):
+                os.symlink(Path(where) / file, here / file)
+    for rel in inside:
+        path = tmp / rel
+        if path.is_symlink():
+            real = path.resolve()
+            path.unlink()
+            path.write_bytes(real.read_bytes())
+    done = _git_apply(tmp, ["--include=vllm/*", str(diff.resolve())])
+    if done.returncode != 0:
+        raise SourceError(f"patch {_shown(name)} does not apply to {base.label()}: "
+                          f"{_first_line(done.stderr)} (make the diff against BASE, or name "
+                          "both sides as git refs of --repo)")
+
+
+def _git_apply(where: Path, args: list[str], text: str | None = None):
+    """``git apply`` in ``where``, outside any repository around it (inside one,
+    git would read paths from that repository's top and skip the rest)."""
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(where.resolve().parent))
+    try:
+        return subprocess.run(["git", "-C", str(where), "apply", *args], input=text,
+                              capture_output=True, text=True, timeout=60, check=False,
+                              env=env)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SourceError(f"git apply: {exc}") from None
+
+
+def _first_line(text: str) -> str:
+    """git's first message line, without its ``error:`` label."""
+    line = (text.strip().splitlines() or ["no message"])[0]
+    return line.removeprefix("error: ")[:200]
+
+
+def _is_compiled(name: str) -> bool:
+    """A compiled extension: nothing the scheduler runs loads one."""
+    return name.endswith((".so", ".pyd", ".dll", ".dylib")) or ".so." in name
 
 
 def installed() -> VllmSource:
@@ -296,7 +427,7 @@ def _keeps(name: str, size: int) -> bool:
     """A file of the package worth unpacking: Python, and small data files."""
     if name.endswith("/") or not (name.startswith("vllm/") or ".dist-info/" in name):
         return False
-    if name.endswith((".so", ".pyd", ".dll", ".dylib")) or ".so." in name:
+    if _is_compiled(name):
         return False
     return name.endswith(".py") or size <= MAX_DATA_FILE
 

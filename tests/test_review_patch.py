@@ -1,0 +1,132 @@
+"""A review's HEAD given as a patch of BASE (``kvspec review BASE pr.diff``).
+
+The patched tree is links to BASE's files with the changed ones copied and
+patched by ``git apply``: BASE is never written through a link, files outside
+``vllm/`` are left out, the tree is found again by the name ``--vllm`` takes,
+and a diff that is empty, unreadable, outside ``vllm/`` or does not apply is
+a one-line error. None of this imports vLLM: BASE is a small directory.
+"""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvspec.harness import vllm_source
+from kvspec.harness.vllm_source import SourceError, resolve, resolve_change
+
+SCHEDULER = "vllm/v1/core/sched/scheduler.py"
+ORIGINAL = "def step():\n    n = (tokens + block_size - 1) // block_size\n    return n\n"
+
+DIFF = f"""\
+diff --git a/{SCHEDULER} b/{SCHEDULER}
+--- a/{SCHEDULER}
++++ b/{SCHEDULER}
+@@ -1,3 +1,3 @@
+ def step():
+-    n = (tokens + block_size - 1) // block_size
++    n = tokens // block_size
+     return n
+diff --git a/tests/test_step.py b/tests/test_step.py
+new file mode 100644
+--- /dev/null
++++ b/tests/test_step.py
+@@ -0,0 +1 @@
++assert True
+"""
+
+
+@pytest.fixture
+def base(tmp_path, monkeypatch) -> vllm_source.VllmSource:
+    """A vLLM-shaped directory as BASE, and a working directory inside a git
+    repository (as kvspec's own checkout is), where git apply must still apply
+    the patch's paths from the patched tree's top."""
+    root = tmp_path / "base"
+    for rel, text in {"vllm/__init__.py": "", SCHEDULER: ORIGINAL,
+                      "vllm/v1/request.py": "class Request: ...\n"}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    (root / "vllm" / "_C.abi3.so").write_bytes(b"\x7fELF")
+    work = tmp_path / "work"
+    work.mkdir()
+    subprocess.run(["git", "init", "-q", str(work)], check=True)
+    monkeypatch.chdir(work)
+    return resolve(str(root))
+
+
+def write(tmp_path: Path, text: str, name: str = "pr.diff") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_a_patch_is_applied_over_links_to_base(base, tmp_path):
+    head = resolve_change(str(write(tmp_path, DIFF)), base)
+    assert head.kind == "patched" and head.version == base.version
+    changed = head.package / "v1" / "core" / "sched" / "scheduler.py"
+    assert "n = tokens // block_size" in changed.read_text()
+    assert not changed.is_symlink()
+    # BASE is untouched: the changed file was copied before git apply wrote it
+    assert (base.package / "v1/core/sched/scheduler.py").read_text() == ORIGINAL
+    assert (head.package / "v1" / "request.py").is_symlink()
+    assert not (head.package / "_C.abi3.so").exists()  # compiled files left out
+    assert not (head.root / "tests").exists()  # only vllm/ is applied
+    assert "patch " in head.label() and "pr.diff" in head.label()
+    # --vllm names the patched tree, and it resolves to the same package
+    again = resolve(head.cli_name())
+    assert again.package == head.package
+
+
+def test_a_patch_from_standard_input(base, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(DIFF))
+    head = resolve_change("-", base)
+    assert head.patch == "from standard input"
+    assert "tokens // block_size" in (head.package / "v1/core/sched/scheduler.py").read_text()
+
+
+def test_a_source_is_not_taken_for_a_patch(base):
+    assert resolve_change(str(base.root), base).kind == "directory"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "empty"),
+    ("hello\n", "not a patch git can read"),
+    ("--- a/tests/x.py\n+++ b/tests/x.py\n@@ -1 +1 @@\n-a\n+b\n",
+     "changes no file under vllm/ (it changes tests/x.py)"),
+    (DIFF.replace("- 1) // block_size\n+", "- 2) // block_size\n+"),
+     f"does not apply to vLLM unknown (directory "),
+])
+def test_a_bad_patch_is_one_clear_error(base, tmp_path, text, message):
+    with pytest.raises(SourceError) as raised:
+        resolve_change(str(write(tmp_path, text)), base)
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_patch_that_does_not_fit_names_the_file(base, tmp_path):
+    bad = DIFF.replace("- 1) // block_size\n+", "- 2) // block_size\n+")
+    with pytest.raises(SourceError, match=f"patch failed: {SCHEDULER}:1"):
+        resolve_change(str(write(tmp_path, bad)), base)
+
+
+def test_a_patch_is_no_source_of_its_own(base, tmp_path):
+    with pytest.raises(SourceError, match="a patch, not a source"):
+        resolve(str(write(tmp_path, DIFF)))
+
+
+def test_a_missing_patch_file(base, tmp_path):
+    with pytest.raises(SourceError, match="no such file"):
+        resolve_change(str(tmp_path / "nowhere.diff"), base)
+
+
+def test_the_review_command_says_it_in_one_line(base, tmp_path):
+    bad = write(tmp_path, "--- a/docs/x.md\n+++ b/docs/x.md\n@@ -1 +1 @@\n-a\n+b\n")
+    done = subprocess.run([sys.executable, "-m", "kvspec.cli", "review", str(base.root),
+                           str(bad), "--budget", "5s"], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == (f"kvspec: error: patch {str(bad)!r}: changes no file "
+                                   "under vllm/ (it changes docs/x.md)")
