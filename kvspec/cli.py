@@ -1164,9 +1164,12 @@ def export_test(trace: Path = typer.Argument(..., help="a trace of the vllm targ
     path = out or Path((name or get_test_name(trace)) + ".py")
     path.write_text(text)
     how = "raises" if recording.crashed else "fails"
+    first = sorted({v.invariant for v in recording.first_seen})
+    before = (f"; kvspec first saw {', '.join(first)}, which a standalone test cannot check, "
+              "and the test goes on to what it leads to") if first else ""
     console.print(f"wrote {shown(path)}: {sum(c[0] == 'schedule' for c in recording.calls)} "
                   f"steps; on vLLM {recording.version} it {how} "
-                  f"({', '.join(sorted({v.invariant for v in recording.violations}))}). "
+                  f"({', '.join(sorted({v.invariant for v in recording.violations}))}{before}). "
                   "Put it in vLLM's tests/v1/kv_connector/unit/ and run pytest on it.")
 
 

@@ -70,10 +70,34 @@ class Recording:
     env: object = None
     #: efficiency claims the trace breaks (lost performance: no test is written of it)
     lost: list = attrs.Factory(list)
+    #: what the trace broke first, when no claim a test can check was among it:
+    #: the recording is then of the same run with those claims unchecked
+    first_seen: list = attrs.Factory(list)
+    #: the run was replayed on with what the test cannot check unchecked, and
+    #: broke nothing it can check
+    went_on: bool = False
 
 
 def record(trace: Path, target: str | None = None) -> Recording:
-    """Replay ``trace`` on the vllm target, writing down every call."""
+    """Replay ``trace`` on the vllm target, writing down every call. When what
+    it breaks is all beyond a standalone test (the transition model, kvspec's
+    ghost state), the run is recorded again with every claim the test cannot
+    check left unchecked, so that it goes on to a harm the test can show (a
+    garbage block cached, a request that never finishes); the first breaks are
+    kept in ``first_seen``."""
+    rec = _record(trace, target)
+    if not rec.violations or rec.crashed or not get_unexpressible(rec):
+        return rec
+    from kvspec.spec.registry import REGISTRY
+    further = _record(trace, target, frozenset(REGISTRY) - get_usable(rec.config))
+    if not further.violations:
+        rec.went_on = True
+        return rec
+    further.first_seen = rec.violations
+    return further
+
+
+def _record(trace: Path, target: str | None, ignore=frozenset()) -> Recording:
     from kvspec.harness.replay import replay_trace
     from kvspec.harness.runner import is_lost_performance
     from kvspec.harness.targets import parse_connector_choice
@@ -94,7 +118,7 @@ def record(trace: Path, target: str | None = None) -> Recording:
         found.append(Recording(runner.config, runner.target.version, [], env=runner.env))
         _wrap_scheduler(runner.target.scheduler, found[0])
         _wrap_connector(runner.env, found[0])
-    outcome = replay_trace(trace, target, on_start=start)
+    outcome = replay_trace(trace, target, on_start=start, ignore=ignore)
     rec = found[0]
     # a safety or design break stops the run; lost performance alone is no failure
     rec.violations = [v for v in outcome.violations if not is_lost_performance(v)]
@@ -189,13 +213,16 @@ def _wrap_connector(env, rec: Recording) -> None:
 
 
 # -- the test's text ----------------------------------------------------------
+def get_usable(config) -> frozenset[str]:
+    """The claims a standalone test of a run with ``config`` can check."""
+    usable = frozenset(EXPRESSIBLE)
+    return usable if _checks_blocks(config) else usable - SINGLE_GROUP_ONLY
+
+
 def get_unexpressible(rec: Recording) -> list[str]:
     """The broken claims the test cannot check, when none it can is broken."""
     claims = {v.invariant for v in rec.violations}
-    usable = set(EXPRESSIBLE)
-    if not _checks_blocks(rec.config):
-        usable -= SINGLE_GROUP_ONLY
-    return [] if claims & usable else sorted(claims)
+    return [] if claims & get_usable(rec.config) else sorted(claims)
 
 
 def render(rec: Recording, trace: Path, test_name: str | None = None) -> str:
@@ -210,9 +237,12 @@ def render(rec: Recording, trace: Path, test_name: str | None = None) -> str:
                           "nothing to reproduce")
     missing = get_unexpressible(rec)
     if missing:
+        went_on = (", and with those unchecked the run goes on to break nothing it checks"
+                   if rec.went_on else "")
         raise ExportError(
             f"{trace.name}: a standalone test cannot check {', '.join(missing)} yet (it "
-            f"checks {', '.join(sorted(EXPRESSIBLE))}); `kvspec replay` reproduces it")
+            f"checks {', '.join(sorted(EXPRESSIBLE))}){went_on}; `kvspec replay` "
+            "reproduces it")
     name = test_name or get_test_name(trace)
     return "\n".join([_header(rec, trace), HELPERS, _config_code(rec), _body(rec, name)]) + "\n"
 
@@ -225,6 +255,10 @@ def get_test_name(trace: Path) -> str:
 
 def _header(rec: Recording, trace: Path) -> str:
     broke = "\n".join(f"  {v.invariant}: {v.message}" for v in rec.violations[:6])
+    if rec.first_seen:
+        first = "\n".join(f"  {v.invariant}: {v.message}" for v in rec.first_seen[:6])
+        broke = (f"{first}\n\nA standalone test cannot check that; with it left unchecked "
+                 f"the same run goes on to\nbreak what this test checks:\n\n{broke}")
     how = ("raises" if rec.crashed else "fails an assertion")
     return f'''# SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
@@ -434,6 +468,14 @@ class Ledger:
             self.tokens[rid] = list(request.all_token_ids)
             self.hashes[rid] = list(request.block_hashes)
 
+    def pending(self):
+        """The slots steps in flight write: vLLM caches a block when the step
+        that fills it is scheduled, and a step that reads it runs after that
+        one on the worker. Judged as written until the step's output lands."""
+        return {self.slot(blocks, p): (rid, p)
+                for out in self.in_flight for rid, start, n, blocks in self.writes[id(out)]
+                for p in range(start, start + n)}
+
     def holds(self, what):
         if what == "garbage" or what is None:
             return what
@@ -444,13 +486,15 @@ class Ledger:
         """After an output: kvspec's claims, in vLLM's terms."""
         self.remember()
         pool = self.scheduler.kv_cache_manager.block_pool
+        pending = self.pending()
         for rid, hashes in self.hashes.items() if self.check_blocks else ():
             for i, block_hash in enumerate(hashes):
                 cached = pool.get_cached_block(block_hash, [0])
                 if not cached:
                     continue
                 want = self.tokens[rid][i * self.block_size:(i + 1) * self.block_size]
-                got = [self.holds(self.slots.get((cached[0].block_id, j)))
+                got = [self.holds(pending.get((cached[0].block_id, j),
+                                              self.slots.get((cached[0].block_id, j))))
                        for j in range(self.block_size)]
                 assert got == want, (
                     f"block {cached[0].block_id} is in the prefix cache under the hash "

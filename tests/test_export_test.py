@@ -36,6 +36,11 @@ REFUSED = {
 EXPORTED = [t for t in FINDINGS if t.name not in REFUSED]
 
 
+def _is_installed_0_32() -> bool:
+    from kvspec.harness.vllm_source import active
+    return active().is_installed and active().version == "0.32.0"
+
+
 def _imports(tree: ast.Module) -> set[str]:
     names = set()
     for node in ast.walk(tree):
@@ -81,6 +86,44 @@ def test_a_claim_it_cannot_express_is_refused():
     rec.violations = [Violation("no_caching_of_invalid_blocks", "block 1 ...", "")]
     with pytest.raises(ExportError, match="cannot check no_caching_of_invalid_blocks"):
         render(rec, hybrid)
+
+
+MODEL_ONLY = ROOT / "tests" / "data" / "export" / "model-only-recovery-scans-full-blocks.json"
+
+
+@pytest.mark.skipif(not _is_installed_0_32(), reason="the battery's edit 02 is a diff of "
+                    "vLLM 0.32.0 as installed")
+def test_a_break_only_the_model_sees_is_exported_with_what_it_leads_to():
+    """A review's regression found by the transition model alone (the battery's
+    edit 02: a failed load of a request's last, partial block goes unnoticed):
+    the test is written of the same run with what it cannot check unchecked,
+    where the garbage block is cached; the model's break heads the docstring.
+    On the release the trace breaks nothing."""
+    from kvspec.harness.vllm_patches import register_edit
+    edit = ROOT / "bench" / "review_battery" / "edits" / "02-recovery-scans-full-blocks-only.diff"
+    rec = record(MODEL_ONLY, f"vllm?plant={register_edit(edit)}")
+    assert {v.invariant for v in rec.first_seen} == {"transition_admitted_by_model"}
+    assert {v.invariant for v in rec.violations} == {"no_caching_of_invalid_blocks"}
+    text = render(rec, MODEL_ONLY)
+    assert text.index("transition_admitted_by_model: r0") < text.index(
+        "A standalone test cannot check that") < text.index("no_caching_of_invalid_blocks:")
+    with pytest.raises(ExportError, match="breaks no claim"):
+        render(record(MODEL_ONLY, "vllm"), MODEL_ONLY)
+
+
+def test_what_goes_on_to_nothing_checkable_says_so():
+    """A trace the model alone flags whose run, with that unchecked, breaks
+    nothing a test checks (the battery's edit 04) is refused, saying so."""
+    if not _is_installed_0_32():
+        pytest.skip("the battery's edits are diffs of vLLM 0.32.0 as installed")
+    from kvspec.harness.vllm_patches import register_edit
+    battery = ROOT / "bench" / "review_battery"
+    edit = battery / "edits" / "04-recovery-scans-waiting-for-async-loads.diff"
+    trace = battery / "traces" / f"{edit.stem}.json"
+    rec = record(trace, f"vllm?plant={register_edit(edit)}")
+    with pytest.raises(ExportError, match="cannot check transition_admitted_by_model yet .*"
+                       "goes on to break nothing it checks"):
+        render(rec, trace)
 
 
 # The command-line tests judge the installed vLLM (0.32.0), also in CI's phase
@@ -165,6 +208,38 @@ def test_exported_tests_fail_as_released_and_follow_kvspec_with_fixes():
         assert released[test][0] == "failed", (test, released[test])
         want = "passed" if fixed[path] else "failed"
         assert every[test][0] == want, (test, every[test], f"kvspec's replay: {want}")
+
+
+def test_a_model_only_regression_fails_on_its_patch_and_passes_on_the_release(tmp_path):
+    """The exported test of a break only the transition model saw (edit 02,
+    found by a review on 0.32.0) run in 0.33.0's tree with every fix: it fails
+    on 0.33.0 with the edit applied (a review's HEAD given as a patch) and
+    passes on 0.33.0 itself. The ledger counts a block that a step in flight
+    fills as written (vLLM caches it when that step is scheduled): judged by
+    what it held before, the release failed too."""
+    from kvspec.harness import vllm_source
+    packets, tree, env = _newest_tree()
+    base = vllm_source.resolve(os.environ[vllm_source.SOURCE_ENV])
+    edit = ROOT / "bench" / "review_battery" / "edits" / "02-recovery-scans-full-blocks-only.diff"
+    head = vllm_source.resolve_change(str(edit), base)
+    from kvspec.harness.vllm_patches import register_edit
+    # recorded on 0.33.0 with the edit planted (kvspec's replay finds the same break)
+    rec = record(MODEL_ONLY, f"vllm?plant={register_edit(edit)}")
+    assert {v.invariant for v in rec.first_seen} == {"transition_admitted_by_model"}
+    text = render(rec, MODEL_ONLY)
+    path = tree / "tests" / "v1" / "kv_connector" / "unit" / "test_kvspec_export_model_only.py"
+    path.write_text(text)
+    test = str(path.relative_to(tree))
+    try:
+        on_head = packets.run_pytest(sys.executable, tree, [test], "all",
+                                     packets.get_env(head, Path(env["HF_HOME"])),
+                                     tmp_path / "head.xml")
+        on_base = packets.run_pytest(sys.executable, tree, [test], "all", env,
+                                     tmp_path / "base.xml")
+    finally:
+        path.unlink(missing_ok=True)
+    assert on_head[test][0] == "failed" and "garbage" in on_head[test][1], on_head
+    assert on_base[test][0] == "passed", on_base
 
 
 def test_a_trace_of_lost_performance_alone_is_refused_by_name():
