@@ -28,6 +28,12 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
 console = Console()
 if not console.is_terminal:
     console = Console(width=200)  # logs and CI: do not squeeze tables to 80 columns
+#: --help's width in a pipe or a log: rich's 80 columns left the help text of the
+#: long options about 20 (TERMINAL_WIDTH, typer's own setting, still rules)
+HELP_WIDTH = 120
+if not console.is_terminal and not os.environ.get("TERMINAL_WIDTH"):
+    import typer.rich_utils
+    typer.rich_utils.MAX_WIDTH = HELP_WIDTH
 DEFAULT_OUT = Path(".kvspec/failures")
 DEFAULT_DB = Path(".kvspec/examples")
 #: Hypothesis' own files (its constants cache) for runs from the command line

@@ -81,12 +81,18 @@ def is_checked_claim(inv, design_rules: bool) -> bool:
     return inv.role != "design" or design_rules
 
 
+#: what the claims table's counts count (one check can witness several cases)
+CLAIMS_CAPTION = ("checked: calls the claim was judged after; witnessed: the cases (requests, "
+                  "blocks, lookups) where what it speaks of happened, several per call at times; "
+                  "a 0 there means the run never tested it")
+
+
 def summary_table(checks: dict[str, int], witnessed: dict[str, int],
                   violations: dict[str, int], design_rules: bool = True,
                   kv_steps: int = 0) -> Table:
     """One row per claim; ``kv_steps``: steps run on real K/V tensors (``--kv
     torch``), each judged by the torch worker's claim, which is no registry claim."""
-    table = Table(title="claims")
+    table = Table(title="claims", caption=CLAIMS_CAPTION)
     for column in ("claim", "kind", "role", "checked", "witnessed", "violations"):
         table.add_column(column, justify="right" if column in ("checked", "witnessed",
                                                                 "violations") else "left")

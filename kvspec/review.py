@@ -432,9 +432,9 @@ def to_json(review: Review, markdown_path: Path) -> dict:
 LEGEND = (
     "Each row is an action and the requests after it: `c=` computed/known tokens, `ph=` "
     "output placeholders (async scheduling), `hit=` the cache-hit stats "
-    "(cached/external tokens), `pre=` preemptions, `b=` the first KV cache group's blocks; "
-    "statuses are cut to 12 characters (`WAITING_FOR_` is WAITING_FOR_REMOTE_KVS, "
-    "`FINISHED_ABO` FINISHED_ABORTED, `FINISHED_LEN` FINISHED_LENGTH_CAPPED). In `add`: "
+    "(cached/external tokens), `pre=` preemptions, `b=` the first KV cache group's blocks "
+    "(traces written before 2026-11-28 cut statuses to 12 characters: `WAITING_FOR_` is "
+    "WAITING_FOR_REMOTE_KVS). In `add`: "
     "`ext` tokens the external KV store holds, `async` an async load, `none` times the "
     "connector answers \"not yet\" first, `send` a KV send delays the free, `offload` the "
     "store keeps what the request computes. In `step`: `finish_loads`, `fail` (loads that "

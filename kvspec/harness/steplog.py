@@ -76,7 +76,7 @@ def describe_request(r) -> str:
     blocks = ",".join(map(str, r.block_ids[0])) if r.block_ids else ""
     pre = f" pre={r.num_preemptions}" if r.num_preemptions else ""
     held = f" ph={r.num_output_placeholders}" if r.num_output_placeholders else ""
-    return (f"{r.request_id}:{r.status.name[:12]} c={r.num_computed_tokens}/{r.num_tokens}"
+    return (f"{r.request_id}:{r.status.name} c={r.num_computed_tokens}/{r.num_tokens}"
             f"{held}{stats}{pre} b=[{blocks}]")
 
 
