@@ -218,6 +218,23 @@ def test_a_real_connectors_log_shows_its_answers_not_the_environments_plan():
     assert "lookups=r1 -> 4 async" in lines[6], lines  # its store's hit, loaded async
 
 
+def test_a_lookup_in_the_drain_is_shown_on_the_drain_step_that_made_it():
+    """The drain's steps each show their own lookups; they once all went on the
+    drain's last row, a step after the lookup (the new-user review's item 5)."""
+    runner = Runner("vllm?connector=model_tests.connectors.async_store:AsyncPrefixStore",
+                    make_config(block_size=2, num_blocks=12, max_num_batched_tokens=8))
+    assert runner.run([
+        {"op": "add", "id": "r0", "prompt": [1, 2, 3, 4, 5], "max_tokens": 1},
+        {"op": "step"}, {"op": "step"}, {"op": "step", "finish_sends": ["r0"]},
+        {"op": "reset_prefix_cache"},
+        {"op": "add", "id": "r1", "prompt": [1, 2, 3, 4, 9], "max_tokens": 3},
+        {"op": "drain"}]) is None
+    lines = [rec.action for rec in runner.log]
+    first = lines.index("add(id=r1, prompt=[1, 2, 3, 4, 9], max_tokens=3)") + 1
+    assert lines[first].startswith("drain.step(lookups=r1 -> 4"), lines
+    assert "lookups" not in lines[-1] and lines[-1] == "drain()", lines
+
+
 def _run_store(connector: str, prompt: list[int]):
     """r0's prompt stored (its send reported), the local prefix cache reset, then
     r1 looked up on the connector's store alone."""

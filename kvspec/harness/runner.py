@@ -92,6 +92,9 @@ class Runner:
         self.checks, self.witnessed = self.checker.checks, self.checker.witnessed
         self.content = KVContent(config.num_blocks, config.block_size, config.groups)
         self.env = EnvConnector(self.content, self._observe_request)
+        #: how many of the connector calls not yet judged a row already shows
+        #: (the drain's steps show their own lookups; the drain's row the rest)
+        self._calls_shown = 0
         self.target = make_target(target_name, config, self.env)
         #: a real connector's world (None: kvspec's own connector answers), and
         #: whether the log leaves out the add plan nothing then reads
@@ -142,18 +145,25 @@ class Runner:
         # the connector's answers first: a breach of its contract is the cause
         # of whatever the scheduler then did with them (a crash included)
         calls = self.env.take_calls()
+        shown_calls, self._calls_shown = calls[self._calls_shown:], 0
         violations = self.checker.check_calls(calls) + violations
         if any(v.invariant == "lookup_answer_has_the_api_types" for v in violations):
             violations = [v for v in violations if v.invariant != "connector_answer"]
         violations = list({(v.invariant, v.message): v for v in violations}.values())
-        record_step(self.log, self.violation_counts, self._get_shown(action, calls), self.obs,
-                    violations)
+        record_step(self.log, self.violation_counts, self._get_shown(action, shown_calls),
+                    self.obs, violations)
         lost = [v for v in violations if is_lost_performance(v)]
         if lost:
             keep_first_lost(self.lost, lost, lambda: RunSnapshot(
                 self.config, list(self.actions), list(self.log), self.kv))
         if len(lost) < len(violations):  # only safety and design claims stop a run
             raise Counterexample([v for v in violations if v not in lost], self)
+
+    def _take_unshown_calls(self) -> list:
+        """The connector calls since the last row that showed its own (they
+        stay the env's until the action ends, which judges them all)."""
+        calls, self._calls_shown = self.env.calls[self._calls_shown:], len(self.env.calls)
+        return calls
 
     def _get_shown(self, action: dict, calls) -> dict:
         """The action as its log line shows it. With a real connector: the
@@ -355,6 +365,8 @@ class Runner:
             violations = self._do_step(healed) + self.model_runner.take_violations(self.target)
             if violations:
                 return violations
-            record_step(self.log, self.violation_counts, {"op": "drain.step"}, self.obs, ())
+            record_step(self.log, self.violation_counts,
+                        self._get_shown({"op": "drain.step"}, self._take_unshown_calls()),
+                        self.obs, ())
         return self.checker.check_full() + [note_undecided(v, self.env.undecided)
                                              for v in self.judge.check_liveness(self.obs)]
