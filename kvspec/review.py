@@ -521,6 +521,11 @@ def _regression(review: Review, command_arg) -> list[str]:
            "    # fails",
            f"kvspec replay {command_arg(trace)} --vllm {command_arg(review.base.cli_name())}"
            "    # passes",
+           "```", "",
+           "A standalone test in vLLM's style, for the pull request (it imports no kvspec; "
+           "a break only kvspec's model sees is written as what it leads to):", "", "```",
+           f"kvspec export-test {command_arg(trace)} --vllm "
+           f"{command_arg(review.head.cli_name())} -o test_regression.py",
            "```", ""]
     return md
 

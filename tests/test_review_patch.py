@@ -76,9 +76,10 @@ def test_a_patch_is_applied_over_links_to_base(base, tmp_path):
     assert not (head.package / "_C.abi3.so").exists()  # compiled files left out
     assert not (head.root / "tests").exists()  # only vllm/ is applied
     assert "patch " in head.label() and "pr.diff" in head.label()
-    # --vllm names the patched tree, and it resolves to the same package
+    # --vllm names the patched tree, and it resolves to the same source
     again = resolve(head.cli_name())
-    assert again.package == head.package
+    assert again.package == head.package and again.label() == head.label()
+    assert again.kind == "patched" and again.patch == head.patch
 
 
 def test_a_patch_from_standard_input(base, monkeypatch):

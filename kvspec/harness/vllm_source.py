@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -202,10 +203,32 @@ def patched(base: VllmSource, text: str, name: str) -> VllmSource:
     diff = root.with_suffix(".diff")
     CACHE.mkdir(parents=True, exist_ok=True)
     diff.write_text(text, encoding="utf-8")
-    _unpack_into(root, lambda tmp: _apply_over(base, diff, inside, tmp, name))
-    return VllmSource(f"{base.where()} + patch {name}", "patched", root.resolve(),
-                      (root / "vllm").resolve(), base.version, commit=base.commit,
-                      patch=name)
+    source = VllmSource(f"{base.where()} + patch {name}", "patched", root.resolve(),
+                        (root / "vllm").resolve(), base.version, commit=base.commit,
+                        patch=name)
+
+    def fill(tmp: Path) -> None:
+        _apply_over(base, diff, inside, tmp, name)
+        (tmp / PATCHED_NOTE).write_text(json.dumps(
+            {"given": source.given, "version": source.version, "commit": source.commit,
+             "patch": name}), encoding="utf-8")
+    _unpack_into(root, fill)
+    return source
+
+
+#: what a patched tree says of itself, so that ``--vllm <tree>`` (a replay of a
+#: trace found there) names it as it was made, not as a bare directory
+PATCHED_NOTE = "kvspec-patched.json"
+
+
+def _from_patched_tree(root: Path) -> VllmSource | None:
+    try:
+        note = json.loads((root / PATCHED_NOTE).read_text(encoding="utf-8"))
+        return VllmSource(str(note["given"]), "patched", root, root / "vllm",
+                          str(note["version"]), commit=note.get("commit"),
+                          patch=str(note["patch"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _patch_files(text: str, name: str) -> list[str]:
@@ -310,6 +333,9 @@ def _from_directory(path: Path, given: str) -> VllmSource:
         raise SourceError(f"vLLM source {_shown(given)}: no vllm/__init__.py there (give the "
                           "directory that holds the vllm package, or the package itself)")
     package = root / "vllm"
+    made = _from_patched_tree(root) if (root / PATCHED_NOTE).is_file() else None
+    if made is not None:
+        return made
     commit, dirty = _git_commit(path)
     if commit is not None:
         kind = "checkout"
