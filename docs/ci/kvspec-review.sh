@@ -4,7 +4,8 @@
 #   docs/ci/kvspec-review.sh BASE HEAD
 #
 # BASE and HEAD are the vLLM before and after the change: checkouts, wheels or
-# sdists, or git refs of $KVSPEC_REPO. Runs `kvspec review` within the budget and
+# sdists, or git refs of $KVSPEC_REPO; HEAD may also be a patch of BASE (a pull
+# request's .diff, or - for one piped in: gh pr diff 123 | kvspec-review.sh BASE -). Runs `kvspec review` within the budget and
 # leaves in $KVSPEC_REPORTS: review.md (the pull-request comment; also appended to
 # $GITHUB_STEP_SUMMARY when that is set), review.json and the traces.
 #
