@@ -1116,7 +1116,10 @@ def _replay_one(trace: Path, target: str | None, named: str, ignore) -> int:
         fail(str(exc))
     from rich.text import Text
     where = f" on {source_label()}" if outcome.target.startswith("vllm") else ""
-    console.print(Text(f"replayed {len(outcome.actions_run)} actions on {outcome.target}{where}"
+    rows = len(outcome.steps)  # a drain's steps are rows of their own
+    extra = f" ({rows} steps with the drain's)" if rows > len(outcome.actions_run) else ""
+    console.print(Text(f"replayed {len(outcome.actions_run)} actions{extra} on "
+                       f"{outcome.target}{where}"
                        + (f", not checking {', '.join(ignore)}" if ignore else "")))
     for name in outcome.unknown_claims:  # a note, not an error: the replay decides the code
         console.print(Text(f"note: the recorded verdict names {shown(name, 60)}, which is no "
@@ -1174,7 +1177,7 @@ def export_test(trace: Path = typer.Argument(..., help="a trace of the vllm targ
     before = (f"; kvspec first saw {', '.join(first)}, which a standalone test cannot check, "
               "and the test goes on to what it leads to") if first else ""
     console.print(f"wrote {shown(path)}: {sum(c[0] == 'schedule' for c in recording.calls)} "
-                  f"steps; on vLLM {recording.version} it {how} "
+                  f"steps; on {recording.where} it {how} "
                   f"({', '.join(sorted({v.invariant for v in recording.violations}))}{before}). "
                   "Put it in vLLM's tests/v1/kv_connector/unit/ and run pytest on it.")
 

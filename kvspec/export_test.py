@@ -76,6 +76,12 @@ class Recording:
     #: the run was replayed on with what the test cannot check unchecked, and
     #: broke nothing it can check
     went_on: bool = False
+    #: the vLLM it was recorded on, in words ("vLLM 0.32.0", "vLLM 0.32.0 with
+    #: pr.diff applied"); the version alone hid that a review's HEAD was patched
+    where: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        self.where = self.where or f"vLLM {self.version}"
 
 
 def record(trace: Path, target: str | None = None) -> Recording:
@@ -115,7 +121,8 @@ def _record(trace: Path, target: str | None, ignore=frozenset()) -> Recording:
                               f"stand-in; this run's answers came from {choice.name}, which "
                               "the test would not call: `kvspec replay` reproduces the trace "
                               "with it")
-        found.append(Recording(runner.config, runner.target.version, [], env=runner.env))
+        found.append(Recording(runner.config, runner.target.version, [], env=runner.env,
+                               where=describe_source(runner.target.version)))
         _wrap_scheduler(runner.target.scheduler, found[0])
         _wrap_connector(runner.env, found[0])
     outcome = replay_trace(trace, target, on_start=start, ignore=ignore)
@@ -229,11 +236,11 @@ def render(rec: Recording, trace: Path, test_name: str | None = None) -> str:
     """The standalone test's source."""
     if not rec.violations and rec.lost:
         raise ExportError(
-            f"{trace.name}: the trace breaks only efficiency claims on vLLM {rec.version} "
+            f"{trace.name}: the trace breaks only efficiency claims on {rec.where} "
             f"(lost performance: {', '.join(sorted({v.invariant for v in rec.lost}))}); "
             "export-test writes tests of safety failures; `kvspec replay` reproduces it")
     if not rec.violations:
-        raise ExportError(f"{trace.name}: the trace breaks no claim on vLLM {rec.version}: "
+        raise ExportError(f"{trace.name}: the trace breaks no claim on {rec.where}: "
                           "nothing to reproduce")
     missing = get_unexpressible(rec)
     if missing:
@@ -253,16 +260,44 @@ def get_test_name(trace: Path) -> str:
     return name if name.isidentifier() and not keyword.iskeyword(name) else "test_kvspec_trace"
 
 
+def describe_source(version: str) -> str:
+    """The vLLM a recording runs on, in words: a patched tree by its patch."""
+    from kvspec.harness.vllm_source import active
+    source = active()
+    if source.kind == "patched" and source.patch:
+        return f"vLLM {version} with {Path(source.patch).name} applied"
+    return f"vLLM {version}" + ("" if source.is_installed or source.kind == "wheel"
+                                else f" ({source.where()})")
+
+
+def _released_note(rec: Recording) -> str:
+    return ("" if rec.where == f"vLLM {rec.version}" else
+            f"\nOn vLLM {rec.version} as released it need not fail: the patch is the change.")
+
+
+def get_first_seen_line(v) -> str:
+    """A first break for the docstring, in a vLLM maintainer's words."""
+    if v.invariant == "transition_admitted_by_model":
+        step = v.message.removesuffix(" is admitted by no shape of spec/effects.py")
+        return ("  a step no path of kvspec's model of the scheduler allows (its "
+                f"transition_admitted_by_model):\n    {step}")
+    return f"  {v.invariant}: {v.message}"
+
+
 def _header(rec: Recording, trace: Path) -> str:
     broke = "\n".join(f"  {v.invariant}: {v.message}" for v in rec.violations[:6])
     if rec.first_seen:
-        first = "\n".join(f"  {v.invariant}: {v.message}" for v in rec.first_seen[:6])
-        broke = (f"{first}\n\nA standalone test cannot check that; with it left unchecked "
-                 f"the same run goes on to\nbreak what this test checks:\n\n{broke}")
+        first = "\n".join(get_first_seen_line(v) for v in rec.first_seen[:6])
+        broke = (f"{first}\n\nA standalone test cannot check that; with it (and every claim "
+                 "such a test cannot\ncheck) left unchecked, the same run goes on to break "
+                 f"what this test checks:\n\n{broke}")
+    if re.search(r"\bblocks? \d", broke):
+        broke += ("\n\n(kvspec numbers blocks from 0; vLLM's block ids, in the test's "
+                  "messages, are one\nhigher: its block 0 is the null block.)")
     how = ("raises" if rec.crashed else "fails an assertion")
     return f'''# SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A scheduler run that kvspec found breaking its claims on vLLM {rec.version}:
+"""A scheduler run that kvspec found breaking its claims on {rec.where}:
 
 {broke}
 
@@ -274,8 +309,8 @@ that the prefix cache serves only KV that was written, that no block held for
 a send is overwritten and that num_computed_tokens stays within the tokens.
 Every KV cache group must hold the blocks a request's next step reads.
 The run ends with a drain that finishes every load and send; every request
-must then have finished. Put the file in tests/v1/kv_connector/unit/; on vLLM
-{rec.version} it {how}.
+must then have finished. Put the file in tests/v1/kv_connector/unit/; on
+{rec.where} it {how}.{_released_note(rec)}
 """'''
 
 

@@ -99,7 +99,9 @@ def test_a_source_is_not_taken_for_a_patch(base):
     ("--- a/tests/x.py\n+++ b/tests/x.py\n@@ -1 +1 @@\n-a\n+b\n",
      "changes no file under vllm/ (it changes tests/x.py)"),
     (DIFF.replace("- 1) // block_size\n+", "- 2) // block_size\n+"),
-     f"does not apply to vLLM unknown (directory "),
+     "does not apply to BASE (vLLM unknown): patch failed: "),
+    (DIFF.replace("a/vllm/", "vllm/").replace("b/vllm/", "vllm/").replace(
+        "b/tests/", "tests/"), "its paths have no a/ and b/ prefixes"),
 ])
 def test_a_bad_patch_is_one_clear_error(base, tmp_path, text, message):
     with pytest.raises(SourceError) as raised:

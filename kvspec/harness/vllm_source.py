@@ -239,6 +239,9 @@ def _patch_files(text: str, name: str) -> list[str]:
         raise SourceError(f"patch {_shown(name)}: not a patch git can read "
                           f"({_first_line(done.stderr)})")
     files = re.findall(r"^(?:---|\+\+\+) [ab]/(\S+)", text, re.M)
+    if not files and re.search(r"^\+\+\+ (?!/dev/null)\S", text, re.M):
+        raise SourceError(f"patch {_shown(name)}: its paths have no a/ and b/ prefixes (git "
+                          "diff --no-prefix?); make it with git diff's default prefixes")
     if not files:
         raise SourceError(f"patch {_shown(name)}: no file changes in it (a unified diff with "
                           "a/ and b/ paths, as git diff writes)")
@@ -265,9 +268,8 @@ def _apply_over(base: VllmSource, diff: Path, inside: list[str], tmp: Path,
             path.write_bytes(real.read_bytes())
     done = _git_apply(tmp, ["--include=vllm/*", str(diff.resolve())])
     if done.returncode != 0:
-        raise SourceError(f"patch {_shown(name)} does not apply to {base.label()}: "
-                          f"{_first_line(done.stderr)} (make the diff against BASE, or name "
-                          "both sides as git refs of --repo)")
+        raise SourceError(f"patch {_shown(name)} does not apply to BASE (vLLM {base.version}): "
+                          f"{_first_line(done.stderr)}; make the diff against BASE")
 
 
 def _git_apply(where: Path, args: list[str], text: str | None = None):
