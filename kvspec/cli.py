@@ -1097,11 +1097,9 @@ def note_other_sources(found_on: dict[Path, dict]) -> None:
 
 
 def _source_name(recorded: dict) -> str:
-    """How ``--vllm`` names a recorded source again, as ``VllmSource.cli_name``
-    does: a git ref or a patched tree by the directory it is in (``replay``
-    has no ``--repo``, and a patch needs its base)."""
-    return str(recorded.get("root") if recorded.get("kind") in ("git", "patched")
-               else recorded["given"])
+    """How ``--vllm`` names a recorded source again (``VllmSource.cli_name``)."""
+    from kvspec.harness import vllm_source
+    return vllm_source.name_again(recorded.get("kind"), recorded["given"], recorded.get("root"))
 
 
 def _replay_one(trace: Path, target: str | None, named: str, ignore) -> int:

@@ -105,11 +105,9 @@ class VllmSource:
         return self.given if self.kind == "patched" else f"{self.kind} {self.given}"
 
     def cli_name(self) -> str:
-        """How to name this source again on the command line (``--vllm``): a git
-        ref by the directory it was unpacked into (``replay`` has no ``--repo``)."""
-        if self.is_installed:
-            return "installed"
-        return str(self.root) if self.kind in ("git", "patched") else self.given
+        """How to name this source again on the command line (``--vllm``)."""
+        return "installed" if self.is_installed else name_again(self.kind, self.given,
+                                                                 self.root)
 
     def as_dict(self) -> dict:
         return {"given": self.given, "kind": self.kind, "version": self.version,
@@ -117,6 +115,17 @@ class VllmSource:
                 "commit": self.commit, "uncommitted_changes": self.dirty,
                 "patch": self.patch,
                 "content_hash": content_hash(self)}
+
+
+#: kinds named again by the directory they are in: ``replay`` has no ``--repo``
+#: (a git ref), and a patch needs its base (a patched tree)
+NAMED_BY_ROOT = ("git", "patched")
+
+
+def name_again(kind: str | None, given: str, root) -> str:
+    """How ``--vllm`` names a source again, from its fields (a ``VllmSource``,
+    or the ``as_dict`` a trace records)."""
+    return str(root) if kind in NAMED_BY_ROOT else given
 
 
 # -- resolving ------------------------------------------------------------------
@@ -335,7 +344,7 @@ def _from_directory(path: Path, given: str) -> VllmSource:
         raise SourceError(f"vLLM source {_shown(given)}: no vllm/__init__.py there (give the "
                           "directory that holds the vllm package, or the package itself)")
     package = root / "vllm"
-    made = _from_patched_tree(root) if (root / PATCHED_NOTE).is_file() else None
+    made = _from_patched_tree(root)  # None: no note, a directory like any other
     if made is not None:
         return made
     commit, dirty = _git_commit(path)
