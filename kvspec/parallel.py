@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 
-from kvspec.verdict import EXIT_INTERRUPTED
+from kvspec.verdict import EXIT_INTERRUPTED, KNOWN_NOTE, LOST_NOTE, describe_known
 
 #: exit codes from best to worst: a campaign reports the worst of its workers'
 SEVERITY = (0, 3, 1, EXIT_INTERRUPTED, 2)
@@ -83,9 +83,10 @@ def combine(summaries: list[dict]) -> dict:
     actions = sum(s["actions"] for s in summaries)
     failing = [s for s in summaries if s["violations"]]
     shown = failing[0] if failing else first
+    known = merge_known(summaries)
     return dict(first, claims=claims, runs=sum(s["runs"] for s in summaries), actions=actions,
                 elapsed_s=elapsed, actions_per_s=round(actions / elapsed, 1) if elapsed else 0.0,
-                verdict=shown["verdict"], verdict_line=shown["verdict_line"],
+                verdict=shown["verdict"], verdict_line=count_known(shown["verdict_line"], known),
                 violations=shown["violations"], trace=shown["trace"],
                 exit_code=get_worst_code([s["exit_code"] for s in summaries]),
                 seeds=[s["seed"] for s in summaries], workers=len(summaries),
@@ -95,9 +96,41 @@ def combine(summaries: list[dict]) -> dict:
                 runs_by_scale={k: sum(s.get("runs_by_scale", {}).get(k, 0) for s in summaries)
                                for k in ("small", "production")},
                 traces=[s["trace"] for s in failing],
-                known_findings=[k for s in summaries for k in s.get("known_findings", [])],
+                known_findings=known,
                 unwitnessed=sorted(set.intersection(*(set(s["unwitnessed"])
                                                       for s in summaries))))
+
+
+def merge_known(summaries: list[dict]) -> list[dict]:
+    """The workers' known findings, one entry per finding met, counts summed
+    (the first worker's trace and wording kept)."""
+    merged: dict[tuple, dict] = {}
+    for summary in summaries:
+        for hit in summary.get("known_findings", []):
+            key = (hit["finding"], hit["label"], tuple(hit["claims"] or ()))
+            if key in merged:
+                merged[key]["count"] += hit["count"]
+            else:
+                merged[key] = dict(hit)
+    return list(merged.values())
+
+
+def count_known(line: str, known: list[dict]) -> str:
+    """A worker's verdict line with its note on known findings counting every
+    worker's (the note added where that worker met none). The note comes after
+    every other but lost performance's (``verdict.first_line``)."""
+    head, sep, rest = line.partition(" | " + KNOWN_NOTE)
+    if sep:  # drop the worker's own note, up to the note after it
+        _, lost, tail = rest.partition(" | " + LOST_NOTE)
+        rest = lost + tail
+    else:
+        head, lost, tail = line.partition(" | " + LOST_NOTE)
+        rest = lost + tail
+    if not known:
+        return head + rest
+    note = describe_known((k["label"] or k["finding"] or "pre-existing", k["count"])
+                          for k in known)
+    return f"{head} | {note}{rest}"
 
 
 def report_workers(results: list[tuple[int, dict | None, str]], seed: int) -> list[str]:

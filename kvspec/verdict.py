@@ -68,6 +68,19 @@ def restrictions(profile, asked: dict[str, str], gaps: dict[str, str]) -> list[R
     return found
 
 
+#: how the verdict line's note on known findings starts (``parallel.combine`` finds it)
+KNOWN_NOTE = "known findings met: "
+
+
+#: how the note on lost performance starts (it follows the known findings' note)
+LOST_NOTE = "LOST PERFORMANCE"
+
+
+def describe_known(counts) -> str:
+    """The verdict line's note on known findings: each name with its count."""
+    return KNOWN_NOTE + ", ".join(f"{name} ({count}x)" for name, count in counts)
+
+
 def first_line(result, found: list[Restriction], code_changed=(),
                base_errors=()) -> tuple[str, int]:
     """The verdict's first line and the exit code (see the module doc)."""
@@ -88,12 +101,11 @@ def first_line(result, found: list[Restriction], code_changed=(),
         notes.append(f"the base could not answer {len(base_errors)} time(s): {base_errors[0]}")
     known = getattr(result, "known", {}) or {}
     if known:
-        notes.append("known findings met: " + ", ".join(
-            f"{hit.label or hit.finding or 'pre-existing'} ({hit.count}x)"
-            for hit in known.values()))
+        notes.append(describe_known(
+            (hit.label or hit.finding or "pre-existing", hit.count) for hit in known.values()))
     lost = getattr(result, "efficiency", {}) or {}
     if lost:
-        notes.append("LOST PERFORMANCE (no safety claim broken by it): " + ", ".join(
+        notes.append(LOST_NOTE + " (no safety claim broken by it): " + ", ".join(
             f"{key} ({hit.count}x, trace {hit.trace_path})" for key, hit in lost.items()))
     tail = "".join(f" | {note}" for note in notes)
     ce = result.counterexample

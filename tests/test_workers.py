@@ -60,3 +60,42 @@ def test_a_campaign_prints_its_summed_summary(tmp_path):
     assert str(count) in row.split()  # the sum of both workers' checks
     for claim in as_json["unwitnessed"]:
         assert f"never witnessed by any worker: {claim}" in done.stdout
+
+
+def _summary(line: str, known: list[dict], violations=()) -> dict:
+    return {"claims": [], "elapsed_s": 1.0, "actions": 1, "runs": 1,
+            "violations": list(violations), "verdict": "hold", "verdict_line": line,
+            "trace": None, "exit_code": 0, "seed": 0, "unwitnessed": [], "state_checks": {},
+            "known_findings": known}
+
+
+def _hit(count: int, finding="hybrid-sync-load-failure-unreportable") -> dict:
+    return {"finding": finding, "label": finding, "count": count, "how": "",
+            "upstream": None, "claims": ["no_garbage_computed"], "trace": None}
+
+
+def test_known_findings_are_counted_over_every_worker():
+    """A campaign's verdict line and JSON count a known finding over all
+    workers, not worker 0's alone (session 20's 38-minute campaign printed
+    2149x for 4,296 meetings)."""
+    from kvspec.parallel import combine
+    name = "hybrid-sync-load-failure-unreportable"
+    lost = " | LOST PERFORMANCE (no safety claim broken by it): k (1x, trace t)"
+    summary = combine([
+        _summary(f"HOLDS | narrowed as asked: x | known findings met: {name} (2149x)" + lost,
+                 [_hit(2149)]),
+        _summary(f"HOLDS | known findings met: {name} (2147x), other (1x)",
+                 [_hit(2147), _hit(1, "other")]),
+    ])
+    assert [(k["finding"], k["count"]) for k in summary["known_findings"]] == [
+        (name, 4296), ("other", 1)]
+    assert summary["verdict_line"] == (
+        f"HOLDS | narrowed as asked: x | known findings met: {name} (4296x), other (1x)" + lost)
+
+
+def test_a_worker_that_met_no_known_finding_gains_the_others_note():
+    from kvspec.parallel import combine
+    failing = _summary("VIOLATED, new: c", [], violations=[{"claim": "c", "message": "m"}])
+    summary = combine([_summary("HOLDS | known findings met: f (3x)", [_hit(3, "f")]), failing])
+    assert summary["verdict_line"] == "VIOLATED, new: c | known findings met: f (3x)"
+    assert combine([_summary("HOLDS", [])] * 2)["verdict_line"] == "HOLDS"
