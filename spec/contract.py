@@ -287,7 +287,8 @@ def store_reads_computed_kv(c: ConnectorCall) -> Iterator[str]:
         return
     c.witness()
     if c.bad_positions:
-        shown = list(c.bad_positions[:6]) + (["..."] if len(c.bad_positions) > 6 else [])
+        shown = ", ".join(map(str, c.bad_positions[:6])) + (
+            ", ..." if len(c.bad_positions) > 6 else "")
         yield (f"{c.request_id}: the connector stored {c.num_stored} positions, of which "
                f"{len(c.bad_positions)} did not hold their computed KV when read "
-               f"(positions {shown})")
+               f"(positions [{shown}])")

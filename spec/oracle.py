@@ -624,7 +624,11 @@ class KVContent:
             if extra:
                 keys = list(keys)
                 append_prefix_keys(keys, extra, keys[-1] if keys else 0)
-            writes[rid] = (req.block_ids, keys, step.num_computed_before[rid], n)
+            start = step.num_computed_before[rid]
+            # a step cannot write below position 0: vLLM takes a connector's
+            # negative hit and schedules from there (``schedule_relation`` and
+            # the contract judge that; the worker computes what exists)
+            writes[rid] = (req.block_ids, keys, max(start, 0), n + min(start, 0))
         return writes
 
     def _apply_writes(self, runs: dict[str, list], obs: Observation) -> None:

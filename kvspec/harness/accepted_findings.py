@@ -34,6 +34,8 @@ class AcceptedFinding:
     fix: str = ""
     #: what upstream knows of it, one line (issues and pull requests)
     upstream: str = ""
+    #: the KV connector whose own code has it (``--connector``), or "" for vLLM's scheduler
+    connector: str = ""
 
     @property
     def fix_id(self) -> str | None:
@@ -362,3 +364,70 @@ def catalogue() -> dict[str, AcceptedFinding]:
 def findings_of_fix(fix_id: str) -> list[AcceptedFinding]:
     """The known findings a fix closes."""
     return [f for f in catalogue().values() if f.fix_id == fix_id]
+
+
+# -- findings in a KV connector's own code (docs/connectors.md) ---------------------
+#
+# Kept apart from the scheduler's: they are asked only of a run with that connector
+# (``--connector``), their traces replay on a target naming it, and kvspec applies
+# no fix for them (remedy "none": a counterexample is recognised by its breach of
+# the connector's contract, or its crash, as a trace of the finding breaks it; the
+# remedies under docs/findings/connectors/remedies/ are offered upstream). Whether a
+# source still has one is probed like any finding's, never read off a version.
+CONNECTOR_FINDINGS: tuple[AcceptedFinding, ...] = (
+    AcceptedFinding(
+        "example-connector-lookup-and-load-keys-differ",
+        "ExampleConnector keys its lookup by (n - 2) // block * block tokens and its load "
+        "by (n - 1) // block * block: a promised hit loads a folder nothing saved",
+        ("connectors/example-connector-lookup-and-load-keys-differ.json",), remedy="none",
+        connector="ExampleConnector",
+        upstream="PR #40684 (closed unmerged); still in 0.32.0 and 0.33.0"),
+    AcceptedFinding(
+        "example-connector-first-chunk-saved-under-prompt-key",
+        "ExampleConnector saves a new request in its first step only, under the whole "
+        "prompt's key: a chunked prefill stores positions not computed yet, and a later "
+        "hit claims a prompt the files do not hold",
+        ("connectors/example-connector-first-chunk-saved-under-prompt-key.json",),
+        remedy="none", connector="ExampleConnector",
+        upstream="#16928; open PR #53314 caps the hit at what was saved (the save of a "
+                 "partly computed block stays)"),
+    AcceptedFinding(
+        "example-connector-negative-hit",
+        "ExampleConnector answers a negative hit where the local prefix cache already "
+        "reaches past its lookup's key, and vLLM takes it",
+        ("connectors/example-connector-negative-hit.json",
+         "connectors/example-connector-negative-hit-after-preemption.json",
+         "connectors/example-connector-negative-hit-one-token-prompt.json"), remedy="none",
+        connector="ExampleConnector",
+        upstream="open PR #53611 (fixes #53495) covers a one-token prompt, not a local "
+                 "hit past the key"),
+    AcceptedFinding(
+        "offloading-reset-reload-assert",
+        "OffloadingConnector: a forced cache reset that preempts and reloads a request "
+        "flushes the new load with the preempted one's jobs and asserts",
+        ("connectors/offloading-reset-reload-assert.json",), remedy="none",
+        connector="OffloadingConnector",
+        upstream="fixed in 0.33.0 (its flush leaves the step's new loads out); open PR "
+                 "#57810 reaches the same assert through pause/sleep"),
+    AcceptedFinding(
+        "mooncake-store-forced-reset-resume-typeerror",
+        "MooncakeStoreConnector: a request preempted by a forced prefix-cache reset and "
+        "resumed by the next schedule() crashes build_connector_meta with TypeError",
+        ("connectors/mooncake-store-forced-reset-resume-typeerror.json",), remedy="none",
+        connector="MooncakeStoreConnector",
+        upstream="not reported; remedy docs/findings/connectors/remedies/"
+                 "mooncake-store-keep-resumed-state.diff"),
+    AcceptedFinding(
+        "hf3fs-resumed-request-saves-stale-blocks",
+        "HF3FSKVConnector: a resumed request's new block ids are appended to its old "
+        "table, so its saves read blocks of the old table, not its KV",
+        ("connectors/hf3fs-resumed-request-saves-stale-blocks.json",), remedy="none",
+        connector="HF3FSKVConnector",
+        upstream="not reported; remedy docs/findings/connectors/remedies/"
+                 "hf3fs-resumed-request-replaces-table.diff"),
+)
+
+
+def connector_findings(name: str) -> tuple[AcceptedFinding, ...]:
+    """The known findings of the connector ``name`` (as ``--connector`` names it)."""
+    return tuple(f for f in CONNECTOR_FINDINGS if f.connector == name)

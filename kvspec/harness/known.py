@@ -38,7 +38,8 @@ from pathlib import Path
 
 import attrs
 
-from kvspec.harness.accepted_findings import AcceptedFinding, catalogue, findings_of_fix
+from kvspec.harness.accepted_findings import (AcceptedFinding, catalogue, connector_findings,
+                                              findings_of_fix)
 
 #: the findings' traces and write-ups (an editable install: the repository's docs/)
 FINDINGS_DIR = Path(__file__).resolve().parent.parent.parent / "docs" / "findings"
@@ -84,10 +85,12 @@ def replay(target: str, config, actions: list[dict], lost: bool = False) -> Outc
 
 def template(message: str) -> str:
     """A violation message with what varies between runs taken out: request
-    ids, numbers, line numbers and the list of patches applied."""
+    ids, numbers (a list of numbers, whatever its length), line numbers and
+    the list of patches applied."""
     text = re.sub(r" \(kvspec patches: [^)]*\)", "", message)
     text = re.sub(r"\br\d+\b", "r#", text)
-    return re.sub(r"\d+", "#", text)
+    text = re.sub(r"\d+", "#", text)
+    return re.sub(r"\[#(?:, #)*(?:, \.\.\.)?\]", "[#...]", text)
 
 
 def shape(violations) -> frozenset[tuple[str, str]]:
@@ -102,8 +105,25 @@ def behaves_as(violations, recorded) -> bool:
 
 
 def fails_as(violations, finding) -> bool:
-    """The violations are the way one of ``finding``'s traces fails."""
+    """The violations are the way one of ``finding``'s traces fails (for a
+    connector's finding: its breach, :func:`get_breach`)."""
+    if finding.connector:
+        breach = get_breach(violations)
+        return any(behaves_as(breach, get_breach(recorded(t))) for t in finding.traces)
     return any(behaves_as(violations, recorded(t)) for t in finding.traces)
+
+
+def get_breach(violations) -> tuple[tuple[str, str], ...]:
+    """Of a step's violations, the connector's own: its contract claims (kind
+    ``connector``, judged on its answers and transfers) and a crash. The
+    scheduler claims that break in the same step are what the breach led to
+    (garbage loaded, then sampled from): they differ with the configuration
+    (async scheduling adds placeholders) while the breach stays the same, so a
+    connector's finding is known by its breach alone."""
+    import kvspec.spec.catalogue  # noqa: F401  (registers every claim)
+    from kvspec.spec.registry import REGISTRY
+    return tuple((c, m) for c, m in violations
+                 if c == "target_crashed" or getattr(REGISTRY.get(c), "kind", "") == "connector")
 
 
 # -- traces of the known findings ------------------------------------------------------
@@ -283,7 +303,12 @@ def is_recognisable_by_shape(finding: AcceptedFinding) -> bool:
     be taken for it without asking a fix or a base: only a crash, whose
     exception and message vLLM itself wrote. Any other claim's message is
     kvspec's own and shared by unrelated bugs (a liveness bug of a change under
-    review reads "r1 still WAITING ..." exactly as a known deadlock does)."""
+    review reads "r1 still WAITING ..." exactly as a known deadlock does).
+    A connector's finding is known by its breach of the connector's contract
+    (:func:`get_breach`): a contract claim judges the connector's own answer or
+    transfer, which no scheduler bug writes for it."""
+    if finding.connector:
+        return all(get_breach(recorded(t)) for t in finding.traces)
     return all(claim == "target_crashed" for t in finding.traces for claim, _ in recorded(t)) \
         and any(recorded(t) for t in finding.traces)
 
@@ -296,20 +321,30 @@ def source_patches(planted: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(p for p in planted if p in PLANTED and PLANTED[p].kind == "edit")
 
 
-def present_unfixed(applied: set[str], cache: ProbeCache, planted=()) -> list[AcceptedFinding]:
+def present_unfixed(applied: set[str], cache: ProbeCache, planted=(),
+                    connector: str = "") -> list[AcceptedFinding]:
     """Known findings with no fix applied here (no fix exists, or it did not
     fit), recognisable by their shape, whose trace fails as recorded on this
-    source."""
+    source; with ``connector``, that connector's own findings too (each trace
+    replayed with the connector it names)."""
     target = fixes_target(applied, source_patches(planted))
     found = []
-    for finding in catalogue().values():
+    for finding in list(catalogue().values()) + list(connector_findings(connector)):
         if finding.remedy == "contract" or (finding.fix_id and finding.fix_id in applied):
             continue
         if not is_recognisable_by_shape(finding):
             continue
-        if any(fails_as_recorded(cache.probe(t, target), recorded(t)) for t in finding.traces):
+        if any(fails_as_recorded(cache.probe(t, _trace_target(target, t)), recorded(t))
+               for t in finding.traces):
             found.append(finding)
     return found
+
+
+def _trace_target(target: str, trace: str) -> str:
+    """``target`` with the connector the finding's trace was recorded with, if any."""
+    from kvspec.harness.targets import with_connector
+    data = load_finding_trace(trace)
+    return with_connector(target, data["target"]) if data else target
 
 
 # -- recognising a counterexample ------------------------------------------------------------
@@ -377,8 +412,9 @@ class Recogniser:
         return self._memo[key]
 
     def _explain(self, config, actions, pairs) -> Explanation | None:
-        if any(c in ("environment_contract", "connector_answer") for c, _ in pairs):
-            return None  # the environment's own bug: never a finding of the target
+        if any(c in ("environment_contract", "connector_answer", "kvspec_crashed")
+               for c, _ in pairs):
+            return None  # the environment's or kvspec's own bug: never a finding of the target
         for fix in self._likely_first(self.toggles, pairs):
             rest = self._with_fixes({fix}, config, actions)
             if rest == "" or (rest and self._fix_shape(fix, pairs)):
@@ -397,9 +433,23 @@ class Recogniser:
             f for f in self.unfixed if f.remedy == "none"]
         finding = _first_failing_as(pairs, unfixed)
         if finding is None:
-            return None
+            return self._by_connector_findings(pairs, unfixed)
         return Explanation(finding.id, "behaves as its trace does (no fix applied here)",
                            finding.upstream)
+
+    def _by_connector_findings(self, pairs, unfixed) -> Explanation | None:
+        """A breach of the connector's contract made of several of its known
+        findings' breaches at once (one finding's garbage loaded, then stored
+        by a request that shares it): each violation has the shape of one."""
+        known = [f for f in unfixed if f.connector]
+        breach = shape(get_breach(pairs))
+        seen = frozenset().union(*(shape(get_breach(recorded(t))) for f in known
+                                   for t in f.traces))
+        if not known or not breach or not breach <= seen:
+            return None
+        return Explanation(None, "each breach of its contract behaves as one of its known "
+                           "findings' traces", unnamed=f"several known findings of "
+                           f"{known[0].connector}")
 
     def _likely_first(self, fixes: list[str], pairs) -> list[str]:
         claims = {c for c, _ in pairs}
@@ -464,13 +514,25 @@ class Recogniser:
                 named = self._by_fix(fix, pairs)
                 return attrs.evolve(named, how=f"{how}; passes there with {fix}")
         named = self._by_shape(pairs)
+        several = None if named else self._by_connector_findings(
+            pairs, list(connector_findings(self.connector)))
+        if several is not None:
+            return attrs.evolve(several, how=how)
         return Explanation(named.id if named else None, how, named.upstream if named else "")
 
     def _by_shape(self, pairs) -> AcceptedFinding | None:
         """The known finding whose trace failed exactly this way, if one did,
         among those with no fix applied here (an applied fix closes its own)."""
         return _first_failing_as(pairs, [f for f in catalogue().values()
-                                         if f.fix_id is None or f.fix_id not in self.applied])
+                                         if f.fix_id is None or f.fix_id not in self.applied]
+                                 + list(connector_findings(self.connector)))
+
+    @property
+    def connector(self) -> str:
+        """The real connector the run's target names (``--connector``), or ""."""
+        from kvspec.harness.targets import parse_connector_choice
+        choice = parse_connector_choice(self.target)
+        return choice.name if choice is not None else ""
 
 
 def _first_failing_as(pairs, findings) -> AcceptedFinding | None:
@@ -481,7 +543,7 @@ def build_recogniser(target: str, base=None,
                      base_decides: bool = False) -> tuple[Recogniser | None, list[FixStatus]]:
     """The recogniser and fix statuses for a vllm ``target`` on the active source
     (None for other targets); ``base_decides``: a review (see Recogniser)."""
-    from kvspec.harness.targets import parse_vllm_target
+    from kvspec.harness.targets import parse_connector_choice, parse_vllm_target
     from kvspec.harness.vllm_patches import FIXES, patched, select
     from kvspec.harness.vllm_source import active, content_hash
     options = parse_vllm_target(target)
@@ -495,7 +557,9 @@ def build_recogniser(target: str, base=None,
     statuses = fix_statuses(built, chosen, cache, planted)
     fitting = set(patched("all", planted).applied) & set(FIXES)
     toggles = sorted(fitting - applied)
-    unfixed = [] if base_decides else present_unfixed(applied, cache, planted)
+    choice = parse_connector_choice(target)
+    unfixed = [] if base_decides else present_unfixed(applied, cache, planted,
+                                                      choice.name if choice else "")
     changed = [s.fix for s in statuses if s.status == "code-changed" and s.fix not in applied]
     cache.save()
     return Recogniser(target, applied, toggles, unfixed, base, planted, changed,

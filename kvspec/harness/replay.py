@@ -16,7 +16,8 @@ from kvspec.text import clip, shown
 
 
 #: what the runner reports besides the registry's claims
-RUN_OUTCOMES = ("target_crashed", "environment_contract", "connector_answer", KV_CLAIM)
+RUN_OUTCOMES = ("target_crashed", "kvspec_crashed", "environment_contract", "connector_answer",
+                KV_CLAIM)
 
 
 @attrs.define

@@ -5,11 +5,14 @@ what the fuzzer ran. Judging: ``judge.py``; the worker: ``model_runner.py``;
 steps in flight: ``batch_queue.py``; the ghosts: ``spec/history.py``."""
 from __future__ import annotations
 
+import os
 import time
+import traceback
 from collections import Counter
 
 import attrs
 
+import kvspec.spec
 import kvspec.spec.catalogue  # noqa: F401  (registers every claim, in one order)
 from kvspec.harness.batch_queue import BatchQueue, InFlight
 from kvspec.harness.checker import ALL_KINDS, Checker, IncrementalGap
@@ -69,6 +72,29 @@ def describe_lookup(c) -> str:
 CONNECTOR_ANSWER = ("The connector answered outside the API's types, or its kvspec hook "
                     "(kvspec_stored_end) failed or answered out of range; kvspec stopped the "
                     "call before the scheduler used the answer.")
+
+
+#: kvspec's model of the system (the oracle, the claims' helpers): an exception
+#: raised in here is kvspec's own bug, never the target's
+SPEC_DIR = os.path.realpath(kvspec.spec.__path__[0]) + os.sep
+KVSPEC_CRASHED = ("kvspec's own model raised while judging the step, so the step is not "
+                  "judged: a bug in kvspec (where a claim listed beside it names the "
+                  "target's fault, that fault is what kvspec could not model). Please "
+                  "report it with this trace.")
+
+
+def describe_crash(exc: Exception) -> Violation:
+    """A call that raised: the target's crash (a finding), or kvspec's own when
+    the exception was raised inside its model (``spec/``), where a target's
+    odd state must be judged, never crash the judge."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    last = frames[-1] if frames else None
+    if last is not None and os.path.realpath(last.filename).startswith(SPEC_DIR):
+        where = f"{os.path.relpath(last.filename, os.path.dirname(SPEC_DIR[:-1]))}:{last.lineno}"
+        return Violation("kvspec_crashed", f"{type(exc).__name__} at {where}: {exc}",
+                         KVSPEC_CRASHED)
+    return Violation("target_crashed", f"{type(exc).__name__}: {exc}",
+                     "The target raised while handling a legal call.")
 
 
 class BudgetSpent(Exception):
@@ -140,8 +166,7 @@ class Runner:
         except (Counterexample, TargetCannotMap, KVWorkerError, IncrementalGap, BudgetSpent):
             raise
         except Exception as exc:  # the target crashed: a finding, not a harness error
-            violations = [Violation("target_crashed", f"{type(exc).__name__}: {exc}",
-                                    "The target raised while handling a legal call.")]
+            violations = [describe_crash(exc)]
         # the connector's answers first: a breach of its contract is the cause
         # of whatever the scheduler then did with them (a crash included)
         calls = self.env.take_calls()
