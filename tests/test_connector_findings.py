@@ -205,3 +205,18 @@ def test_a_breach_that_fails_on_the_base_too_is_named_there():
     both = rec.explain({}, [], violations(*get_breach(keys), *get_breach(chunk)))
     assert both.key == "several known findings of ExampleConnector"
     assert "fails on the base" in both.how
+
+
+def test_a_multi_connector_has_its_childrens_findings():
+    """Its children run their own code: the default pair (Offloading, then
+    SimpleCPUOffload) or the children its config names."""
+    from kvspec.harness.known import get_connector_findings
+    from kvspec.harness.targets import vllm_target_name
+    from kvspec.harness.connector_worlds import parse_choice
+    default = get_connector_findings("vllm?connector=MultiConnector")
+    assert [f.id for f in default] == ["offloading-reset-reload-assert"]
+    named = get_connector_findings(vllm_target_name(choice=parse_choice(
+        "MultiConnector", json.dumps({"connectors": [{"kv_connector": "ExampleConnector"}]}))))
+    assert {f.id for f in named} == {KEYS, CHUNK, NEGATIVE}
+    assert get_connector_findings("vllm") == [] and get_connector_findings(
+        "vllm?connector=NixlConnector") == []

@@ -322,14 +322,14 @@ def source_patches(planted: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def present_unfixed(applied: set[str], cache: ProbeCache, planted=(),
-                    connector: str = "") -> list[AcceptedFinding]:
+                    connector_known=()) -> list[AcceptedFinding]:
     """Known findings with no fix applied here (no fix exists, or it did not
     fit), recognisable by their shape, whose trace fails as recorded on this
-    source; with ``connector``, that connector's own findings too (each trace
-    replayed with the connector it names)."""
+    source; and of ``connector_known`` (:func:`get_connector_findings`) those
+    whose trace fails so (each replayed with the connector it names)."""
     target = fixes_target(applied, source_patches(planted))
     found = []
-    for finding in list(catalogue().values()) + list(connector_findings(connector)):
+    for finding in list(catalogue().values()) + list(connector_known):
         if finding.remedy == "contract" or (finding.fix_id and finding.fix_id in applied):
             continue
         if not is_recognisable_by_shape(finding):
@@ -447,9 +447,11 @@ class Recogniser:
                                    for t in f.traces))
         if not known or not breach or not breach <= seen:
             return None
+        owners = " and ".join(dict.fromkeys(
+            f.connector for f in known for t in f.traces
+            if breach & shape(get_breach(recorded(t)))))
         return Explanation(None, "each breach of its contract behaves as one of its known "
-                           "findings' traces", unnamed=f"several known findings of "
-                           f"{known[0].connector}")
+                           "findings' traces", unnamed=f"several known findings of {owners}")
 
     def _likely_first(self, fixes: list[str], pairs) -> list[str]:
         claims = {c for c, _ in pairs}
@@ -515,7 +517,7 @@ class Recogniser:
                 return attrs.evolve(named, how=f"{how}; passes there with {fix}")
         named = self._by_shape(pairs)
         several = None if named else self._by_connector_findings(
-            pairs, list(connector_findings(self.connector)))
+            pairs, get_connector_findings(self.target))
         if several is not None:
             return attrs.evolve(several, how=how)
         return Explanation(named.id if named else None, how, named.upstream if named else "")
@@ -525,14 +527,24 @@ class Recogniser:
         among those with no fix applied here (an applied fix closes its own)."""
         return _first_failing_as(pairs, [f for f in catalogue().values()
                                          if f.fix_id is None or f.fix_id not in self.applied]
-                                 + list(connector_findings(self.connector)))
+                                 + get_connector_findings(self.target))
 
-    @property
-    def connector(self) -> str:
-        """The real connector the run's target names (``--connector``), or ""."""
-        from kvspec.harness.targets import parse_connector_choice
-        choice = parse_connector_choice(self.target)
-        return choice.name if choice is not None else ""
+
+def get_connector_findings(target: str) -> list[AcceptedFinding]:
+    """The known findings of the real connector a vllm target runs
+    (``--connector``): its own, and for vLLM's MultiConnector its children's
+    (each child runs its own code; MultiWorld's default pair without a
+    ``connectors`` config)."""
+    from kvspec.harness.targets import parse_connector_choice
+    choice = parse_connector_choice(target)
+    if choice is None:
+        return []
+    names = [choice.name]
+    if choice.class_name == "MultiConnector":
+        from kvspec.harness.connector_worlds import MultiWorld
+        children = choice.get_extra_config().get("connectors") or MultiWorld.DEFAULT_CHILDREN
+        names += [c.get("kv_connector", "") for c in children]
+    return [f for name in dict.fromkeys(names) for f in connector_findings(name)]
 
 
 def _first_failing_as(pairs, findings) -> AcceptedFinding | None:
@@ -543,7 +555,7 @@ def build_recogniser(target: str, base=None,
                      base_decides: bool = False) -> tuple[Recogniser | None, list[FixStatus]]:
     """The recogniser and fix statuses for a vllm ``target`` on the active source
     (None for other targets); ``base_decides``: a review (see Recogniser)."""
-    from kvspec.harness.targets import parse_connector_choice, parse_vllm_target
+    from kvspec.harness.targets import parse_vllm_target
     from kvspec.harness.vllm_patches import FIXES, patched, select
     from kvspec.harness.vllm_source import active, content_hash
     options = parse_vllm_target(target)
@@ -557,9 +569,8 @@ def build_recogniser(target: str, base=None,
     statuses = fix_statuses(built, chosen, cache, planted)
     fitting = set(patched("all", planted).applied) & set(FIXES)
     toggles = sorted(fitting - applied)
-    choice = parse_connector_choice(target)
     unfixed = [] if base_decides else present_unfixed(applied, cache, planted,
-                                                      choice.name if choice else "")
+                                                      get_connector_findings(target))
     changed = [s.fix for s in statuses if s.status == "code-changed" and s.fix not in applied]
     cache.save()
     return Recogniser(target, applied, toggles, unfixed, base, planted, changed,
