@@ -359,6 +359,21 @@ class Review:
     lost: list = attrs.Factory(list)
 
 
+def get_trace_name(head: VllmSource, seed: int) -> str:
+    """The file a review saves its counterexample in, named after HEAD, so two
+    reviews into one --out keep both (``review-pr-1234-seed0.json``)."""
+    from kvspec.harness.fuzz import safe_file_stem
+    if head.kind == "patched":
+        name = head.root.name if head.patch == "from standard input" else Path(head.patch).stem
+    elif head.is_installed:
+        name = "installed"
+    else:
+        name = Path(str(head.given).rstrip("/")).name
+        for suffix in (".whl", ".tar.gz"):
+            name = name.removesuffix(suffix)
+    return f"review-{safe_file_stem(name)}-seed{seed}.json"
+
+
 def check_head(review: Review, worker, seed: int, out: Path, console,
                target: str = "vllm") -> None:
     """The default check on HEAD (this process must have activated it), every
@@ -381,7 +396,7 @@ def check_head(review: Review, worker, seed: int, out: Path, console,
     coverage.start()
     try:
         review.result = execute(prep, seed, out, None, True, "symbolic", console,
-                                on_run=coverage.on_run, trace_name=f"review-seed{seed}.json")
+                                on_run=coverage.on_run, trace_name=get_trace_name(review.head, seed))
     finally:
         coverage.stop()
     attach_coverage(review.hunks, measured_lines(coverage.data(), review.head,

@@ -133,3 +133,18 @@ def test_the_review_command_says_it_in_one_line(base, tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip() == (f"kvspec: error: patch {str(bad)!r}: changes no file "
                                    "under vllm/ (it changes docs/x.md)")
+
+
+def test_two_reviews_into_one_out_keep_both_traces(base, tmp_path, monkeypatch):
+    """A review's trace is named after its HEAD (it was review-seed0.json for
+    every review, so a second review into the same --out overwrote the first)."""
+    from kvspec.review import get_trace_name
+    pr = resolve_change(str(write(tmp_path, DIFF, "pr-1234.diff")), base)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(DIFF + "\n"))
+    piped = resolve_change("-", base)
+    names = {get_trace_name(pr, 0), get_trace_name(piped, 0), get_trace_name(base, 0),
+             get_trace_name(base, 1)}
+    assert get_trace_name(pr, 0) == "review-pr-1234-seed0.json"
+    assert get_trace_name(piped, 0).startswith("review-patch-")
+    assert get_trace_name(base, 0) == f"review-{base.root.name}-seed0.json"
+    assert len(names) == 4
