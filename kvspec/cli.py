@@ -492,6 +492,9 @@ def report(result, design_rules: bool = True, prep=None, first_line: bool = True
     if first_line:
         style = {0: "bold green", 1: "bold red", 3: "bold yellow"}.get(code, "bold")
         console.print(Text(line, style=style))
+        from kvspec.verdict import gap_lines
+        for gap in gap_lines(getattr(prep, "restrictions", None) or []):
+            console.print(Text(gap))
     violations = {}
     if result.counterexample is not None:
         for v in result.counterexample.violations:
@@ -711,12 +714,21 @@ def print_campaign(summary: dict) -> None:
     from kvspec.report import summary_table
     rows = [c for c in summary["claims"] if c["kind"] != "outcome"]
     console.print(Text(summary["verdict_line"]))
+    for r in summary.get("restrictions") or []:
+        if r["kind"] == "gap":
+            console.print(Text(f"  not mapped: {r['field']}={_shown_value(r['value'])}: "
+                               f"{r['why']}"))
     console.print(summary_table(
         {c["name"]: c["checked"] or 0 for c in rows}, {c["name"]: c["witnessed"] for c in rows},
         {c["name"]: c["violations"] for c in rows if c["violations"]},
         summary.get("design_rules", True)))
     for name in summary["unwitnessed"]:  # (``parallel.combine``: those no worker witnessed)
         console.print(f"[yellow]never witnessed by any worker:[/] {name}")
+
+
+def _shown_value(value) -> str:
+    """A restriction's value as the verdict line shows it (a list joined by commas)."""
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def get_budget(budget: str | None, examples: int | None) -> str:

@@ -37,7 +37,15 @@ class Restriction:
     kind: str
 
     def text(self) -> str:
-        return f"{self.field}={_value(self.value)} ({self.why})"
+        return f"{self.short()} ({self.why})"
+
+    def short(self) -> str:
+        return f"{self.field}={_value(self.value)}"
+
+
+def gap_lines(found: list[Restriction]) -> list[str]:
+    """Why the target does not map each field the verdict line names, one line each."""
+    return [f"  not mapped: {r.short()}: {r.why}" for r in found if r.kind == "gap"]
 
 
 def _value(value) -> str:
@@ -96,7 +104,9 @@ def first_line(result, found: list[Restriction], code_changed=(),
         notes.append("narrowed as asked: " + "; ".join(r.text() for r in asked))
     gaps = [r for r in found if r.kind == "gap"]
     if gaps:
-        notes.append("not mapped by the target: " + "; ".join(r.text() for r in gaps))
+        # the target's standing gaps are named only: why, on lines of their own
+        # (``gap_lines``), kept the verdict line readable
+        notes.append("not mapped by the target: " + ", ".join(r.short() for r in gaps))
     if base_errors:
         notes.append(f"the base could not answer {len(base_errors)} time(s): {base_errors[0]}")
     known = getattr(result, "known", {}) or {}
