@@ -1180,7 +1180,7 @@ def export_test(trace: Path = typer.Argument(..., help="a trace of the vllm targ
         text = render(recording, trace, name)
     except (ExportError, TraceError) as exc:
         fail(str(exc))
-    path = out or Path((name or get_test_name(trace)) + ".py")
+    path = out or Path((name or get_test_name(trace, recording)) + ".py")
     path.write_text(text)
     how = "raises" if recording.crashed else "fails"
     first = sorted({v.invariant for v in recording.first_seen})

@@ -250,12 +250,23 @@ def render(rec: Recording, trace: Path, test_name: str | None = None) -> str:
             f"{trace.name}: a standalone test cannot check {', '.join(missing)} yet (it "
             f"checks {', '.join(sorted(EXPRESSIBLE))}){went_on}; `kvspec replay` "
             "reproduces it")
-    name = test_name or get_test_name(trace)
+    name = test_name or get_test_name(trace, rec)
     return "\n".join([_header(rec, trace), HELPERS, _config_code(rec), _body(rec, name)]) + "\n"
 
 
-def get_test_name(trace: Path) -> str:
+#: the stem of a trace a run saved under its own name (``vllm-seed3``,
+#: ``review-pr-1234-seed0``): it says how the trace was found, not what it shows
+RUN_STEM = re.compile(r".*-seed\d+$")
+
+
+def get_test_name(trace: Path, rec: Recording | None = None) -> str:
+    """A finding's trace names its test (``vllm-0.32.0-x.json``: ``test_x``); a
+    trace a run saved as ``...-seed<N>`` is named by what it breaks
+    (``test_no_caching_of_invalid_blocks``), the first claim the test checks."""
     stem = re.sub(r"^vllm-[0-9.]+-", "", trace.stem)
+    claims = sorted({v.invariant for v in rec.violations} & set(EXPRESSIBLE)) if rec else []
+    if RUN_STEM.match(stem) and claims:
+        stem = claims[0]
     name = "test_" + re.sub(r"\W+", "_", stem).strip("_").lower()
     return name if name.isidentifier() and not keyword.iskeyword(name) else "test_kvspec_trace"
 

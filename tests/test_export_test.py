@@ -141,6 +141,20 @@ def test_the_command_writes_the_test_and_says_how_it_fails(tmp_path):
     assert "def test_x():" in (tmp_path / "t.py").read_text()
 
 
+def test_a_trace_a_run_saved_is_named_by_what_it_breaks(tmp_path):
+    """``vllm-seed3.json`` or ``review-pr-1234-seed0.json`` says how the trace
+    was found: its test is named by the first claim it checks (it was
+    ``test_review_seed0``); a finding's trace keeps its own name."""
+    trace = ROOT / "docs" / "findings" / "vllm-0.32.0-recompute-failed-block-stays-cached.json"
+    saved = tmp_path / "review-pr-1234-seed0.json"
+    saved.write_text(trace.read_text())
+    out = run_kvspec(tmp_path, "export-test", str(saved), env=INSTALLED)
+    assert out.returncode == 0, out.stderr
+    assert "def test_no_caching_of_invalid_blocks():" in (
+        tmp_path / "test_no_caching_of_invalid_blocks.py").read_text()
+    assert get_test_name(trace, record(trace)) == "test_recompute_failed_block_stays_cached"
+
+
 @pytest.mark.parametrize("args, says", [
     (["missing.json"], "missing.json"),
     (["docs/findings/vllm-0.32.0-divergence-threshold-single-request.json"],
