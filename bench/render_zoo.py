@@ -92,8 +92,8 @@ WHY = {
         "`refute_real_boundary_with_kept_placeholders`) and the count matches no step in flight "
         "(`placeholders_match_in_flight`), both at the preempting schedule. With the oracle "
         "alone the run goes on until the resumed request is scheduled past its tokens (the kept "
-        "placeholder counts as a position to fill); the oracle's worker has no token there and "
-        "the run ends as `target_crashed`."),
+        "placeholder counts as a position to fill), and is caught there by the claim the "
+        "table's oracle column names."),
     "stale_output_returns_share": (
         "The dropped frame takes its share off a count the preemption already set to 0: -1 at "
         "the delivery (`placeholders_nonnegative`). The negative count pushes the real boundary "

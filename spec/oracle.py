@@ -394,6 +394,9 @@ class KVContent:
         ``before``: as for ``_is_valid``. ``request_id``: whose tables these
         are; a full-attention prefix found valid for it before, and unwritten
         since, is not read again (``_get_valid_prefix``)."""
+        # no position below 0 exists to read (vLLM takes a connector's negative
+        # hit: a request's computed count can go below 0)
+        upto = max(upto, 0)
         # the blocks read through ``before`` (what the step found there), not their slots
         before = FoundByStep.of(before)
         written = before.keys() if before else frozenset()

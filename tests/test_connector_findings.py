@@ -174,11 +174,14 @@ def test_an_exception_inside_kvspecs_model_is_kvspecs_crash_not_the_targets():
 
 
 @needs_vllm
-def test_a_step_vllm_schedules_from_below_position_zero_is_judged(tmp_path):
-    """ExampleConnector answers -4 for a one-token prompt and vLLM schedules
-    positions [-4, 0): kvspec's data oracle raised IndexError there (reported
-    as the target's crash) until it wrote only positions that exist."""
-    trace = ROOT / "tests" / "data" / "connectors" / "example-connector-hit-below-position-zero.json"
+@pytest.mark.parametrize("name", ["example-connector-hit-below-position-zero",
+                                  "example-connector-computed-below-zero"])
+def test_a_step_vllm_schedules_from_below_position_zero_is_judged(name):
+    """ExampleConnector answers -4 (or -2) for a one-token prompt and vLLM
+    schedules positions [-4, 0) (or leaves num_computed_tokens at -1): kvspec's
+    data oracle raised IndexError there (reported as the target's crash) until
+    it wrote and read only positions that exist."""
+    trace = ROOT / "tests" / "data" / "connectors" / f"{name}.json"
     from kvspec.harness.known import replay
     from kvspec.harness.trace import load_trace
     data = load_trace(trace)
