@@ -18,7 +18,8 @@ import signal
 import subprocess
 import sys
 
-from kvspec.verdict import EXIT_INTERRUPTED, KNOWN_NOTE, LOST_NOTE, describe_known
+from kvspec.verdict import (EXIT_INTERRUPTED, HOLD_KNOWN, HOLD_PLAIN, KNOWN_NOTE, LOST_NOTE,
+                            describe_known)
 
 #: exit codes from best to worst: a campaign reports the worst of its workers'
 SEVERITY = (0, 3, 1, EXIT_INTERRUPTED, 2)
@@ -130,6 +131,7 @@ def count_known(line: str, known: list[dict]) -> str:
         return head + rest
     note = describe_known((k["label"] or k["finding"] or "pre-existing", k["count"])
                           for k in known)
+    head = head.replace(HOLD_PLAIN, HOLD_KNOWN, 1)  # another worker met one
     return f"{head} | {note}{rest}"
 
 

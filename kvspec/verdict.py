@@ -80,6 +80,9 @@ def restrictions(profile, asked: dict[str, str], gaps: dict[str, str]) -> list[R
 KNOWN_NOTE = "known findings met: "
 
 
+#: a held run's verdict, and one that met known findings (they broke claims)
+HOLD_PLAIN, HOLD_KNOWN = "HOLD: every claim held", "HOLD: no new violation (known findings aside)"
+
 #: how the note on lost performance starts (it follows the known findings' note)
 LOST_NOTE = "LOST PERFORMANCE"
 
@@ -132,4 +135,4 @@ def first_line(result, found: list[Restriction], code_changed=(),
         return f"VIOLATED{flaky}, new: {', '.join(claims)}{tail}", EXIT_VIOLATED
     if unasked:
         return f"INCOMPLETE{tail}", EXIT_INCOMPLETE
-    return f"HOLD: every claim held{tail}", EXIT_HOLD
+    return f"{HOLD_KNOWN if known else HOLD_PLAIN}{tail}", EXIT_HOLD

@@ -58,12 +58,14 @@ def test_a_breach_is_the_connectors_claims_and_a_crash_only():
     assert get_breach(pairs) == (pairs[0], pairs[2])
 
 
-def test_the_scheduler_claims_a_breach_leads_to_do_not_change_its_name():
-    """The same breach under sync scheduling (no placeholders claim) and with a
-    different count is the same finding."""
+def test_the_garbage_a_breach_leads_to_does_not_change_its_name():
+    """The same breach with another count, and with what reading its garbage
+    breaks (here under sync scheduling: no placeholders claim), is the same
+    finding; scheduler claims alone are never a connector's finding."""
     got = violations(("load_reads_what_was_stored", "r4: its load asks for 8 positions, "
                                                     "8 of them never stored"),
-                     ("computed_means_valid", "r4: token 0 is counted as computed"))
+                     ("computed_means_valid", "r4: token 0 is counted as computed"),
+                     ("no_caching_of_invalid_blocks", "block 2 is in the prefix cache"))
     assert fails_as([(v.invariant, v.message) for v in got], by_id(KEYS))
     scheduler_only = [("computed_means_valid", "r4: token 0 is counted as computed")]
     assert not any(fails_as(scheduler_only, f) for f in CONNECTOR_FINDINGS)
@@ -144,7 +146,7 @@ def test_a_check_of_example_connector_meets_its_documented_findings_as_known(tmp
     report = json.loads(done.stdout)
     met = {k["finding"] or k["label"] for k in report["known_findings"]}
     assert report["violations"] == [], report["verdict_line"]
-    assert {KEYS, CHUNK} <= met, met
+    assert {KEYS, CHUNK, NEGATIVE} <= met, met
     assert done.returncode == 0, report["verdict_line"]
 
 
@@ -223,3 +225,53 @@ def test_a_multi_connector_has_its_childrens_findings():
     assert {f.id for f in named} == {KEYS, CHUNK, NEGATIVE}
     assert get_connector_findings("vllm") == [] and get_connector_findings(
         "vllm?connector=NixlConnector") == []
+
+
+def test_a_lone_claim_of_a_two_claim_breach_is_no_known_finding():
+    """The negative hit after a preemption breaks two contract claims at once; a
+    hit past the store alone is not it, nor 'several' findings made of parts of
+    theirs (the rule pooled every known shape once: a planted CountsPastStored
+    passed for 'several known findings'). With finding 1 known, that breach is
+    finding 1's own (a hit claiming the whole prompt its first chunk's files
+    hold only part of, one of its traces)."""
+    lone = [("hit_within_stored", "r0: a hit of tokens 0..6, but from token 0 the store "
+             "holds its prefix up to token 4")]
+    others = [by_id(NEGATIVE), by_id(KEYS)]
+    assert Recogniser(EXAMPLE, set(), [], others).explain({}, [], violations(*lone)) is None
+    known = list(connector_findings("ExampleConnector"))
+    assert Recogniser(EXAMPLE, set(), [], known).explain(
+        {}, [], violations(*lone)).finding == CHUNK
+
+
+def test_a_breach_beside_scheduler_claims_its_traces_never_break_is_new():
+    """A known breach's shape is not enough: a scheduler that frees blocks under
+    a store writes a stale store too, and its own claims tell it apart."""
+    known = list(connector_findings("ExampleConnector"))
+    chunk = get_breach(recorded(by_id(CHUNK).traces[0]))
+    rec = Recogniser(EXAMPLE, set(), [], known)
+    assert rec.explain({}, [], violations(*chunk)).finding == CHUNK
+    assert rec.explain({}, [], violations(*chunk, ("ref_count_is_holders", "block 3: x"))) \
+        is None
+    keys = recorded(by_id(KEYS).traces[0])  # its own consequences are still its own
+    assert rec.explain({}, [], violations(*keys)).finding == KEYS
+    assert rec.explain({}, [], violations(*keys, ("every_request_finishes", "r1: x"))) is None
+
+
+def test_a_change_to_a_connectors_file_is_another_source_for_its_probes(tmp_path):
+    """Probes of a connector's findings are cached per the source's connector
+    code too: a branch that changes only example_connector.py must not reuse
+    the release's answers (content_hash covers the scheduler's modules only)."""
+    from kvspec.harness.vllm_source import VllmSource, connectors_hash, content_hash
+    sources = []
+    for name, body in (("a", "x = 1\n"), ("b", "x = 2\n")):
+        package = tmp_path / name / "vllm"
+        connector = package / "distributed" / "kv_transfer" / "kv_connector" / "v1"
+        connector.mkdir(parents=True)
+        (connector / "example_connector.py").write_text(body)
+        (package / "v1" / "core").mkdir(parents=True)
+        (package / "v1" / "core" / "sched.py").write_text("pass\n")
+        sources.append(VllmSource(str(tmp_path / name), "directory", tmp_path / name, package,
+                                  "0.32.0"))
+    a, b = sources
+    assert content_hash(a) == content_hash(b)
+    assert connectors_hash(a) != connectors_hash(b)

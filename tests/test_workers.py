@@ -99,3 +99,8 @@ def test_a_worker_that_met_no_known_finding_gains_the_others_note():
     summary = combine([_summary("HOLDS | known findings met: f (3x)", [_hit(3, "f")]), failing])
     assert summary["verdict_line"] == "VIOLATED, new: c | known findings met: f (3x)"
     assert combine([_summary("HOLDS", [])] * 2)["verdict_line"] == "HOLDS"
+    plain = _summary("HOLD: every claim held", [])
+    met = _summary("HOLD: no new violation (known findings aside) | known findings met: f (2x)",
+                   [_hit(2, "f")])
+    assert combine([plain, met])["verdict_line"] == (
+        "HOLD: no new violation (known findings aside) | known findings met: f (2x)")

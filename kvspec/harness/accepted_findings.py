@@ -379,7 +379,8 @@ CONNECTOR_FINDINGS: tuple[AcceptedFinding, ...] = (
         "example-connector-lookup-and-load-keys-differ",
         "ExampleConnector keys its lookup by (n - 2) // block * block tokens and its load "
         "by (n - 1) // block * block: a promised hit loads a folder nothing saved",
-        ("connectors/example-connector-lookup-and-load-keys-differ.json",), remedy="none",
+        ("connectors/example-connector-lookup-and-load-keys-differ.json",
+         "connectors/example-connector-lookup-and-load-keys-differ-sync.json"), remedy="none",
         connector="ExampleConnector",
         upstream="PR #40684 (closed unmerged); still in 0.32.0 and 0.33.0"),
     AcceptedFinding(
@@ -387,7 +388,11 @@ CONNECTOR_FINDINGS: tuple[AcceptedFinding, ...] = (
         "ExampleConnector saves a new request in its first step only, under the whole "
         "prompt's key: a chunked prefill stores positions not computed yet, and a later "
         "hit claims a prompt the files do not hold",
-        ("connectors/example-connector-first-chunk-saved-under-prompt-key.json",),
+        ("connectors/example-connector-first-chunk-saved-under-prompt-key.json",
+         "connectors/example-connector-first-chunk-saved-then-hit-whole.json",
+         "connectors/example-connector-first-chunk-hit-claims-whole-prompt.json",
+         "connectors/example-connector-first-chunk-hit-after-preemption.json",
+         "connectors/example-connector-first-chunk-saved-and-hit-in-one-step.json"),
         remedy="none", connector="ExampleConnector",
         upstream="#16928; open PR #53314 caps the hit at what was saved (the save of a "
                  "partly computed block stays)"),
@@ -397,7 +402,10 @@ CONNECTOR_FINDINGS: tuple[AcceptedFinding, ...] = (
         "reaches past its lookup's key, and vLLM takes it",
         ("connectors/example-connector-negative-hit.json",
          "connectors/example-connector-negative-hit-after-preemption.json",
-         "connectors/example-connector-negative-hit-one-token-prompt.json"), remedy="none",
+         "connectors/example-connector-negative-hit-one-token-prompt.json",
+         "connectors/example-connector-negative-hit-computed-below-zero.json",
+         "connectors/example-connector-negative-hit-recomputes-a-shared-slot.json"),
+        remedy="none",
         connector="ExampleConnector",
         upstream="open PR #53611 (fixes #53495) covers a one-token prompt, not a local "
                  "hit past the key"),

@@ -109,8 +109,33 @@ def fails_as(violations, finding) -> bool:
     connector's finding: its breach, :func:`get_breach`)."""
     if finding.connector:
         breach = get_breach(violations)
-        return any(behaves_as(breach, get_breach(recorded(t))) for t in finding.traces)
+        return any(behaves_as(breach, get_breach(recorded(t))) for t in finding.traces) \
+            and get_consequences(violations) <= get_allowed_consequences([finding])
     return any(behaves_as(violations, recorded(t)) for t in finding.traces)
+
+
+def get_consequences(violations) -> frozenset[str]:
+    """The claims of a step besides the connector's breach (:func:`get_breach`)."""
+    breach = set(get_breach(violations))
+    return frozenset(c for c, m in violations if (c, m) not in breach)
+
+
+#: what a step breaks when vLLM uses KV that a connector left invalid without
+#: saying so (a load of garbage, a store of it read back): the consequences any
+#: connector finding that ships bad KV may have, whichever its traces show
+GARBAGE_READ_CLAIMS = frozenset({"computed_means_valid", "no_caching_of_invalid_blocks",
+                                 "update_from_output_relation",
+                                 "placeholders_match_in_flight"})
+
+
+def get_allowed_consequences(findings) -> frozenset[str]:
+    """The scheduler claims a step may break beside a breach for it to be taken
+    for ``findings``: those their traces break, and what reading invalid KV
+    breaks (``GARBAGE_READ_CLAIMS``). Any other is not taken for them: a new
+    bug may write a breach of the same shape (a scheduler that frees blocks
+    under a store does), and its own claims then tell it apart."""
+    return GARBAGE_READ_CLAIMS | frozenset(c for f in findings for t in f.traces
+                                           for c in get_consequences(recorded(t)))
 
 
 def get_breach(violations) -> tuple[tuple[str, str], ...]:
@@ -179,7 +204,7 @@ class ProbeCache:
             self.entries = {}
 
     def probe(self, trace: str, target: str) -> Outcome:
-        key = f"{self.source_key}|{_kvspec_key()}|{trace}|{target}"
+        key = f"{self.source_key}|{_kvspec_key()}|{trace}|{target}{_connector_key(target)}"
         hit = self.entries.get(key)
         if hit is not None:
             return Outcome(tuple(tuple(v) for v in hit["violations"]), hit["error"])
@@ -205,6 +230,27 @@ class ProbeCache:
             self.dirty = False
         except OSError:
             pass  # a cache: a run that cannot keep it probes again next time
+
+
+def _connector_key(target: str) -> str:
+    """What a probe with a real connector also depends on: the source's
+    connector code, and a connector installed beside kvspec (``module:Class``)."""
+    from kvspec.harness.targets import parse_connector_choice
+    from kvspec.harness.vllm_source import active, connectors_hash
+    choice = parse_connector_choice(target)
+    if choice is None:
+        return ""
+    key = "|connectors " + connectors_hash(active())
+    if choice.module_path:
+        import importlib.util
+        try:
+            spec = importlib.util.find_spec(choice.module_path)
+        except (ImportError, ValueError):
+            spec = None
+        origin = Path(spec.origin) if spec is not None and spec.origin else None
+        if origin is not None and origin.is_file():
+            key += " " + hashlib.sha256(origin.read_bytes()).hexdigest()[:16]
+    return key
 
 
 _KVSPEC_KEY: str | None = None
@@ -434,6 +480,10 @@ class Recogniser:
         finding = _first_failing_as(pairs, unfixed)
         if finding is None:
             return self._by_connector_findings(pairs, unfixed)
+        if finding.connector:
+            return Explanation(finding.id, f"breaks {finding.connector}'s contract as its "
+                               "trace does (the connector's own code; kvspec has no fix for "
+                               "it)", finding.upstream)
         return Explanation(finding.id, "behaves as its trace does (no fix applied here)",
                            finding.upstream)
 
@@ -441,17 +491,20 @@ class Recogniser:
         """A breach of the connector's contract made of several of its known
         findings' breaches at once (one finding's garbage loaded, then stored
         by a request that shares it): each violation has the shape of one."""
-        known = [f for f in unfixed if f.connector]
         breach = shape(get_breach(pairs))
-        seen = frozenset().union(*(shape(get_breach(recorded(t))) for f in known
-                                   for t in f.traces))
-        if not known or not breach or not breach <= seen:
+        # the known breaches this one holds whole (a lone claim of a finding whose
+        # traces break two at once is not that finding)
+        used = [(f, part) for f in unfixed if f.connector for t in f.traces
+                if (part := shape(get_breach(recorded(t)))) and part <= breach]
+        findings = list(dict.fromkeys(f for f, _ in used))
+        if len(findings) < 2 or frozenset().union(*(p for _, p in used)) != breach:
             return None
-        owners = " and ".join(dict.fromkeys(
-            f.connector for f in known for t in f.traces
-            if breach & shape(get_breach(recorded(t)))))
-        return Explanation(None, "each breach of its contract behaves as one of its known "
-                           "findings' traces", unnamed=f"several known findings of {owners}")
+        if not get_consequences(pairs) <= get_allowed_consequences(findings):
+            return None
+        owners = " and ".join(dict.fromkeys(f.connector for f in findings))
+        return Explanation(None, "its breach is " + " + ".join(f.id for f in findings) +
+                           ", each as its trace breaks it", unnamed=f"several known findings "
+                           f"of {owners}")
 
     def _likely_first(self, fixes: list[str], pairs) -> list[str]:
         claims = {c for c, _ in pairs}

@@ -558,7 +558,7 @@ def checked_files(source: VllmSource) -> dict[str, Path]:
     return found
 
 
-_hashes: dict[Path, str] = {}
+_hashes: dict[object, str] = {}
 
 
 def content_hash(source: VllmSource) -> str:
@@ -569,6 +569,21 @@ def content_hash(source: VllmSource) -> str:
         h = hashlib.sha256()
         for rel, path in checked_files(source).items():
             h.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
+        _hashes[key] = h.hexdigest()[:16]
+    return _hashes[key]
+
+
+def connectors_hash(source: VllmSource) -> str:
+    """A hash of every file of vLLM's KV transfer code (each connector's own):
+    a probe of a connector's finding depends on it, and ``content_hash``
+    leaves the connectors out (a change to one file of theirs must not reuse
+    the release's probes)."""
+    key = ("connectors", source.package)
+    if key not in _hashes:
+        h = hashlib.sha256()
+        folder = source.package / "distributed" / "kv_transfer"
+        for path in sorted(folder.rglob("*.py")) if folder.is_dir() else ():
+            h.update(path.relative_to(folder).as_posix().encode() + b"\0" + path.read_bytes())
         _hashes[key] = h.hexdigest()[:16]
     return _hashes[key]
 
