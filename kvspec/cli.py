@@ -714,21 +714,17 @@ def print_campaign(summary: dict) -> None:
     from kvspec.report import summary_table
     rows = [c for c in summary["claims"] if c["kind"] != "outcome"]
     console.print(Text(summary["verdict_line"]))
-    for r in summary.get("restrictions") or []:
-        if r["kind"] == "gap":
-            console.print(Text(f"  not mapped: {r['field']}={_shown_value(r['value'])}: "
-                               f"{r['why']}"))
+    from kvspec.verdict import Restriction, gap_lines
+    for gap in gap_lines([Restriction(r["field"], tuple(r["value"]) if isinstance(
+            r["value"], list) else r["value"], r["why"], r["kind"])
+            for r in summary.get("restrictions") or []]):
+        console.print(Text(gap))
     console.print(summary_table(
         {c["name"]: c["checked"] or 0 for c in rows}, {c["name"]: c["witnessed"] for c in rows},
         {c["name"]: c["violations"] for c in rows if c["violations"]},
         summary.get("design_rules", True)))
     for name in summary["unwitnessed"]:  # (``parallel.combine``: those no worker witnessed)
         console.print(f"[yellow]never witnessed by any worker:[/] {name}")
-
-
-def _shown_value(value) -> str:
-    """A restriction's value as the verdict line shows it (a list joined by commas)."""
-    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def get_budget(budget: str | None, examples: int | None) -> str:

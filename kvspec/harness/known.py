@@ -144,7 +144,8 @@ def get_breach(violations) -> tuple[tuple[str, str], ...]:
     scheduler claims that break in the same step are what the breach led to
     (garbage loaded, then sampled from): they differ with the configuration
     (async scheduling adds placeholders) while the breach stays the same, so a
-    connector's finding is known by its breach alone."""
+    connector's finding is known by its breach, and the rest of the step is
+    asked only to be among its consequences (:func:`get_allowed_consequences`)."""
     import kvspec.spec.catalogue  # noqa: F401  (registers every claim)
     from kvspec.spec.registry import REGISTRY
     return tuple((c, m) for c, m in violations
@@ -351,8 +352,10 @@ def is_recognisable_by_shape(finding: AcceptedFinding) -> bool:
     kvspec's own and shared by unrelated bugs (a liveness bug of a change under
     review reads "r1 still WAITING ..." exactly as a known deadlock does).
     A connector's finding is known by its breach of the connector's contract
-    (:func:`get_breach`): a contract claim judges the connector's own answer or
-    transfer, which no scheduler bug writes for it."""
+    (:func:`get_breach`), with only its consequences beside it
+    (:func:`fails_as`): a contract claim judges the connector's own answer or
+    transfer, and a scheduler bug that writes a breach of the same shape breaks
+    claims of its own there."""
     if finding.connector:
         return all(get_breach(recorded(t)) for t in finding.traces)
     return all(claim == "target_crashed" for t in finding.traces for claim, _ in recorded(t)) \
@@ -380,14 +383,16 @@ def present_unfixed(applied: set[str], cache: ProbeCache, planted=(),
             continue
         if not is_recognisable_by_shape(finding):
             continue
-        if any(fails_as_recorded(cache.probe(t, _trace_target(target, t)), recorded(t))
+        if any(fails_as_recorded(cache.probe(t, _trace_target(target, t) if finding.connector
+                                             else target), recorded(t))
                for t in finding.traces):
             found.append(finding)
     return found
 
 
 def _trace_target(target: str, trace: str) -> str:
-    """``target`` with the connector the finding's trace was recorded with, if any."""
+    """``target`` with the connector a connector finding's trace was recorded
+    with (its --connector-config included)."""
     from kvspec.harness.targets import with_connector
     data = load_finding_trace(trace)
     return with_connector(target, data["target"]) if data else target
