@@ -289,8 +289,9 @@ def harm_claims(harm) -> list[str]:
 
 
 def review_verdict(result, hunks: list[Hunk], base_errors, code_changed,
-                   harm=None, lost=()) -> ReviewVerdict:
-    """The review's first line and exit code (see the module doc)."""
+                   harm=None, lost=(), base_note: str | None = None) -> ReviewVerdict:
+    """The review's first line and exit code (see the module doc). ``base_note``:
+    how BASE fails the regression's trace otherwise than HEAD (None: it passes)."""
     unrun = [h for h in hunks if h.never_ran]
     notes = []
     if unrun:
@@ -316,7 +317,9 @@ def review_verdict(result, hunks: list[Hunk], base_errors, code_changed,
         claims = sorted({v.invariant for v in result.counterexample.violations})
         led = harm_claims(harm)
         leads = f"; it leads on to {', '.join(led)}" if led else ""
-        return ReviewVerdict(f"REGRESSION on HEAD (passes on BASE): {', '.join(claims)}"
+        on_base = "" if base_note else " (passes on BASE)"
+        differs = f" ({base_note})" if base_note else ""
+        return ReviewVerdict(f"REGRESSION on HEAD{on_base}: {', '.join(claims)}{differs}"
                              f"{leads}{tail}", 1)
     new_lost = [x for x in lost if x.is_regression]
     if new_lost:
@@ -357,6 +360,16 @@ class Review:
     harm: object = None
     #: the run's lost performance, each asked of BASE (see ``classify_lost``)
     lost: list = attrs.Factory(list)
+    #: how BASE fails the regression's trace otherwise than HEAD (None: it passes)
+    base_note: str | None = None
+
+
+def get_base_note(recogniser, ce) -> str | None:
+    """How BASE fails the regression's trace, if it does: it shares part of
+    HEAD's failure, not all of it (``known.describe_base_difference``)."""
+    args = (ce.runner.config, list(ce.runner.actions), ce.violations)
+    recogniser.explain(*args)  # memoised: the base's answer for this very trace
+    return recogniser.get_base_note(*args)
 
 
 def get_trace_name(head: VllmSource, seed: int) -> str:
@@ -402,7 +415,9 @@ def check_head(review: Review, worker, seed: int, out: Path, console,
     attach_coverage(review.hunks, measured_lines(coverage.data(), review.head,
                                                  patched("all").files))
     ce = review.result.counterexample
-    if ce is not None:  # what BASE does with it when nothing of kvspec's is applied
+    if ce is not None:
+        review.base_note = get_base_note(prep.recogniser, ce)
+        # what BASE does with it when nothing of kvspec's is applied
         review.base_as_released = worker.replay(with_connector("vllm?fixes=none", target),
                                                 ce.runner.config, list(ce.runner.actions))
         review.harm = get_harm(Path(review.result.trace_path), ce.violations)
@@ -411,7 +426,7 @@ def check_head(review: Review, worker, seed: int, out: Path, console,
     changed = [s for s in prep.statuses if s.status == "code-changed"]
     review.verdict = review_verdict(review.result, review.hunks,
                                     prep.recogniser.base_errors, changed, review.harm,
-                                    review.lost)
+                                    review.lost, review.base_note)
 
 
 def to_json(review: Review, markdown_path: Path) -> dict:
@@ -427,6 +442,7 @@ def to_json(review: Review, markdown_path: Path) -> dict:
         "regression": None if ce is None else {
             "claims": sorted({v.invariant for v in ce.violations}),
             "trace": str(r.trace_path), "shrink_cut_by_budget": r.shrink_cut,
+            "fails_on_base": review.base_note,
             "fails_on_base_as_released": review.base_as_released is not None
             and review.base_as_released.fails,
             "leads_on_to": harm_claims(review.harm)},
@@ -524,6 +540,11 @@ def _regression(review: Review, command_arg) -> list[str]:
     if result.shrink_cut:
         md += ["The budget ran out while this example was being shrunk: it may hold actions "
                "it does not need (a longer `--budget` shrinks it further).", ""]
+    if review.base_note:
+        md += [f"On BASE, with the same fixes, this trace fails too, but not as on HEAD: "
+               f"{review.base_note.removeprefix('BASE ')}. Part of HEAD's failure is the "
+               "change's own (a claim BASE keeps at that step, or a step BASE never "
+               "reaches).", ""]
     released = review.base_as_released
     if released is not None and released.fails:
         md += ["On BASE as released (without kvspec's fixes) it fails too "
@@ -535,7 +556,7 @@ def _regression(review: Review, command_arg) -> list[str]:
            f"kvspec replay {command_arg(trace)} --vllm {command_arg(review.head.cli_name())}"
            "    # fails",
            f"kvspec replay {command_arg(trace)} --vllm {command_arg(review.base.cli_name())}"
-           "    # passes",
+           + ("    # fails otherwise (above)" if review.base_note else "    # passes"),
            "```", "",
            "A standalone test in vLLM's style, for the pull request (it imports no kvspec; "
            "a break only kvspec's model sees is written as what it leads to):", "", "```",

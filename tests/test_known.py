@@ -64,6 +64,57 @@ def test_a_counterexample_that_fails_on_the_base_too_is_pre_existing():
     assert base.asked == ["vllm?fixes=a-fix"]  # the base runs with the head's fixes
 
 
+def test_a_base_that_shares_one_claim_of_two_does_not_explain_it():
+    """A change that keeps a known bug and breaks a second claim in its step
+    has a failure of its own: sharing one claim is not "fails on the base too"."""
+    base = FakeBase(Outcome((("computed_means_valid", "r1: token 0 ..."),), step=2))
+    rec = Recogniser("vllm", set(), [], [], base)
+    found = violations(("computed_means_valid", "r0: token 0 ..."),
+                       ("ref_count_is_holders", "block 3 counts 2, held by 1"))
+    actions = [{"op": "add"}, {"op": "step"}, {"op": "step"}]
+    assert rec.explain({}, actions, found) is None
+    note = rec.get_base_note({}, actions, found)
+    assert note == ("BASE fails this trace too, as computed_means_valid, "
+                    "but not as ref_count_is_holders")
+
+
+def test_a_base_that_fails_earlier_does_not_explain_it():
+    """The base breaks the claim at an earlier action: the head passed that
+    action, so its failure at the last one is not the base's."""
+    base = FakeBase(Outcome((("computed_means_valid", "r1: token 0 ..."),), step=0))
+    rec = Recogniser("vllm", set(), [], [], base)
+    found = violations(("computed_means_valid", "r0: token 0 ..."))
+    actions = [{"op": "add"}, {"op": "step"}, {"op": "step"}]
+    assert rec.explain({}, actions, found) is None
+    assert rec.get_base_note({}, actions, found) == (
+        "BASE fails this trace earlier, at action 1 of 3: computed_means_valid")
+
+
+def test_a_base_failing_at_the_same_action_with_more_claims_explains_it():
+    base = FakeBase(Outcome((("computed_means_valid", "x"), ("stats_are_ordered", "y")),
+                            step=1))
+    rec = Recogniser("vllm", set(), [], [], base)
+    found = violations(("computed_means_valid", "r0"))
+    why = rec.explain({}, [{"op": "add"}, {"op": "step"}], found)
+    assert why is not None and "fails on the base" in why.how
+    assert rec.get_base_note({}, [{"op": "add"}, {"op": "step"}], found) is None
+
+
+def test_replay_says_at_which_action_it_failed(tmp_path):
+    from kvspec.harness.known import replay
+    ce = fuzz(MUTANT, budget=20, seed=0, out_dir=tmp_path).counterexample
+    assert ce is not None
+    actions = list(ce.runner.actions)
+    got = replay(MUTANT, ce.runner.config, actions + [{"op": "step"}] * 3)
+    assert got.fails and got.step == len(actions) - 1
+    # and a review's base process says so too (its side of the protocol)
+    from kvspec.harness.base_worker import _handle
+    from kvspec.harness.trace import config_to_dict
+    answer = _handle({"op": "replay", "target": MUTANT, "actions": actions,
+                      "config": config_to_dict(ce.runner.config)})
+    assert answer["step"] == len(actions) - 1 and answer["violations"]
+
+
 def test_a_known_findings_shape_names_it_on_the_base():
     trace = "vllm-0.32.0-hybrid-sync-load-failure-unreportable.json"
     base = FakeBase(Outcome(recorded(trace)))

@@ -112,6 +112,17 @@ def test_a_regression_of_the_model_alone_names_what_it_leads_to():
     assert "leads on" not in review_verdict(r, [], [], [], None).line
 
 
+def test_a_regression_base_fails_otherwise_says_how():
+    from types import SimpleNamespace as NS
+
+    from kvspec.spec.registry import Violation
+    r = result()
+    r.counterexample = NS(violations=[Violation("ref_count_is_holders", "block 3")])
+    note = "BASE fails this trace earlier, at action 2 of 5: computed_means_valid"
+    line = review_verdict(r, [], [], [], None, (), note).line
+    assert line == f"REGRESSION on HEAD: ref_count_is_holders ({note})"
+
+
 def test_harm_is_sought_only_when_the_model_alone_broke(tmp_path):
     """A regression that already breaks a claim of its own harm (data, state)
     needs no second replay; a missing trace is one line, not a traceback."""

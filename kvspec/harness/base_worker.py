@@ -100,7 +100,8 @@ class BaseWorker:
         from kvspec.harness.trace import config_to_dict
         answer = self._ask({"op": "replay", "target": target, "config": config_to_dict(config),
                             "actions": actions, "lost": lost})
-        return Outcome(tuple(tuple(v) for v in answer.get("violations", ())), answer.get("error"))
+        return Outcome(tuple(tuple(v) for v in answer.get("violations", ())), answer.get("error"),
+                       answer.get("step"))
 
     def describe(self, target: str) -> dict:
         return self._ask({"op": "describe", "target": target})
@@ -150,7 +151,8 @@ def _handle(request: dict) -> dict:
     if request["op"] == "replay":
         got = replay(request["target"], config_from_dict(request["config"]), request["actions"],
                      lost=bool(request.get("lost")))
-        return {"violations": [list(v) for v in got.violations], "error": got.error}
+        return {"violations": [list(v) for v in got.violations], "error": got.error,
+                "step": got.step}
     if request["op"] == "describe":
         from kvspec.harness.targets import parse_vllm_target
         from kvspec.harness.vllm_patches import patched

@@ -54,6 +54,9 @@ class Outcome:
 
     violations: tuple[tuple[str, str], ...] = ()
     error: str | None = None
+    #: the index of the action the failure was judged at (None: it passed, or
+    #: the answer does not say)
+    step: int | None = None
 
     @property
     def claims(self) -> frozenset[str]:
@@ -80,7 +83,31 @@ def replay(target: str, config, actions: list[dict], lost: bool = False) -> Outc
     if failure is None:
         return Outcome(tuple((v.invariant, v.message) for ce in runner.lost
                              for v in ce.violations) if lost else ())
-    return Outcome(tuple((v.invariant, v.message) for v in failure.violations))
+    return Outcome(tuple((v.invariant, v.message) for v in failure.violations),
+                   step=len(runner.actions) - 1)
+
+
+def _memo_key(config, actions: list[dict], pairs) -> str:
+    return hashlib.sha256(json.dumps([repr(config), actions, pairs], sort_keys=True,
+                                     default=str).encode()).hexdigest()
+
+
+def describe_base_difference(pairs, last: int, got: Outcome) -> str:
+    """Whether the base fails a head counterexample (``pairs``, judged at
+    action ``last``) the same way: at the same action, breaking every claim the
+    head breaks there. "" when it does, or when it passes (nothing to say);
+    otherwise how it fails instead. Sharing one claim is not enough: a change
+    that keeps a known bug and adds a second broken claim to its step, or
+    fixes the bug and breaks the same claim later, has a failure of its own."""
+    if not got.fails:
+        return ""
+    seen = ", ".join(sorted(got.claims))
+    if got.step is not None and got.step != last:
+        return f"BASE fails this trace earlier, at action {got.step + 1} of {last + 1}: {seen}"
+    missing = sorted({c for c, _ in pairs} - got.claims)
+    if missing:
+        return f"BASE fails this trace too, as {seen}, but not as {', '.join(missing)}"
+    return ""
 
 
 def template(message: str) -> str:
@@ -443,6 +470,8 @@ class Recogniser:
         self.planted = tuple(planted)
         self.target = target
         self._memo: dict[str, Explanation | None] = {}
+        #: per counterexample the base fails otherwise than the head: how
+        self._base_notes: dict[str, str] = {}
         self.base_errors: list[str] = []
 
     @property
@@ -456,11 +485,17 @@ class Recogniser:
 
     def explain(self, config, actions: list[dict], violations) -> Explanation | None:
         pairs = tuple((v.invariant, v.message) for v in violations)
-        key = hashlib.sha256(json.dumps([repr(config), actions, pairs], sort_keys=True,
-                                        default=str).encode()).hexdigest()
+        key = _memo_key(config, actions, pairs)
         if key not in self._memo:
             self._memo[key] = self._explain(config, actions, pairs)
         return self._memo[key]
+
+    def get_base_note(self, config, actions: list[dict], violations) -> str | None:
+        """How the base failed a counterexample it does not fail as the head
+        does (``describe_base_difference``); None when the base passed it, was
+        not asked, or fails it the same way."""
+        pairs = tuple((v.invariant, v.message) for v in violations)
+        return self._base_notes.get(_memo_key(config, actions, pairs))
 
     def _explain(self, config, actions, pairs) -> Explanation | None:
         if any(c in ("environment_contract", "connector_answer", "kvspec_crashed")
@@ -564,7 +599,11 @@ class Recogniser:
         if got.error is not None:
             self.base_errors.append(got.error)
             return None
-        if not (got.claims & {c for c, _ in pairs}):
+        differs = describe_base_difference(pairs, len(actions) - 1, got)
+        if differs:  # the head's failure is not (all) the base's: the head's own
+            self._base_notes[_memo_key(config, actions, pairs)] = differs
+            return None
+        if not got.fails:
             return None
         how = f"fails on the base ({self.base.label}) too"
         for fix in self._likely_first(self.base_toggles, pairs):
