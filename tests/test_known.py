@@ -168,17 +168,28 @@ def test_a_run_goes_on_past_a_known_finding_and_keeps_its_trace(tmp_path):
 
 def test_a_new_counterexample_is_never_shrunk_into_a_known_one(tmp_path):
     """Shrinking asks the recogniser too: with every counterexample known but
-    those breaking computed_means_valid, the trace kept still breaks it."""
+    those breaking computed_means_valid, the trace kept still breaks it. The
+    known finding's count is of runs, not of the shrinker's candidates."""
     class KnownUnlessComputed(ExplainAll):
+        seen_new, before, during = False, 0, 0
+
         def explain(self, config, actions, found):
             if any(v.invariant == "computed_means_valid" for v in found):
+                self.seen_new = True
                 return None
+            self.during += self.seen_new
+            self.before += not self.seen_new
             return super().explain(config, actions, found)
-    result = fuzz(MUTANT, budget=20, seed=0, out_dir=tmp_path, recogniser=KnownUnlessComputed())
+    rec = KnownUnlessComputed()
+    result = fuzz(MUTANT, budget=20, seed=0, out_dir=tmp_path, recogniser=rec)
     assert result.counterexample is not None
     assert "computed_means_valid" in {v.invariant for v in result.counterexample.violations}
     saved = json.loads(result.trace_path.read_text())
     assert "computed_means_valid" in {v["invariant"] for v in saved["verdict"]}
+    assert rec.during > 0, "no shrink candidate met the known finding: nothing was tested"
+    hit = result.known.get("some-known-finding")
+    assert (hit.count if hit else 0) == rec.before
+    assert not list(tmp_path.glob(".pending-*"))
 
 
 def test_past_the_deadline_a_run_does_nothing():

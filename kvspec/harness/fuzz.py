@@ -311,7 +311,12 @@ def count_failing_replays(path: Path, target: str, claims: set[str], times: int 
 
 def _keep_known(result: FuzzResult, why, exc: Counterexample, pending: Path, out_dir: Path,
                 stem: str, say: Callable[[str], None]) -> None:
-    """Count a known finding; keep its first trace (and a shorter one later)."""
+    """Count a known finding; keep its first trace (and a shorter one later).
+    Not while a new counterexample is being shrunk: its candidates are not runs
+    (the recogniser still decides that such a candidate is not the new one)."""
+    if result.first_seen is not None:
+        pending.unlink(missing_ok=True)
+        return
     hit = result.known.get(why.key)
     claims = sorted({v.invariant for v in exc.violations})
     if hit is None:
