@@ -6,10 +6,12 @@ steps in flight: ``batch_queue.py``; the ghosts: ``spec/history.py``."""
 from __future__ import annotations
 
 import os
+import sysconfig
 import time
 import traceback
 from collections import Counter
 
+import attr
 import attrs
 
 import kvspec.spec
@@ -28,6 +30,7 @@ from kvspec.harness.kv_modes import KV_CLAIM, KV_MODES, KVWorkerError
 from kvspec.harness.model_runner import ModelRunner
 from kvspec.harness.steplog import (Counterexample, RunSnapshot, StepRecord, is_lost_performance,
                                     keep_first_lost, record_step)
+from kvspec.harness.target import TargetStateError
 from kvspec.harness.targets import TargetCannotMap, make_target
 from kvspec.impl.connector import ConnectorContractError
 from kvspec.spec import history
@@ -77,20 +80,50 @@ CONNECTOR_ANSWER = ("The connector answered outside the API's types, or its kvsp
 #: kvspec's model of the system (the oracle, the claims' helpers): an exception
 #: raised in here is kvspec's own bug, never the target's
 SPEC_DIR = os.path.realpath(kvspec.spec.__path__[0]) + os.sep
-KVSPEC_CRASHED = ("kvspec's own model raised while judging the step, so the step is not "
-                  "judged: a bug in kvspec (where a claim listed beside it names the "
-                  "target's fault, that fault is what kvspec could not model). Please "
-                  "report it with this trace.")
+HARNESS_DIR = os.path.dirname(os.path.realpath(__file__)) + os.sep
+#: the harness's judging side: it observes and judges the target, never runs as
+#: part of it (unlike the adapters, kvspec's connectors, its fixes and mutants)
+JUDGING_MODULES = frozenset(HARNESS_DIR + f"{name}.py" for name in (
+    "runner", "judge", "checker", "incremental", "frozen", "steplog", "hints", "features",
+    "model_runner", "drain", "vllm_observe"))
+#: code that raises on behalf of whoever called it (a frame of it decides nothing)
+LIBRARY_DIRS = tuple(os.path.realpath(p) + os.sep for p in {
+    sysconfig.get_paths()["stdlib"], os.path.dirname(attrs.__file__),
+    os.path.dirname(attr.__file__)})
+KVSPEC_CRASHED = ("kvspec's own code (its model or the harness judging the target) raised "
+                  "while judging the step, so the step is not judged: a bug in kvspec (where a "
+                  "claim listed beside it names the target's fault, that fault is what kvspec "
+                  "could not model). Please report it with this trace.")
+
+
+def _frames(exc: BaseException) -> list:
+    """The frames of ``exc`` and of the exceptions it was raised from, outermost
+    first, leaving out library code (the standard library, attrs)."""
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        chain = traceback.extract_tb(exc.__traceback__) + chain
+        exc = exc.__cause__ or exc.__context__
+    return [f for f in chain if not f.filename.startswith("<")
+            and not os.path.realpath(f.filename).startswith(LIBRARY_DIRS)]
 
 
 def describe_crash(exc: Exception) -> Violation:
     """A call that raised: the target's crash (a finding), or kvspec's own when
     the exception was raised inside its model (``spec/``), where a target's
-    odd state must be judged, never crash the judge."""
-    frames = traceback.extract_tb(exc.__traceback__)
+    odd state must be judged, never crash the judge, or inside the harness's
+    judging side with none of the target's code (vLLM, the reference, kvspec's
+    adapters, connectors, fixes and mutants) on the way. A ``TargetStateError``
+    is the target's: the observer names a state the target must never reach."""
+    frames = _frames(exc)
     last = frames[-1] if frames else None
-    if last is not None and os.path.realpath(last.filename).startswith(SPEC_DIR):
-        where = f"{os.path.relpath(last.filename, os.path.dirname(SPEC_DIR[:-1]))}:{last.lineno}"
+    paths = [os.path.realpath(f.filename) for f in frames]
+    ours = last is not None and not isinstance(exc, TargetStateError) and (
+        paths[-1].startswith(SPEC_DIR)
+        or all(p in JUDGING_MODULES or p.startswith(SPEC_DIR) for p in paths))
+    if ours:
+        top = os.path.dirname(SPEC_DIR[:-1])
+        where = f"{os.path.relpath(last.filename, top)}:{last.lineno}"
         return Violation("kvspec_crashed", f"{type(exc).__name__} at {where}: {exc}",
                          KVSPEC_CRASHED)
     return Violation("target_crashed", f"{type(exc).__name__}: {exc}",

@@ -18,6 +18,12 @@ def _get_block_ids(blocks) -> tuple[int, ...]:
     return tuple(map(_BLOCK_ID, blocks))
 
 
+class TargetStateError(AssertionError):
+    """The target reached a state no call may leave it in, found while it was
+    observed (a full-attention table holding the null block): the target's
+    crash, though raised by kvspec's observer (``runner.describe_crash``)."""
+
+
 class Target(Protocol):
     name: str
     version: str

@@ -10,6 +10,7 @@ from operator import attrgetter
 import attrs
 
 from kvspec.harness.frozen import TupleCache, ViewMemo, is_equal, keep_memos_of
+from kvspec.harness.target import TargetStateError
 from kvspec.spec.groups import NULL_BLOCK, get_group_cache_key, is_windowed
 from kvspec.spec.state import (STATS_UNSET, Config, Observation, PoolView, RequestStatus,
                                RequestView, StepView)
@@ -73,7 +74,7 @@ class VllmObserver:
         if is_windowed(self.config.groups[group]):
             return tuple([_spec_id(b) for b in vllm_ids])
         if vllm_ids and min(vllm_ids) < NULL_BLOCKS:
-            raise AssertionError(f"a full-attention block table holds the null block "
+            raise TargetStateError(f"a full-attention block table holds the null block "
                                  f"{min(vllm_ids)}")
         return tuple([b - NULL_BLOCKS for b in vllm_ids])
 

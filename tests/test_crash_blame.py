@@ -1,0 +1,90 @@
+"""Whose crash a raised call is (``runner.describe_crash``): the target's (a
+finding) or kvspec's own (a bug to report, never a finding of the target).
+Functions are compiled under the file names of the code they stand for, so
+the tracebacks look as the real ones do."""
+from __future__ import annotations
+
+import pytest
+
+from kvspec.harness.runner import HARNESS_DIR, SPEC_DIR, describe_crash
+from kvspec.harness.target import TargetStateError
+
+VLLM_FILE = "/site-packages/vllm/v1/core/sched/scheduler.py"
+
+
+def define(path: str, source: str, **names):
+    scope = dict(names)
+    exec(compile(source, path, "exec"), scope)  # noqa: S102 (see the module doc)
+    return scope
+
+
+#: the runner's call, where the real traceback starts
+RUNNER = define(HARNESS_DIR + "runner.py",
+                "def apply(fn, *args):\n    try:\n        fn(*args)\n"
+                "    except Exception as exc:\n        return describe_crash(exc)\n",
+                describe_crash=describe_crash)
+
+
+def blame(fn, *args) -> str:
+    return RUNNER["apply"](fn, *args).invariant
+
+
+OBSERVE = define(HARNESS_DIR + "vllm_observe.py",
+                 "def read(r):\n    return r.num_computed_tokens\n"
+                 "def odd(r):\n    raise TargetStateError('a full-attention table holds the null "
+                 "block 0')\n", TargetStateError=TargetStateError)
+
+
+class Renamed:
+    """A vLLM request whose field kvspec reads is gone (a branch renamed it)."""
+
+
+def test_the_judging_harness_raising_on_its_own_is_kvspecs_crash():
+    assert blame(OBSERVE["read"], Renamed()) == "kvspec_crashed"
+
+
+def test_the_message_names_where_in_kvspec():
+    v = RUNNER["apply"](OBSERVE["read"], Renamed())
+    assert "kvspec/harness/vllm_observe.py:2" in v.message and "bug in kvspec" in v.doc
+
+
+def test_a_state_the_target_must_never_reach_is_the_targets_crash():
+    assert blame(OBSERVE["odd"], object()) == "target_crashed"
+
+
+def test_the_harness_called_from_vllm_is_the_targets_crash():
+    """vLLM on the stack (it called kvspec's code, as it calls kvspec's connector):
+    not kvspec's alone to answer for."""
+    calls = define(VLLM_FILE, "def schedule(r):\n    return read(r)\n", read=OBSERVE["read"])
+    assert blame(calls["schedule"], Renamed()) == "target_crashed"
+
+
+@pytest.mark.parametrize("module", ["zoo.py", "vllm_target.py", "env.py", "in_place.py"])
+def test_harness_code_that_runs_as_part_of_the_target_is_the_targets(module):
+    """Mutants, adapters, kvspec's connector and its fixes run as the target."""
+    code = define(HARNESS_DIR + module, "def go(r):\n    return r.num_computed_tokens\n")
+    assert blame(code["go"], Renamed()) == "target_crashed"
+
+
+def test_a_vllm_assert_re_raised_by_the_adapter_is_the_targets():
+    inner = define(VLLM_FILE, "def check(x):\n    assert x > 0, 'negative'\n")
+    outer = define(HARNESS_DIR + "vllm_observe.py",
+                   "def located(x):\n    try:\n        inner(x)\n"
+                   "    except AssertionError as exc:\n"
+                   "        raise AssertionError('scheduler.py:2: negative') from exc\n",
+                   inner=inner["check"])
+    assert blame(outer["located"], -1) == "target_crashed"
+
+
+def test_the_model_raising_is_kvspecs_even_under_the_target():
+    oracle = define(SPEC_DIR + "oracle.py", "def at(keys):\n    return keys[-3]\n")
+    calls = define(VLLM_FILE, "def run(k):\n    return at(k)\n", at=oracle["at"])
+    assert blame(calls["run"], []) == "kvspec_crashed"
+
+
+def test_library_frames_do_not_hide_who_called_them():
+    """attrs raising for kvspec's judging code: still kvspec's."""
+    import attrs
+    frozen = attrs.frozen(type("P", (), {"__annotations__": {"x": int}}))
+    code = define(HARNESS_DIR + "checker.py", "def go(p):\n    p.x = 2\n")
+    assert blame(code["go"], frozen(1)) == "kvspec_crashed"
