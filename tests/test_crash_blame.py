@@ -88,3 +88,30 @@ def test_library_frames_do_not_hide_who_called_them():
     frozen = attrs.frozen(type("P", (), {"__annotations__": {"x": int}}))
     code = define(HARNESS_DIR + "checker.py", "def go(p):\n    p.x = 2\n")
     assert blame(code["go"], frozen(1)) == "kvspec_crashed"
+
+
+def test_installed_packages_are_never_library_code():
+    """Many Pythons (pyenv, conda, python images) keep site-packages inside the
+    standard library's folder: vLLM and kvspec installed there still count."""
+    import os
+    import sysconfig
+
+    import attrs
+
+    from kvspec.harness.runner import INSTALLED_DIRS, STDLIB_DIR, is_library
+    for d in INSTALLED_DIRS:
+        assert not is_library(d + os.path.join("vllm", "v1", "request.py"))
+        assert not is_library(d + os.path.join("kvspec", "harness", "vllm_observe.py"))
+    assert not is_library(os.path.join(sysconfig.get_paths()["purelib"], "vllm", "x.py"))
+    assert is_library(STDLIB_DIR + "json/decoder.py") and is_library(attrs.__file__)
+
+
+def test_raise_from_none_drops_the_exception_it_replaced():
+    """``raise ... from None`` in judging code handling a vLLM exception: the
+    vLLM frames it hid are not on the way."""
+    inner = define(VLLM_FILE, "def get(d, k):\n    return d[k]\n")
+    code = define(HARNESS_DIR + "vllm_observe.py",
+                  "def read(d):\n    try:\n        return get(d, 'x')\n"
+                  "    except KeyError:\n        raise ValueError('no x') from None\n",
+                  get=inner["get"])
+    assert blame(code["read"], {}) == "kvspec_crashed"

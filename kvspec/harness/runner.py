@@ -6,6 +6,7 @@ steps in flight: ``batch_queue.py``; the ghosts: ``spec/history.py``."""
 from __future__ import annotations
 
 import os
+import site
 import sysconfig
 import time
 import traceback
@@ -86,10 +87,24 @@ HARNESS_DIR = os.path.dirname(os.path.realpath(__file__)) + os.sep
 JUDGING_MODULES = frozenset(HARNESS_DIR + f"{name}.py" for name in (
     "runner", "judge", "checker", "incremental", "frozen", "steplog", "hints", "features",
     "model_runner", "drain", "vllm_observe"))
-#: code that raises on behalf of whoever called it (a frame of it decides nothing)
-LIBRARY_DIRS = tuple(os.path.realpath(p) + os.sep for p in {
-    sysconfig.get_paths()["stdlib"], os.path.dirname(attrs.__file__),
-    os.path.dirname(attr.__file__)})
+#: code that raises on behalf of whoever called it (a frame of it decides
+#: nothing): the standard library and attrs. Installed packages (vLLM, kvspec
+#: itself) are not library code, though many Pythons keep them inside the
+#: standard library's folder (``lib/python3.11/site-packages``).
+STDLIB_DIR = os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep
+INSTALLED_DIRS = tuple(os.path.realpath(p) + os.sep for p in {
+    sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+    *site.getsitepackages(), site.getusersitepackages()})
+ATTRS_DIRS = tuple(os.path.dirname(os.path.realpath(m.__file__)) + os.sep for m in (attr, attrs))
+
+
+def is_library(path: str) -> bool:
+    """A frame of the standard library or attrs, not of an installed package."""
+    real = os.path.realpath(path)
+    return real.startswith(ATTRS_DIRS) or (
+        real.startswith(STDLIB_DIR) and not real.startswith(INSTALLED_DIRS))
+
+
 KVSPEC_CRASHED = ("kvspec's own code (its model or the harness judging the target) raised "
                   "while judging the step, so the step is not judged: a bug in kvspec (where a "
                   "claim listed beside it names the target's fault, that fault is what kvspec "
@@ -103,9 +118,8 @@ def _frames(exc: BaseException) -> list:
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         chain = traceback.extract_tb(exc.__traceback__) + chain
-        exc = exc.__cause__ or exc.__context__
-    return [f for f in chain if not f.filename.startswith("<")
-            and not os.path.realpath(f.filename).startswith(LIBRARY_DIRS)]
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return [f for f in chain if not f.filename.startswith("<") and not is_library(f.filename)]
 
 
 def describe_crash(exc: Exception) -> Violation:
