@@ -173,41 +173,44 @@ def get_run_unwitnessed(result, design_rules: bool, profile=None) -> dict[str, s
 
 
 #: claims only a connector's asynchronous loads, failed loads or delayed frees
-#: can witness, each with what the run's counted features must show
+#: can witness, each with the world capabilities (``connector_worlds``) and the
+#: run's counted features it needs, any one of them
 SILENT_CONNECTOR_CLAIMS = {
-    "async_load_has_tokens": ("async_loads",),
-    "no_load_into_free_blocks": ("async_loads",),
-    "no_caching_of_invalid_blocks": ("async_loads", "load_failures"),
-    "send_source_intact": ("sends",),
-    "delay_covers_reads_in_flight": ("sends",),
-    "finished_request_releases_blocks": ("sends", "async_loads"),
+    "async_load_has_tokens": ("loads_async",),
+    "no_load_into_free_blocks": ("loads_async",),
+    "no_caching_of_invalid_blocks": ("loads_async", "reports_load_failures"),
+    "send_source_intact": ("delays_frees",),
+    "delay_covers_reads_in_flight": ("delays_frees",),
+    "finished_request_releases_blocks": ("delays_frees", "loads_async"),
 }
-#: what a feature's absence says about a real connector
-SILENCES = {"async_loads": "finished no asynchronous load",
-            "load_failures": "reported no failed load",
-            "sends": "delayed no free for a send or save"}
+#: a capability's feature in the run's counts, and what its absence says
+SILENCES = {"loads_async": ("async_loads", "answers no asynchronous load"),
+            "reports_load_failures": ("load_failures", "reports no failed load"),
+            "delays_frees": ("sends", "never delays a finished request's free (no send or save of it "
+                             "outlives its step)")}
 
 
 def get_connector_silence(target: str, features: dict) -> dict[str, str]:
-    """For a real connector (``--connector``), which claims went unwitnessed
-    because the connector itself never did what they judge: its own answers,
-    not kvspec's draws, decide whether it loads asynchronously, fails a load
-    or delays a free, so a longer run of the same connector may never reach
-    them. Said of this run's steps (``features``), not as a rule."""
+    """For a real connector (``--connector``) whose world says it never does
+    what a claim needs (an asynchronous load, a failed load, a delayed free)
+    and whose run shows none either (``features``: a subclass may differ):
+    its own code rules the claim out, so no budget reaches it. A connector
+    kvspec knows less of (None), or a run that showed it, gets no reason."""
+    from kvspec.harness.connector_worlds import get_world
     from kvspec.harness.targets import parse_connector_choice
     try:
         choice = parse_connector_choice(target)
-    except ValueError:
+        world = None if choice is None else get_world(choice)
+    except Exception:  # noqa: BLE001 - the run reported its own connector errors
         return {}
-    if choice is None:
+    if world is None:
         return {}
-    out = {}
-    for claim, needs in SILENT_CONNECTOR_CLAIMS.items():
-        if not any(features.get(f, 0) for f in needs):
-            out[claim] = (f"{choice.name} " + " and ".join(SILENCES[f] for f in needs) +
-                          " in this run: the connector's own answers decide that, so a longer "
-                          "run may not reach it either")
-    return out
+    silent = {c for c, (feature, _) in SILENCES.items()
+              if getattr(world, c) is False and not features.get(feature, 0)}
+    world.close()  # built only to be asked (ExampleWorld makes a folder)
+    return {claim: f"{choice.name} " + " and ".join(SILENCES[c][1] for c in needs) +
+            ": its own code rules this claim out, so no budget reaches it"
+            for claim, needs in SILENT_CONNECTOR_CLAIMS.items() if set(needs) <= silent}
 
 
 def get_unseen(target: str) -> dict[str, str]:

@@ -137,6 +137,12 @@ def is_generic_world(world) -> bool:
     return type(world) is GenericWorld
 
 
+def _any_of(answers) -> bool | None:
+    """True if one child does, False if none does, None if one may."""
+    answers = list(answers)
+    return True if True in answers else (None if None in answers else False)
+
+
 def get_world(choice: ConnectorChoice):
     """The world kvspec plays around this connector: by the in-tree class it
     is or derives from (a copy with a change keeps its world). A connector
@@ -219,6 +225,11 @@ class GenericWorld:
     #: ``failed_recving``); where it never does, the environment draws none
     #: (a failure the real worker cannot report is not its scheduler's case)
     reports_load_failures: bool = True
+    #: whether the connector ever answers an asynchronous load, and whether
+    #: its ``request_finished`` ever delays a free (a send or save outliving
+    #: the request); None: kvspec does not know (the run draws what it does)
+    loads_async: bool | None = None
+    delays_frees: bool | None = None
 
     #: its loads are read from the connector's metadata (not taken as the
     #: blocks ``update_state_after_alloc`` gave)
@@ -312,6 +323,8 @@ class ExampleWorld(GenericWorld):
     which may be fewer positions than its key names."""
 
     reports_load_failures = False
+    loads_async = False  # get_num_new_matched_tokens answers (n, False)
+    delays_frees = False  # request_finished is the base class's: (False, None)
     takes_loads_from_meta = True
 
     def __init__(self) -> None:
@@ -1082,6 +1095,14 @@ class MultiWorld(GenericWorld):
     @property
     def reports_load_failures(self) -> bool:
         return all(w.reports_load_failures for w in self.children)
+
+    @property
+    def loads_async(self) -> bool | None:
+        return _any_of(w.loads_async for w in self.children)
+
+    @property
+    def delays_frees(self) -> bool | None:
+        return _any_of(w.delays_frees for w in self.children)
 
     @property
     def roles(self) -> tuple[str, ...]:
