@@ -917,8 +917,8 @@ def review(base: str = typer.Argument(..., help="the vLLM before the change: a s
            connector: str = typer.Option(None, "--connector", help=CONNECTOR_HELP),
            connector_config: str = typer.Option(None, "--connector-config",
                                                 help=CONNECTOR_CONFIG_HELP)):
-    """Review a change to vLLM: the default check on HEAD; a counterexample that
-    fails on BASE too is pre-existing; only HEAD-only failures are regressions.
+    """Review a change to vLLM: the default check on HEAD; a counterexample BASE
+    fails the same way is pre-existing; every other is a regression.
     Says how often each changed hunk ran. Exit 0 pass, 1 regression, 3 incomplete."""
     import time as _time
 

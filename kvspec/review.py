@@ -2,9 +2,10 @@
 
 A reviewer asks what a change *introduces*. The review runs the default check
 on HEAD, replays every counterexample on BASE (a second process,
-``harness/base_worker.py``) and reports only HEAD-only failures as
-regressions; one that fails on BASE too is pre-existing (named when it is a
-known finding). It also says how much of the change ran: for every hunk HEAD
+``harness/base_worker.py``): one BASE fails the same way (the same claims at
+the same point, or exactly HEAD's violations earlier in the trace) is
+pre-existing (named when it is a known finding); every other is a regression,
+and the verdict says what BASE did with it instead. It also says how much of the change ran: for every hunk HEAD
 changes, in how many of the check's runs its lines executed (line coverage by
 coverage.py, one context per run). A changed hunk that never ran is named in
 the verdict's first lines, and the review does not pass. Lost performance
@@ -317,7 +318,7 @@ def review_verdict(result, hunks: list[Hunk], base_errors, code_changed,
         claims = sorted({v.invariant for v in result.counterexample.violations})
         led = harm_claims(harm)
         leads = f"; it leads on to {', '.join(led)}" if led else ""
-        on_base = "" if base_note else " (passes on BASE)"
+        on_base = " (passes on BASE)" if base_note == "" else ""
         differs = f" ({base_note})" if base_note else ""
         return ReviewVerdict(f"REGRESSION on HEAD{on_base}: {', '.join(claims)}{differs}"
                              f"{leads}{tail}", 1)
@@ -365,10 +366,11 @@ class Review:
 
 
 def get_base_note(recogniser, ce) -> str | None:
-    """How BASE fails the regression's trace, if it does: it shares part of
-    HEAD's failure, not all of it (``known.describe_base_difference``)."""
+    """What BASE did with the regression's trace: "" it passed, else how it
+    failed otherwise than HEAD (``known.compare_with_base``); None when it
+    was not asked (an environment's or connector's fault) or could not answer."""
     args = (ce.runner.config, list(ce.runner.actions), ce.violations)
-    recogniser.explain(*args)  # memoised: the base's answer for this very trace
+    recogniser.explain(*args, rows=len(ce.runner.log))  # memoised: the base's answer
     return recogniser.get_base_note(*args)
 
 
@@ -442,7 +444,8 @@ def to_json(review: Review, markdown_path: Path) -> dict:
         "regression": None if ce is None else {
             "claims": sorted({v.invariant for v in ce.violations}),
             "trace": str(r.trace_path), "shrink_cut_by_budget": r.shrink_cut,
-            "fails_on_base": review.base_note,
+            "passes_on_base": review.base_note == "",
+            "fails_on_base_otherwise": review.base_note or None,
             "fails_on_base_as_released": review.base_as_released is not None
             and review.base_as_released.fails,
             "leads_on_to": harm_claims(review.harm)},
@@ -541,10 +544,8 @@ def _regression(review: Review, command_arg) -> list[str]:
         md += ["The budget ran out while this example was being shrunk: it may hold actions "
                "it does not need (a longer `--budget` shrinks it further).", ""]
     if review.base_note:
-        md += [f"On BASE, with the same fixes, this trace fails too, but not as on HEAD: "
-               f"{review.base_note.removeprefix('BASE ')}. Part of HEAD's failure is the "
-               "change's own (a claim BASE keeps at that step, or a step BASE never "
-               "reaches).", ""]
+        md += [f"With the same fixes, {review.base_note}. HEAD's failure is not BASE's: "
+               "part of it is the change's own.", ""]
     released = review.base_as_released
     if released is not None and released.fails:
         md += ["On BASE as released (without kvspec's fixes) it fails too "
@@ -556,7 +557,8 @@ def _regression(review: Review, command_arg) -> list[str]:
            f"kvspec replay {command_arg(trace)} --vllm {command_arg(review.head.cli_name())}"
            "    # fails",
            f"kvspec replay {command_arg(trace)} --vllm {command_arg(review.base.cli_name())}"
-           + ("    # fails otherwise (above)" if review.base_note else "    # passes"),
+           + ("    # fails otherwise (above)" if review.base_note else
+              "    # passes" if review.base_note == "" else ""),
            "```", "",
            "A standalone test in vLLM's style, for the pull request (it imports no kvspec; "
            "a break only kvspec's model sees is written as what it leads to):", "", "```",

@@ -78,16 +78,67 @@ def test_a_base_that_shares_one_claim_of_two_does_not_explain_it():
                     "but not as ref_count_is_holders")
 
 
-def test_a_base_that_fails_earlier_does_not_explain_it():
-    """The base breaks the claim at an earlier action: the head passed that
-    action, so its failure at the last one is not the base's."""
-    base = FakeBase(Outcome((("computed_means_valid", "r1: token 0 ..."),), step=0))
+def test_a_base_that_fails_earlier_otherwise_does_not_explain_it():
+    """The base breaks the claim at an earlier action, another way: the head
+    passed that action, so its failure at the last one is its own."""
+    base = FakeBase(Outcome((("computed_means_valid", "block 4 holds garbage"),), step=0))
     rec = Recogniser("vllm", set(), [], [], base)
     found = violations(("computed_means_valid", "r0: token 0 ..."))
     actions = [{"op": "add"}, {"op": "step"}, {"op": "step"}]
     assert rec.explain({}, actions, found) is None
     assert rec.get_base_note({}, actions, found) == (
-        "BASE fails this trace earlier, at action 1 of 3: computed_means_valid")
+        "BASE fails this trace earlier, at action 1 of 3, and otherwise: computed_means_valid")
+
+
+def test_a_known_failure_the_change_moved_earlier_or_later_is_pre_existing():
+    """The same violations (message shapes) earlier on the base: a known
+    failure whose timing the change moved, not the change's own."""
+    base = FakeBase(Outcome((("computed_means_valid", "r1: token 4 ..."),), step=0))
+    rec = Recogniser("vllm", set(), [], [], base)
+    why = rec.explain({}, [{"op": "add"}, {"op": "step"}, {"op": "step"}],
+                      violations(("computed_means_valid", "r0: token 0 ...")))
+    assert why is not None and "earlier in the trace" in why.how
+
+
+def test_a_drain_step_counts_as_earlier():
+    """A drain's steps are rows of one action: the base failing at an earlier
+    row of the last action is earlier too."""
+    base = FakeBase(Outcome((("every_request_finishes", "r2 never finished"),), step=1, row=3))
+    rec = Recogniser("vllm", set(), [], [], base)
+    actions, found = [{"op": "add"}, {"op": "drain"}], violations(("every_request_finishes",
+                                                                   "r2 never finished, ..."))
+    assert rec.explain({}, actions, found, rows=31) is None
+    assert "earlier" in rec.get_base_note({}, actions, found)
+    rec = Recogniser("vllm", set(), [], [], base)
+    assert rec.explain({}, actions, found, rows=4) is not None  # the same row: the same way
+
+
+def test_another_crash_at_the_same_action_is_the_heads_own():
+    base = FakeBase(Outcome((("target_crashed", "KeyError: 'r1'"),), step=1))
+    rec = Recogniser("vllm", set(), [], [], base)
+    found = violations(("target_crashed", "AssertionError: scheduler.py:12: x"))
+    assert rec.explain({}, [{"op": "add"}, {"op": "step"}], found) is None
+    assert "crashes otherwise: KeyError" in rec.get_base_note(
+        {}, [{"op": "add"}, {"op": "step"}], found)
+
+
+def test_a_base_that_passes_is_noted_as_passing():
+    rec = Recogniser("vllm", set(), [], [], FakeBase(Outcome()), base_decides=True)
+    found = violations(("computed_means_valid", "r0"))
+    assert rec.explain({}, [{"op": "step"}], found) is None
+    assert rec.get_base_note({}, [{"op": "step"}], found) == ""
+
+
+def test_in_a_review_kvspecs_own_crash_on_the_base_too_is_not_the_change():
+    crash = ("kvspec_crashed", "IndexError at spec/oracle.py:12: list index out of range")
+    base = FakeBase(Outcome((crash,), step=0))
+    review = Recogniser("vllm", set(), [], [], base, base_decides=True)
+    why = review.explain({}, [{"op": "step"}], violations(crash))
+    assert why is not None and why.finding is None and "bug in kvspec" in why.how
+    assert why.key == "kvspec's own crash"
+    # a check never excuses it, base or not
+    check = Recogniser("vllm", set(), [], [], base)
+    assert check.explain({}, [{"op": "step"}], violations(crash)) is None
 
 
 def test_a_base_failing_at_the_same_action_with_more_claims_explains_it():
@@ -107,12 +158,14 @@ def test_replay_says_at_which_action_it_failed(tmp_path):
     actions = list(ce.runner.actions)
     got = replay(MUTANT, ce.runner.config, actions + [{"op": "step"}] * 3)
     assert got.fails and got.step == len(actions) - 1
+    assert got.row == len(ce.runner.log) - 1  # the fuzzer's rows and a replay's agree
     # and a review's base process says so too (its side of the protocol)
     from kvspec.harness.base_worker import _handle
     from kvspec.harness.trace import config_to_dict
     answer = _handle({"op": "replay", "target": MUTANT, "actions": actions,
                       "config": config_to_dict(ce.runner.config)})
     assert answer["step"] == len(actions) - 1 and answer["violations"]
+    assert answer["row"] == got.row
 
 
 def test_a_known_findings_shape_names_it_on_the_base():
@@ -152,7 +205,7 @@ class ExplainAll:
     is_active = True
     base_errors: list = []
 
-    def explain(self, config, actions, found):
+    def explain(self, config, actions, found, rows=None):
         return Explanation("some-known-finding", "stand-in", "upstream #1")
 
 
@@ -173,13 +226,13 @@ def test_a_new_counterexample_is_never_shrunk_into_a_known_one(tmp_path):
     class KnownUnlessComputed(ExplainAll):
         seen_new, before, during = False, 0, 0
 
-        def explain(self, config, actions, found):
+        def explain(self, config, actions, found, rows=None):
             if any(v.invariant == "computed_means_valid" for v in found):
                 self.seen_new = True
                 return None
             self.during += self.seen_new
             self.before += not self.seen_new
-            return super().explain(config, actions, found)
+            return super().explain(config, actions, found, rows)
     rec = KnownUnlessComputed()
     result = fuzz(MUTANT, budget=20, seed=0, out_dir=tmp_path, recogniser=rec)
     assert result.counterexample is not None

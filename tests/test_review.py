@@ -104,7 +104,7 @@ def test_a_regression_of_the_model_alone_names_what_it_leads_to():
     model = Violation("transition_admitted_by_model", "r0 kept 4 computed tokens")
     r.counterexample = NS(violations=[model])
     harm = NS(violations=[Violation("update_from_output_relation", "kept a token")])
-    verdict = review_verdict(r, [], [], [], harm)
+    verdict = review_verdict(r, [], [], [], harm, (), "")
     assert verdict.code == 1
     assert verdict.line.startswith("REGRESSION on HEAD (passes on BASE): "
                                    "transition_admitted_by_model; it leads on to "
@@ -118,9 +118,12 @@ def test_a_regression_base_fails_otherwise_says_how():
     from kvspec.spec.registry import Violation
     r = result()
     r.counterexample = NS(violations=[Violation("ref_count_is_holders", "block 3")])
-    note = "BASE fails this trace earlier, at action 2 of 5: computed_means_valid"
+    note = "BASE fails this trace earlier, at action 2 of 5, and otherwise: computed_means_valid"
     line = review_verdict(r, [], [], [], None, (), note).line
     assert line == f"REGRESSION on HEAD: ref_count_is_holders ({note})"
+    # BASE not asked (an environment's fault) or unable to answer: no claim it passes
+    assert review_verdict(r, [], [], [], None, (), None).line == (
+        "REGRESSION on HEAD: ref_count_is_holders")
 
 
 def test_harm_is_sought_only_when_the_model_alone_broke(tmp_path):

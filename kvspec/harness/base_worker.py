@@ -101,7 +101,7 @@ class BaseWorker:
         answer = self._ask({"op": "replay", "target": target, "config": config_to_dict(config),
                             "actions": actions, "lost": lost})
         return Outcome(tuple(tuple(v) for v in answer.get("violations", ())), answer.get("error"),
-                       answer.get("step"))
+                       answer.get("step"), answer.get("row"))
 
     def describe(self, target: str) -> dict:
         return self._ask({"op": "describe", "target": target})
@@ -152,7 +152,7 @@ def _handle(request: dict) -> dict:
         got = replay(request["target"], config_from_dict(request["config"]), request["actions"],
                      lost=bool(request.get("lost")))
         return {"violations": [list(v) for v in got.violations], "error": got.error,
-                "step": got.step}
+                "step": got.step, "row": got.row}
     if request["op"] == "describe":
         from kvspec.harness.targets import parse_vllm_target
         from kvspec.harness.vllm_patches import patched

@@ -153,7 +153,7 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
         if recogniser is None or not recogniser.is_active:
             return None
         r = exc.runner
-        return recogniser.explain(r.config, list(r.actions), exc.violations)
+        return recogniser.explain(r.config, list(r.actions), exc.violations, rows=len(r.log))
 
     def on_counterexample(exc: Counterexample) -> bool:
         if is_interrupted():  # a step the interrupt cut short: not a finding

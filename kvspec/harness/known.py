@@ -54,9 +54,11 @@ class Outcome:
 
     violations: tuple[tuple[str, str], ...] = ()
     error: str | None = None
-    #: the index of the action the failure was judged at (None: it passed, or
-    #: the answer does not say)
+    #: the index of the action the failure was judged at, and of its step-log
+    #: row (a drain's steps are rows of one action); None: it passed, or the
+    #: answer does not say
     step: int | None = None
+    row: int | None = None
 
     @property
     def claims(self) -> frozenset[str]:
@@ -84,7 +86,7 @@ def replay(target: str, config, actions: list[dict], lost: bool = False) -> Outc
         return Outcome(tuple((v.invariant, v.message) for ce in runner.lost
                              for v in ce.violations) if lost else ())
     return Outcome(tuple((v.invariant, v.message) for v in failure.violations),
-                   step=len(runner.actions) - 1)
+                   step=len(runner.actions) - 1, row=len(runner.log) - 1)
 
 
 def _memo_key(config, actions: list[dict], pairs) -> str:
@@ -92,22 +94,46 @@ def _memo_key(config, actions: list[dict], pairs) -> str:
                                      default=str).encode()).hexdigest()
 
 
-def describe_base_difference(pairs, last: int, got: Outcome) -> str:
-    """Whether the base fails a head counterexample (``pairs``, judged at
-    action ``last``) the same way: at the same action, breaking every claim the
-    head breaks there. "" when it does, or when it passes (nothing to say);
-    otherwise how it fails instead. Sharing one claim is not enough: a change
-    that keeps a known bug and adds a second broken claim to its step, or
-    fixes the bug and breaks the same claim later, has a failure of its own."""
+@attrs.frozen
+class Where:
+    """Where the head's counterexample broke: its last action and step-log row."""
+
+    action: int
+    row: int | None = None
+
+    def is_after(self, got: Outcome) -> bool:
+        """The base's replay failed before this point."""
+        if got.step is None or got.step == self.action:
+            return got.row is not None and self.row is not None and got.row < self.row
+        return got.step < self.action
+
+
+def compare_with_base(pairs, where: Where, got: Outcome) -> tuple[bool, str]:
+    """Whether the base fails a head counterexample (``pairs``) the same way,
+    and how it fails instead if it does not ("" when it passes).
+
+    The same way: at the same point, breaking every claim the head breaks
+    there, a crash with the same exception; or at an earlier point, breaking
+    it exactly as the head does (every head violation's message shape), which
+    is a known failure whose timing the change moved. Sharing one claim is not
+    enough: a change that keeps a known bug and breaks a second claim in its
+    step, or breaks the same claim in a way of its own, has a failure of its
+    own."""
     if not got.fails:
-        return ""
+        return False, ""
     seen = ", ".join(sorted(got.claims))
-    if got.step is not None and got.step != last:
-        return f"BASE fails this trace earlier, at action {got.step + 1} of {last + 1}: {seen}"
+    if where.is_after(got):
+        if shape(pairs) <= shape(got.violations):
+            return True, ""
+        at = f"action {got.step + 1} of {where.action + 1}" if got.step is not None else "a step"
+        return False, f"BASE fails this trace earlier, at {at}, and otherwise: {seen}"
     missing = sorted({c for c, _ in pairs} - got.claims)
     if missing:
-        return f"BASE fails this trace too, as {seen}, but not as {', '.join(missing)}"
-    return ""
+        return False, f"BASE fails this trace too, as {seen}, but not as {', '.join(missing)}"
+    if _crash_kinds(pairs) - _crash_kinds(got.violations):
+        return False, ("BASE fails this trace too, but crashes otherwise: "
+                       + "; ".join(m for c, m in got.violations if c == "target_crashed"))
+    return True, ""
 
 
 def template(message: str) -> str:
@@ -483,21 +509,28 @@ class Recogniser:
         from kvspec.harness.targets import with_connector
         return with_connector(name, self.target)
 
-    def explain(self, config, actions: list[dict], violations) -> Explanation | None:
+    def explain(self, config, actions: list[dict], violations,
+                rows: int | None = None) -> Explanation | None:
+        """``rows``: the head run's step-log rows, so that a failure the base
+        meets earlier in the same action's drain is known as earlier."""
         pairs = tuple((v.invariant, v.message) for v in violations)
         key = _memo_key(config, actions, pairs)
         if key not in self._memo:
-            self._memo[key] = self._explain(config, actions, pairs)
+            where = Where(len(actions) - 1, None if rows is None else rows - 1)
+            self._memo[key] = self._explain(config, actions, pairs, where)
         return self._memo[key]
 
     def get_base_note(self, config, actions: list[dict], violations) -> str | None:
-        """How the base failed a counterexample it does not fail as the head
-        does (``describe_base_difference``); None when the base passed it, was
-        not asked, or fails it the same way."""
+        """What the base did with a counterexample it does not fail as the head
+        does: "" it passed, else how it failed (``compare_with_base``); None
+        when it was not asked, could not answer, or fails it the same way."""
         pairs = tuple((v.invariant, v.message) for v in violations)
         return self._base_notes.get(_memo_key(config, actions, pairs))
 
-    def _explain(self, config, actions, pairs) -> Explanation | None:
+    def _explain(self, config, actions, pairs, where: Where) -> Explanation | None:
+        if any(c == "kvspec_crashed" for c, _ in pairs) and self.base_decides \
+                and self.base is not None:  # a review: kvspec's bug, or the change's?
+            return self._kvspec_crash_on_base(config, actions, pairs, where)
         if any(c in ("environment_contract", "connector_answer", "kvspec_crashed")
                for c, _ in pairs):
             return None  # the environment's or kvspec's own bug: never a finding of the target
@@ -512,7 +545,7 @@ class Recogniser:
                                "of this run (several findings at once)",
                                named.upstream if named else "", "several known findings")
         if self.base is not None:
-            found = self._on_base(config, actions, pairs)
+            found = self._on_base(config, actions, pairs, where)
             if found is not None or self.base_decides:
                 return found
         unfixed = self.unfixed if self.base is None else [
@@ -589,7 +622,9 @@ class Recogniser:
         f = _first_failing_as(pairs, findings) or findings[0]
         return Explanation(f.id, f"{verb} its fix {fix} (left out of this run){then}", f.upstream)
 
-    def _on_base(self, config, actions, pairs) -> Explanation | None:
+    def _ask_base(self, config, actions, pairs, where: Where) -> Outcome | None:
+        """The base's replay if it fails the counterexample the same way
+        (``compare_with_base``); None otherwise, noting what it did instead."""
         try:
             got = self.base.replay(self._target(self.base.target_for(self.applied)), config,
                                    actions)
@@ -599,13 +634,28 @@ class Recogniser:
         if got.error is not None:
             self.base_errors.append(got.error)
             return None
-        differs = describe_base_difference(pairs, len(actions) - 1, got)
-        if differs:  # the head's failure is not (all) the base's: the head's own
-            self._base_notes[_memo_key(config, actions, pairs)] = differs
+        same, otherwise = compare_with_base(pairs, where, got)
+        if not same:  # it passes, or fails otherwise: the head's own
+            self._base_notes[_memo_key(config, actions, pairs)] = otherwise
             return None
-        if not got.fails:
+        return got
+
+    def _kvspec_crash_on_base(self, config, actions, pairs, where: Where) -> Explanation | None:
+        """kvspec's own crash in a review: not the change's when the base
+        crashes kvspec the same way (still kvspec's bug, never a finding)."""
+        if self._ask_base(config, actions, pairs, where) is None:
             return None
-        how = f"fails on the base ({self.base.label}) too"
+        return Explanation(None, f"kvspec crashes on the base ({self.base.label}) the same way: "
+                           "a bug in kvspec, not the change's; please report it with this "
+                           "trace", "", "kvspec's own crash")
+
+    def _on_base(self, config, actions, pairs, where: Where) -> Explanation | None:
+        got = self._ask_base(config, actions, pairs, where)
+        if got is None:
+            return None
+        earlier = where.is_after(got)
+        how = f"fails on the base ({self.base.label}) too" + (
+            ", earlier in the trace (the change moved it)" if earlier else "")
         for fix in self._likely_first(self.base_toggles, pairs):
             closed = self.base.replay(self._target(self.base.target_for(self.applied | {fix})),
                                       config, actions)
