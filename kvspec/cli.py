@@ -1377,7 +1377,7 @@ def _run(argv: list[str] | None) -> int:
     """Run the command line on ``argv``; the exit code. Bad input (an argument
     click rejects, a file that cannot be read or written) is one line on stderr
     and exit code 2, never a traceback (``KVSPEC_DEBUG=1`` shows it)."""
-    from kvspec.harness.interrupt import is_interrupted
+    from kvspec.harness.interrupt import is_caused_by_interrupt, is_interrupted
     from kvspec.harness.trace import TraceError
     try:
         code = app(args=argv, standalone_mode=False, prog_name="kvspec")
@@ -1386,7 +1386,7 @@ def _run(argv: list[str] | None) -> int:
     except (TraceError, UsageError, OSError) as exc:
         return _error(str(exc) if not isinstance(exc, OSError) else _os_error(exc), exc)
     except Exception as exc:
-        if is_interrupted():  # an interrupt some library turned into its own error
+        if is_interrupted() or is_caused_by_interrupt(exc):  # a library wrapped the interrupt
             code = EXIT_INTERRUPTED
         elif hasattr(exc, "format_message") and hasattr(exc, "exit_code"):  # click's errors
             ctx = getattr(exc, "ctx", None)
@@ -1424,6 +1424,9 @@ def main() -> None:
     except KeyboardInterrupt:  # outside a command's run (its imports): nothing to report
         print("kvspec: interrupted", file=sys.stderr)
         code = EXIT_INTERRUPTED
+    if code == EXIT_INTERRUPTED:
+        from kvspec.harness.interrupt import forget_caught_interrupt
+        forget_caught_interrupt()
     sys.exit(code)
 
 

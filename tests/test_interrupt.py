@@ -117,3 +117,51 @@ def test_sigkill_loses_no_saved_failure(tmp_path):
 
 def _traces(out: Path) -> list[Path]:
     return [p for p in out.glob("*.json") if not p.name.startswith(".")] if out.exists() else []
+
+
+#: an interrupt caught after it escaped code run from a string (dataclasses,
+#: attrs and typing build methods with ``exec`` of source, so an interrupt
+#: landing during an import often lands there), then exit 130 as kvspec does
+CAUGHT_IN_EXEC = """
+import sys
+from kvspec.harness.interrupt import forget_caught_interrupt
+try:
+    exec("raise KeyboardInterrupt", {})
+except KeyboardInterrupt:
+    print("kvspec: interrupted", file=sys.stderr)
+if sys.argv[1:] == ["forget"]:
+    forget_caught_interrupt()
+sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("forget", [False, True])
+def test_an_interrupt_caught_from_exec_code_still_exits_130(tmp_path, forget):
+    """CPython 3.11 marks such an interrupt unhandled and kills the process
+    with SIGINT at exit (-2, seen in CI about once in 20 runs of the moment
+    0.0 above); ``forget_caught_interrupt``, which kvspec runs before exiting
+    130, clears the mark. The first case shows the interpreter's behaviour the
+    fix is for, so that the second cannot pass by accident."""
+    (tmp_path / "caught.py").write_text(CAUGHT_IN_EXEC)
+    proc = subprocess.run([sys.executable, "-m", "caught"] + (["forget"] if forget else []),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    if forget:
+        assert proc.returncode == 130, proc.stderr
+    elif proc.returncode == 130:
+        pytest.skip("this Python clears the mark itself (the fix is then a no-op)")
+    else:
+        assert proc.returncode == -signal.SIGINT, (proc.returncode, proc.stderr)
+
+
+def test_an_interrupt_wrapped_by_a_library_is_an_interrupt():
+    """``__set_name__`` during a class body turns a KeyboardInterrupt into a
+    RuntimeError: still an interrupt (exit 130), not "unexpected RuntimeError"."""
+    from kvspec.harness.interrupt import is_caused_by_interrupt
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as ki:
+            raise RuntimeError("Error calling __set_name__") from ki
+    except RuntimeError as exc:
+        assert is_caused_by_interrupt(exc)
+    assert not is_caused_by_interrupt(RuntimeError("x"))

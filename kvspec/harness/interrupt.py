@@ -23,6 +23,28 @@ def is_interrupted() -> bool:
     return INTERRUPTED.is_set()
 
 
+def is_caused_by_interrupt(exc: BaseException) -> bool:
+    """An interrupt some library wrapped in its own error (``__set_name__``
+    during a class body turns a KeyboardInterrupt into a RuntimeError)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def forget_caught_interrupt() -> None:
+    """Before exiting 130 after an interrupt that was caught: CPython (3.11)
+    marks a KeyboardInterrupt that escapes code run from a string (``exec``
+    of source: dataclasses, attrs and typing build methods that way, so an
+    interrupt during an import lands there) as unhandled even when caught
+    further up, and then kills the process with SIGINT at exit instead of
+    exiting 130. Running any string clears the mark."""
+    exec("pass", {})  # noqa: S102 (see the docstring)
+
+
 def stop_if_interrupted() -> None:
     """Raise where the handler's own KeyboardInterrupt may have been lost:
     one raised inside a gc callback or ``__del__`` (Hypothesis runs one) is
