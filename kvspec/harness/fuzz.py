@@ -219,11 +219,7 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
                     run_state_machine_as_test(machine, settings=settings(
                         max_examples=examples, stateful_step_count=step_count,
                         deadline=None, database=database, suppress_health_check=list(HealthCheck),
-                        verbosity=Verbosity.quiet, print_blob=False, phases=phases,
-                        # every counterexample is raised from one place, so Hypothesis
-                        # would take more as the same bug: shrink the first at once
-                        # (after it every run is a shrink candidate: ``first_seen``)
-                        report_multiple_bugs=False))
+                        verbosity=Verbosity.quiet, print_blob=False, phases=phases))
                 except SkipTest:  # a reuse-only batch with nothing saved: nothing ran
                     pass
                 except Exception:  # the machine raised: the saved trace holds the shrunk example
