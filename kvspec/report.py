@@ -186,8 +186,8 @@ SILENT_CONNECTOR_CLAIMS = {
 #: a capability's feature in the run's counts, and what its absence says
 SILENCES = {"loads_async": ("async_loads", "answers no asynchronous load"),
             "reports_load_failures": ("load_failures", "reports no failed load"),
-            "delays_frees": ("sends", "never delays a finished request's free (no send or save of it "
-                             "outlives its step)")}
+            "delays_frees": ("sends", "never delays a finished request's free (no send or "
+                             "save of it outlives its step)")}
 
 
 def get_connector_silence(target: str, features: dict) -> dict[str, str]:

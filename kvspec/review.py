@@ -5,8 +5,8 @@ on HEAD, replays every counterexample on BASE (a second process,
 ``harness/base_worker.py``): one BASE fails the same way (the same claims at
 the same point, or exactly HEAD's violations earlier in the trace) is
 pre-existing (named when it is a known finding); every other is a regression,
-and the verdict says what BASE did with it instead. It also says how much of the change ran: for every hunk HEAD
-changes, in how many of the check's runs its lines executed (line coverage by
+and the verdict says what BASE did with it instead. It also says how much of
+the change ran: for every hunk HEAD changes, in how many of the check's runs its lines executed (line coverage by
 coverage.py, one context per run). A changed hunk that never ran is named in
 the verdict's first lines, and the review does not pass. Lost performance
 (an efficiency claim: work a later request redoes, nothing corrupted) is asked
@@ -292,7 +292,8 @@ def harm_claims(harm) -> list[str]:
 def review_verdict(result, hunks: list[Hunk], base_errors, code_changed,
                    harm=None, lost=(), base_note: str | None = None) -> ReviewVerdict:
     """The review's first line and exit code (see the module doc). ``base_note``:
-    how BASE fails the regression's trace otherwise than HEAD (None: it passes)."""
+    what BASE did with the regression's trace (``get_base_note``: "" it passed,
+    else how it failed otherwise than HEAD; None: not asked, or no answer)."""
     unrun = [h for h in hunks if h.never_ran]
     notes = []
     if unrun:
@@ -361,7 +362,7 @@ class Review:
     harm: object = None
     #: the run's lost performance, each asked of BASE (see ``classify_lost``)
     lost: list = attrs.Factory(list)
-    #: how BASE fails the regression's trace otherwise than HEAD (None: it passes)
+    #: what BASE did with the regression's trace (``get_base_note``)
     base_note: str | None = None
 
 

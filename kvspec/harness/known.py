@@ -96,8 +96,10 @@ def _memo_key(config, actions: list[dict], pairs) -> str:
 
 @attrs.frozen
 class Where:
-    """Where the head's counterexample broke: its last action and step-log row."""
+    """Where the head's counterexample broke: its last action and step-log row
+    (``key``: the counterexample's memo key in the recogniser)."""
 
+    key: str
     action: int
     row: int | None = None
 
@@ -496,7 +498,8 @@ class Recogniser:
         self.planted = tuple(planted)
         self.target = target
         self._memo: dict[str, Explanation | None] = {}
-        #: per counterexample the base fails otherwise than the head: how
+        #: per counterexample (memo key) the base was asked of and does not
+        #: fail as the head does: "" it passed, else how it failed instead
         self._base_notes: dict[str, str] = {}
         self.base_errors: list[str] = []
 
@@ -516,7 +519,7 @@ class Recogniser:
         pairs = tuple((v.invariant, v.message) for v in violations)
         key = _memo_key(config, actions, pairs)
         if key not in self._memo:
-            where = Where(len(actions) - 1, None if rows is None else rows - 1)
+            where = Where(key, len(actions) - 1, None if rows is None else rows - 1)
             self._memo[key] = self._explain(config, actions, pairs, where)
         return self._memo[key]
 
@@ -636,7 +639,7 @@ class Recogniser:
             return None
         same, otherwise = compare_with_base(pairs, where, got)
         if not same:  # it passes, or fails otherwise: the head's own
-            self._base_notes[_memo_key(config, actions, pairs)] = otherwise
+            self._base_notes[where.key] = otherwise
             return None
         return got
 

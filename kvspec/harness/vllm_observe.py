@@ -75,7 +75,7 @@ class VllmObserver:
             return tuple([_spec_id(b) for b in vllm_ids])
         if vllm_ids and min(vllm_ids) < NULL_BLOCKS:
             raise TargetStateError(f"a full-attention block table holds the null block "
-                                 f"{min(vllm_ids)}")
+                                   f"{min(vllm_ids)}")
         return tuple([b - NULL_BLOCKS for b in vllm_ids])
 
     def _to_spec_blocks(self, blocks, group: int) -> tuple[int, ...]:
