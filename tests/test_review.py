@@ -218,9 +218,56 @@ def test_lost_performance_is_replayed_on_base_with_its_own_lost_performance(tmp_
 
     hit = KnownHit(None, "m", "", ["computed_blocks_are_cached"], 3, trace_path=trace)
     lost = Outcome((("computed_blocks_are_cached", "block 1 not cached"),))
-    assert classify_lost({"k": hit}, Base(lost), "vllm")[0].on_base == "pre-existing"
-    assert classify_lost({"k": hit}, Base(Outcome()), "vllm")[0].on_base == "head-only"
-    assert classify_lost({"k": hit}, Base(Outcome(error="boom")), "vllm")[0].on_base == \
-        "unknown: boom"
+
+    def head(target, config, actions, lost=False):
+        asked.append(("head", target, len(actions), lost))
+        return lost_on_head
+
+    lost_on_head = lost
+
+    def classify(base):
+        return classify_lost({"k": hit}, Base(base), "vllm", head)[0].on_base
+
+    assert classify(lost) == "pre-existing"
+    assert classify(Outcome()) == "head-only"
+    assert classify(Outcome(error="boom")) == "unknown: boom"
+    lost_on_head = Outcome((("computed_blocks_are_cached", "block 1 not cached"),
+                            ("computed_blocks_are_cached", "block 2 not cached, copy evicted")))
+    assert classify(lost) == "head-only"
     actions = len(json.loads(trace.read_text())["actions"])
-    assert asked == [("vllm", actions, True)] * 3
+    assert asked == [("head", "vllm", actions, True), ("vllm", actions, True)] * 4
+
+
+def test_lost_performance_is_pre_existing_only_when_base_loses_it_every_way():
+    """A change that keeps a known loss and adds another of the same claim on
+    the same trace lost performance of its own; BASE breaking a safety claim on
+    the trace makes the two incomparable, not a regression."""
+    from kvspec.harness.known import Outcome
+    from kvspec.review import LostOnHead, compare_lost
+    claims = ("computed_blocks_are_cached",)
+    kept = ("computed_blocks_are_cached", "r1: block 3 (index 0, group 0) holds computed "
+            "tokens no cached block holds")
+    added = ("computed_blocks_are_cached", "r2: block 7 (index 1, group 1) holds computed "
+             "tokens no cached block holds, and its copy was evicted")
+    head = Outcome((kept, added))
+    base = Outcome((kept,))
+    on_base, note = compare_lost(claims, head, base)
+    assert on_base == "head-only"
+    assert note.startswith("BASE loses computed_blocks_are_cached on this trace too, but not "
+                           "every way HEAD does: r2: block 7")
+    # the same losses with other request and block numbers are BASE's too
+    renumbered = Outcome(tuple((c, m.replace("r1", "r4").replace("block 3", "block 9"))
+                               for c, m in (kept, added)))
+    assert compare_lost(claims, head, renumbered) == ("pre-existing", "")
+    assert compare_lost(claims, head, Outcome()) == ("head-only", "")
+    broken = Outcome((("cached_le_computed", "r1"),), step=3, row=4)
+    assert compare_lost(claims, head, broken)[0].startswith(
+        "unknown: BASE breaks cached_le_computed")
+    # HEAD's replay did not show it again: by claim alone
+    assert compare_lost(claims, Outcome(), base) == ("pre-existing", "")
+    assert compare_lost(claims, None, Outcome()) == ("head-only", "")
+    lost = LostOnHead(claims, 2, "t.json", *compare_lost(claims, head, base))
+    verdict = review_verdict(result(), [], [], [], None, [lost])
+    assert verdict.code == 1
+    assert "computed_blocks_are_cached (2x; BASE loses computed_blocks_are_cached on this " \
+           "trace too" in verdict.line
