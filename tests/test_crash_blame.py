@@ -115,3 +115,25 @@ def test_raise_from_none_drops_the_exception_it_replaced():
                   "    except KeyError:\n        raise ValueError('no x') from None\n",
                   get=inner["get"])
     assert blame(code["read"], {}) == "kvspec_crashed"
+
+
+def test_a_scheduler_output_with_lists_of_the_wrong_length_is_the_targets():
+    """vLLM's model runner reads the cached requests' lists by position: one
+    entry short is the scheduler's broken output, raised by the observer as
+    the target's, not an IndexError blamed on kvspec."""
+    from types import SimpleNamespace
+
+    from kvspec.harness.vllm_observe import VllmObserver
+    cached = SimpleNamespace(req_ids=["a", "b"], num_computed_tokens=[16],
+                             new_block_ids=[None, None], resumed_req_ids=set())
+    out = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+                          num_scheduled_tokens={"a": 1, "b": 1},
+                          scheduled_spec_decode_tokens={})
+    observer = VllmObserver(None, None)
+    observer.scheduler = SimpleNamespace(requests={})
+    with pytest.raises(TargetStateError, match="names 2 cached request.* gives 1 "
+                                               "num_computed_tokens"):
+        observer.get_step_view(out, {})
+    assert blame(observer.get_step_view, out, {}) == "target_crashed"
+    cached.num_computed_tokens = [16, 8]
+    assert observer.get_step_view(out, {}).num_computed_before == {"a": 16, "b": 8}

@@ -94,6 +94,7 @@ class VllmObserver:
             new_ids.append(data.req_id)
             told[data.req_id] = self._as_tables(data.block_ids)
         cached = out.scheduled_cached_reqs
+        check_cached_lists(cached)
         resumed = _resumed_ids(cached)
         sent = getattr(cached, "new_block_ids", None)
         for i, rid in enumerate(cached.req_ids):
@@ -341,6 +342,18 @@ def _to_spec_block_ids(blocks) -> tuple[int, ...]:
 def _spec_id(vllm_id: int) -> int:
     """A vLLM block id as kvspec's (vLLM's null block is ``NULL_BLOCK``)."""
     return NULL_BLOCK if vllm_id < NULL_BLOCKS else vllm_id - NULL_BLOCKS
+
+
+def check_cached_lists(cached) -> None:
+    """The output's lists about scheduled cached requests are one entry per
+    request id (vLLM's model runner reads them by position): a shorter or
+    longer one is the scheduler's broken output, not kvspec's crash."""
+    count = len(cached.req_ids)
+    for name in ("num_computed_tokens", "new_block_ids"):
+        got = getattr(cached, name, None)
+        if got is not None and len(got) != count:
+            raise TargetStateError(f"the scheduler output names {count} cached request(s) "
+                                   f"but gives {len(got)} {name}")
 
 
 def _resumed_ids(cached) -> set[str]:
