@@ -723,8 +723,9 @@ def print_campaign(summary: dict) -> None:
         {c["name"]: c["checked"] or 0 for c in rows}, {c["name"]: c["witnessed"] for c in rows},
         {c["name"]: c["violations"] for c in rows if c["violations"]},
         summary.get("design_rules", True)))
-    for name in summary["unwitnessed"]:  # (``parallel.combine``: those no worker witnessed)
-        console.print(f"[yellow]never witnessed by any worker:[/] {name}")
+    for name, why in summary["unwitnessed"].items():  # (``parallel.combine``: no worker's)
+        console.print(f"[yellow]never witnessed by any worker:[/] {name}"
+                      + (f" ({why})" if why else ""))
 
 
 def get_budget(budget: str | None, examples: int | None) -> str:

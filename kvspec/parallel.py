@@ -98,8 +98,23 @@ def combine(summaries: list[dict]) -> dict:
                                for k in ("small", "production")},
                 traces=[s["trace"] for s in failing],
                 known_findings=known,
-                unwitnessed=sorted(set.intersection(*(set(s["unwitnessed"])
-                                                      for s in summaries))))
+                unwitnessed=combine_unwitnessed([s["unwitnessed"] for s in summaries]))
+
+
+#: why no worker witnessed a claim, where the workers gave different reasons
+SPLIT_REASON = "not reached by any worker's draws; a longer campaign (--budget) may reach it"
+
+
+def combine_unwitnessed(per_worker: list) -> dict[str, str]:
+    """The claims no worker witnessed, each with its reason, as one run's JSON
+    has them (name -> why): the workers' reason where they agree."""
+    reasons = [w if isinstance(w, dict) else dict.fromkeys(w, "") for w in per_worker]
+    names = set.intersection(*(set(r) for r in reasons))
+    combined = {}
+    for name in sorted(names):
+        why = {r[name] for r in reasons}
+        combined[name] = why.pop() if len(why) == 1 else SPLIT_REASON
+    return combined
 
 
 def merge_known(summaries: list[dict]) -> list[dict]:

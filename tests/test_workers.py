@@ -58,8 +58,17 @@ def test_a_campaign_prints_its_summed_summary(tmp_path):
     name, count = max(checked.items(), key=lambda kv: kv[1])
     row = next(line for line in done.stdout.splitlines() if f" {name} " in line)
     assert str(count) in row.split()  # the sum of both workers' checks
-    for claim in as_json["unwitnessed"]:
-        assert f"never witnessed by any worker: {claim}" in done.stdout
+    for claim, why in as_json["unwitnessed"].items():
+        assert f"never witnessed by any worker: {claim} ({why})" in " ".join(done.stdout.split())
+
+
+def test_a_campaign_s_unwitnessed_claims_keep_their_reasons():
+    """A campaign's JSON lists what no worker witnessed as one run's does
+    (name -> why), not as bare names."""
+    from kvspec.parallel import SPLIT_REASON, combine
+    one = dict(_summary("HOLDS", []), unwitnessed={"a": "needs x", "b": "needs y", "c": "z"})
+    two = dict(_summary("HOLDS", []), unwitnessed={"a": "needs x", "b": "other", "d": "w"})
+    assert combine([one, two])["unwitnessed"] == {"a": "needs x", "b": SPLIT_REASON}
 
 
 def _summary(line: str, known: list[dict], violations=()) -> dict:
