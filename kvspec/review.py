@@ -435,7 +435,7 @@ def check_head(review: Review, worker, seed: int, out: Path, console,
     counterexample asked of the base, coverage of HEAD's package. ``target``:
     ``vllm``, or with a connector (``vllm?connector=...``)."""
     from kvspec.cli import check_target, drawn_profile, target_gaps
-    from kvspec.harness.targets import with_connector
+    from kvspec.harness.targets import parse_vllm_target, with_connector
     from kvspec.harness.vllm_patches import patched
     from kvspec.run import describe_source, execute, prepare, print_statuses
     check_target(target)
@@ -454,8 +454,9 @@ def check_head(review: Review, worker, seed: int, out: Path, console,
                                 on_run=coverage.on_run, trace_name=get_trace_name(review.head, seed))
     finally:
         coverage.stop()
+    # the patched files of the fixes the run applied (a review may leave some out)
     attach_coverage(review.hunks, measured_lines(coverage.data(), review.head,
-                                                 patched("all").files))
+                                                 patched(*parse_vllm_target(prep.target)).files))
     ce = review.result.counterexample
     if ce is not None:
         review.base_note = get_base_note(prep.recogniser, ce)
@@ -531,6 +532,11 @@ def markdown(review: Review) -> str:
                f"- both sides run with kvspec's {len(fixes)} fixes of known vLLM findings "
                "applied (so that a known finding hides no regression): "
                + ", ".join(f"`{f}`" for f in fixes)]
+        handled = [s.fix for s in review.prep.statuses if s.status == "handled"]
+        if handled:
+            md.append("- left out on both sides, because the change handles their findings' "
+                      "paths its own way (without them HEAD replays those traces otherwise "
+                      "than BASE; BASE decides): " + ", ".join(f"`{f}`" for f in handled))
     md.append("")
     if result is not None and result.counterexample is not None:
         md += _regression(review, command_arg)

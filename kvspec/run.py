@@ -84,6 +84,8 @@ def prepare(target: str, seconds: float, profile, asked: dict[str, str], gaps: d
     if base is not None:
         base.wait_ready()
     prep.recogniser, prep.statuses = build_recogniser(target, base, base_decides=review)
+    if prep.recogniser is not None:  # a review leaves out the fixes the change handles
+        prep.target = prep.recogniser.target
     prep.probe_seconds = time.monotonic() - started
     return prep
 
@@ -159,6 +161,11 @@ def print_statuses(console, prep: Prepared) -> None:
     for s in by.get("code-changed", ()):
         console.print(Text.assemble((f"fix {s.fix}: the code it fixes has changed", "bold red"),
                                     f": {s.detail}"))
+    if by.get("handled"):
+        console.print(Text.assemble(
+            ("fixes the change handles its own way", "bold"), ": "
+            + ", ".join(s.fix for s in by["handled"]) + " (without them HEAD replays their "
+            "findings' traces otherwise than BASE; left out on HEAD and BASE, BASE decides)"))
     for s in by.get("drifted", ()):
         console.print(Text(f"fix {s.fix}: applied over drifted context: {s.detail}"))
     if by.get("applied"):

@@ -142,3 +142,17 @@ def test_every_command_help_renders(command):
     shown = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "250"})
     assert shown.exit_code == 0, shown.output[-500:]
     assert "Usage" in shown.output and "--help" in shown.output
+
+
+def test_a_long_target_name_still_names_a_trace_file(tmp_path):
+    """``vllm?fixes=`` with a dozen fixes is longer than a file name may be:
+    the trace of a failure met with it was lost to "File name too long" before
+    it was saved. Its stem is cut short and told apart by a hash."""
+    from kvspec.harness.fuzz import MAX_STEM, safe_file_stem
+    from kvspec.harness.vllm_patches import FIXES
+    long_name = "vllm?fixes=" + ",".join(sorted(FIXES))
+    stem = safe_file_stem(long_name)
+    assert len(stem) <= MAX_STEM and stem.startswith("vllm-fixes-")
+    assert stem != safe_file_stem(long_name[:-1])
+    (tmp_path / f"{stem}-seed12345.json").write_text("{}")  # the OS takes it
+    assert safe_file_stem("vllm?fixes=none&plant=a") == "vllm-fixes-none-plant-a"

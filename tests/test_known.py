@@ -336,3 +336,47 @@ def test_a_fix_that_leaves_only_a_known_finding_with_no_fix_names_its_own(monkey
     why = rec.explain({}, [], violations(*first))
     assert why.finding == pad.id, why
     assert f"it then fails only as {hybrid.id}" in why.how
+
+
+class FakeProbes:
+    """A ProbeCache answering HEAD's replays from a table (trace, target)."""
+
+    def __init__(self, answers: dict) -> None:
+        self.answers, self.asked = answers, []
+
+    def probe(self, trace, target):
+        self.asked.append((trace, target))
+        return self.answers.get(trace, Outcome())
+
+
+def test_a_review_leaves_out_a_fix_whose_path_the_change_handles_its_own_way():
+    """Review battery edit 06 frees a preempted request's blocks at once, written
+    as a fix of the forced-reset crash. kvspec's own fix of that crash refuses
+    the reset first, so over it the edit's path never ran and the review passed.
+    A fix whose finding's trace HEAD (without it) replays otherwise than BASE
+    (without it) is left out on both sides; one replayed alike stays applied."""
+    from kvspec.harness.accepted_findings import findings_of_fix
+    from kvspec.harness.known import FixStatus, get_handled
+    fix = "forced-reset-refuses-with-step-in-flight"
+    other = "priority-preempt-caches-uncomputed-block"
+    trace, = findings_of_fix(fix)[0].traces
+    crash = Outcome((("target_crashed", "RuntimeError: Failed to reset KV cache"),))
+    statuses = [FixStatus(fix, "applied"), FixStatus(other, "applied"),
+                FixStatus("not-this", "not-needed")]
+    applied = {fix, other}
+    # HEAD passes the finding's trace without the fix; BASE crashes as recorded
+    handled = get_handled(statuses, applied, FakeProbes({}), FakeBase(crash))
+    assert [h.fix for h in handled] == [fix, other]  # the fake base crashes on every trace
+    probes = FakeProbes({trace: crash})
+    base = FakeBase(crash)
+    handled = get_handled(statuses, applied, probes, base)
+    assert fix not in [h.fix for h in handled]  # HEAD crashes as BASE does: kept applied
+    assert (trace, f"vllm?fixes={other}") in probes.asked
+    assert f"vllm?fixes={other}" in base.asked  # both sides without the fix alone
+    changed = Outcome((("computed_means_valid", "r1: token 3 is counted as computed"),))
+    handled = get_handled(statuses, applied, FakeProbes({trace: changed}), FakeBase(crash))
+    assert fix in [h.fix for h in handled]
+    assert "otherwise than BASE" in handled[0].detail
+    # a base that cannot answer leaves the fix applied
+    assert fix not in [h.fix for h in get_handled(
+        statuses, applied, FakeProbes({}), FakeBase(Outcome(error="boom")))]

@@ -13,6 +13,7 @@ goes on: the environment is never narrowed around a known finding.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
@@ -107,10 +108,20 @@ def derive_seed(seed: int, batch: int) -> int:
 MINIMIZE_AT_LEAST_S = 5.0
 
 
+#: the longest stem a trace's file name takes from a target name: file systems
+#: refuse names over 255 bytes, and ``vllm?fixes=`` with a dozen fixes is longer
+MAX_STEM = 80
+
+
 def safe_file_stem(target: str) -> str:
     """A target name as a file name a shell takes unquoted
-    ("vllm?fixes=none&plant=a" -> "vllm-fixes-none-plant-a")."""
-    return re.sub(r"[^A-Za-z0-9_.,-]+", "-", target.replace(":", "_")).strip("-")
+    ("vllm?fixes=none&plant=a" -> "vllm-fixes-none-plant-a"); a long one cut
+    short and told apart by a hash of the whole name."""
+    stem = re.sub(r"[^A-Za-z0-9_.,-]+", "-", target.replace(":", "_")).strip("-")
+    if len(stem) <= MAX_STEM:
+        return stem
+    digest = hashlib.sha256(target.encode()).hexdigest()[:12]
+    return f"{stem[:MAX_STEM - 13].rstrip('-,.')}-{digest}"
 
 
 def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | None = None,

@@ -335,7 +335,7 @@ def fixes_target(fix_ids, planted=()) -> str:
 
 # -- fix statuses ---------------------------------------------------------------------
 
-STATUSES = ("code-changed", "drifted", "applied", "not-needed", "not-chosen")
+STATUSES = ("code-changed", "handled", "drifted", "applied", "not-needed", "not-chosen")
 
 
 @attrs.frozen
@@ -365,6 +365,47 @@ def fix_statuses(patched, chosen: set[str], cache: ProbeCache,
         else:
             out.append(_not_fitting(fix, patched, applied, cache, planted))
     return sorted(out, key=lambda s: STATUSES.index(s.status))
+
+
+def get_handled(statuses: list[FixStatus], applied: set[str], cache: ProbeCache, base,
+                planted=()) -> list[FixStatus]:
+    """A review: the fixes that fit HEAD but whose findings' traces HEAD, without
+    the fix (every other fix in place), fails otherwise than BASE does without
+    it. The change alters what happens on the path that fix closes (a change
+    written as a fix of that finding, say): applying kvspec's fix over it would
+    check kvspec's way instead of the change's, and could close the very path
+    the change alters. Such a fix is left out on HEAD and on BASE, and BASE
+    decides: where the change fails the way BASE does, that is pre-existing."""
+    handled = []
+    for status in statuses:
+        if status.status not in ("applied", "drifted") or not findings_of_fix(status.fix):
+            continue
+        without = applied - {status.fix}
+        differs = [f.id for f in findings_of_fix(status.fix) for t in f.traces
+                   if _differs_on_base(t, without, cache, base, planted)]
+        if differs:
+            handled.append(FixStatus(status.fix, "handled", "without it HEAD replays "
+                                     f"{', '.join(dict.fromkeys(differs))} otherwise than "
+                                     "BASE does: the change handles that path its own way, so "
+                                     "the fix is left out on HEAD and BASE and BASE decides"))
+    return handled
+
+
+def _differs_on_base(trace: str, fixes: set[str], cache: ProbeCache, base, planted) -> bool:
+    """Whether HEAD (this process) and BASE replay ``trace`` with ``fixes``
+    differently: other claims or message shapes, or one passes. A replay that
+    cannot run answers nothing (not different)."""
+    data = load_finding_trace(trace)
+    if data is None:
+        return False
+    head = cache.probe(trace, fixes_target(fixes, source_patches(planted)))
+    try:
+        got = base.replay(base.target_for(fixes), data["config"], list(data["actions"]))
+    except Exception:  # noqa: BLE001 - a base that cannot answer leaves the fix applied
+        return False
+    if head.error is not None or got.error is not None:
+        return False
+    return shape(head.violations) != shape(got.violations)
 
 
 def _drifted(fix, patched, applied, cache, planted) -> FixStatus:
@@ -701,6 +742,15 @@ def _first_failing_as(pairs, findings) -> AcceptedFinding | None:
     return next((f for f in findings if fails_as(pairs, f)), None)
 
 
+def get_target_without(target: str, applied: set[str], planted) -> str:
+    """``target`` with exactly the fixes ``applied`` (its planted patches and
+    connector kept)."""
+    from kvspec.harness.targets import parse_connector_choice, vllm_target_name
+    ids = sorted(applied)
+    return vllm_target_name(",".join(ids) if ids else "none", tuple(planted),
+                            parse_connector_choice(target))
+
+
 def build_recogniser(target: str, base=None,
                      base_decides: bool = False) -> tuple[Recogniser | None, list[FixStatus]]:
     """The recogniser and fix statuses for a vllm ``target`` on the active source
@@ -717,8 +767,18 @@ def build_recogniser(target: str, base=None,
     applied = set(built.applied) & set(FIXES)
     cache = ProbeCache(content_hash(active()))
     statuses = fix_statuses(built, chosen, cache, planted)
+    handled = get_handled(statuses, applied, cache, base, planted) \
+        if base_decides and base is not None else []
+    if handled:
+        left_out = {h.fix for h in handled}
+        applied -= left_out
+        statuses = sorted([s for s in statuses if s.fix not in left_out] + handled,
+                          key=lambda s: STATUSES.index(s.status))
+        target = get_target_without(target, applied, planted)
     fitting = set(patched("all", planted).applied) & set(FIXES)
-    toggles = sorted(fitting - applied)
+    # a fix the change handles is no toggle: "passes with kvspec's fix" would
+    # explain away whatever the change does on the path that fix closes
+    toggles = sorted(fitting - applied - {h.fix for h in handled})
     unfixed = [] if base_decides else present_unfixed(applied, cache, planted,
                                                       get_connector_findings(target))
     changed = [s.fix for s in statuses if s.status == "code-changed" and s.fix not in applied]

@@ -156,7 +156,7 @@ TRACE_SCHEMA = {
     "additionalProperties": False,
     "properties": {
         "format": {"const": FORMAT},
-        "target": {"type": "string", "minLength": 1, "maxLength": 200},
+        "target": {"type": "string", "minLength": 1, "maxLength": 4000},
         "seed": {"type": ["integer", "null"]},
         # the worker's KV (runner.KV_MODES); absent: symbolic. Under "torch" the
         # model samples the tokens, so a trace replays only in its own mode
