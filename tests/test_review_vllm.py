@@ -172,13 +172,18 @@ def test_review_reports_a_regression_that_passes_on_the_base(tmp_path):
     assert "replaying on the vLLM the trace was found on" in export.stdout, \
         export.stdout[-2000:] + export.stderr[-2000:]
     assert "breaks no claim" not in export.stdout + export.stderr
+    if claims != ["transition_admitted_by_model"]:
+        # claims a standalone test cannot check yet: one line, exit 2 (which
+        # counterexample the budget shrinks to differs from machine to machine)
+        assert export.returncode == 2, export.stdout[-2000:] + export.stderr[-2000:]
+        assert "a standalone test cannot check" in export.stderr, export.stderr[-2000:]
+        return
     # the break only the model saw is written as what it leads to, and the test
     # says it fails with the patch, not on the release (which it passes)
     said = " ".join(export.stdout.split())
     assert export.returncode == 0, export.stdout[-2000:] + export.stderr[-2000:]
     assert f"on vLLM 0.32.0 with {REGRESSION.name} applied it fails" in said, said
-    if claims == ["transition_admitted_by_model"]:
-        assert "kvspec first saw transition_admitted_by_model" in said, said
+    assert "kvspec first saw transition_admitted_by_model" in said, said
     text = (tmp_path / "test_regression.py").read_text()
     assert "On vLLM 0.32.0 as released it need not fail" in text
 
