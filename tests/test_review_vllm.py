@@ -139,14 +139,14 @@ def test_review_reports_a_regression_that_passes_on_the_base(tmp_path):
     status = {f["fix"]: f["status"] for f in report["fixes"]}
     assert status["recovery-cuts-every-request-at-its-first-failed-block"] == "handled", status
     claims = report["regression"]["claims"]
-    # found by the transition model, with what it does to a user (a token sampled
-    # from invalid KV kept): beside it, or, when the model alone broke, named as
-    # what it leads on to (which once showed only with --ignore)
+    # found by the transition model; when the model alone broke, what the trace
+    # goes on to break with it unchecked is named on the verdict line (with the
+    # recovery fix left out, the shrunk trace may end before any harm: none named)
     assert "transition_admitted_by_model" in claims, claims
-    if claims == ["transition_admitted_by_model"]:
-        assert report["regression"]["leads_on_to"] and "leads on to" in report["verdict_line"]
-    else:
-        assert "update_from_output_relation" in claims, claims
+    led = report["regression"]["leads_on_to"]
+    assert ("leads on to" in report["verdict_line"]) == bool(led), report["verdict_line"]
+    if claims != ["transition_admitted_by_model"]:
+        assert "update_from_output_relation" in claims and not led, (claims, led)
     assert report["regression"]["passes_on_base"], report["verdict_line"]
     trace = tmp_path / report["regression"]["trace"]
     hunk, = report["hunks"]
@@ -172,10 +172,9 @@ def test_review_reports_a_regression_that_passes_on_the_base(tmp_path):
     assert "replaying on the vLLM the trace was found on" in export.stdout, \
         export.stdout[-2000:] + export.stderr[-2000:]
     assert "breaks no claim" not in export.stdout + export.stderr
-    if claims != ["transition_admitted_by_model"]:
-        # claims a standalone test cannot check yet: one line, exit 2 (which
-        # counterexample the budget shrinks to differs from machine to machine)
-        assert export.returncode == 2, export.stdout[-2000:] + export.stderr[-2000:]
+    if export.returncode == 2:
+        # claims a standalone test cannot check, leading to none it can: one line
+        # (which counterexample the budget shrinks to differs between machines)
         assert "a standalone test cannot check" in export.stderr, export.stderr[-2000:]
         return
     # the break only the model saw is written as what it leads to, and the test
@@ -183,7 +182,7 @@ def test_review_reports_a_regression_that_passes_on_the_base(tmp_path):
     said = " ".join(export.stdout.split())
     assert export.returncode == 0, export.stdout[-2000:] + export.stderr[-2000:]
     assert f"on vLLM 0.32.0 with {REGRESSION.name} applied it fails" in said, said
-    assert "kvspec first saw transition_admitted_by_model" in said, said
+    assert "kvspec first saw" in said and "transition_admitted_by_model" in said, said
     text = (tmp_path / "test_regression.py").read_text()
     assert "On vLLM 0.32.0 as released it need not fail" in text
 
