@@ -177,19 +177,13 @@ def render_table(result: dict) -> str:
 
 
 def get_older_rows(result: dict) -> str:
-    """Rows a partial run (--only) kept from an earlier one, and when they ran
-    (rows from before rows carried their commit: the previous run's)."""
+    """Rows a partial run (--only) kept from an earlier one, and when they ran."""
     older: dict[str, list[str]] = {}
     for r in result["rows"]:
-        when = (r.get("commit"), r.get("date"))
-        if when != (result["commit"], result["date"]):
-            older.setdefault(f"kvspec {when[0] or OLD_COMMIT}, {when[1] or OLD_DATE}",
+        if (r["commit"], r["date"]) != (result["commit"], result["date"]):
+            older.setdefault(f"kvspec {r['commit']}, {r['date']}",
                              []).append(r["edit"].split("-")[0])
     return "".join(f"; rows {', '.join(edits)}: {when}" for when, edits in older.items())
-
-
-#: when the rows from before rows carried their commit ran
-OLD_COMMIT, OLD_DATE = "75db1a4", "2026-11-26"
 
 
 def render_readme(result: dict) -> None:

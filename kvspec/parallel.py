@@ -105,10 +105,9 @@ def combine(summaries: list[dict]) -> dict:
 SPLIT_REASON = "not reached by any worker's draws; a longer campaign (--budget) may reach it"
 
 
-def combine_unwitnessed(per_worker: list) -> dict[str, str]:
+def combine_unwitnessed(reasons: list[dict[str, str]]) -> dict[str, str]:
     """The claims no worker witnessed, each with its reason, as one run's JSON
     has them (name -> why): the workers' reason where they agree."""
-    reasons = [w if isinstance(w, dict) else dict.fromkeys(w, "") for w in per_worker]
     names = set.intersection(*(set(r) for r in reasons))
     combined = {}
     for name in sorted(names):

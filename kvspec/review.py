@@ -276,7 +276,7 @@ def compare_lost(claims, head, base) -> tuple[str, str]:
     asked). Pre-existing only when BASE loses it every way HEAD does (each
     claim, each message shape): a change that keeps a known loss and adds
     another of the same claim on the same trace lost performance of its own."""
-    from kvspec.harness.known import Outcome, shape, template
+    from kvspec.harness.known import shape, template
     if base.error:
         return f"unknown: {base.error}", ""
     if base.step is not None:
@@ -286,15 +286,15 @@ def compare_lost(claims, head, base) -> tuple[str, str]:
                 + " on this trace, so its performance is not comparable"), ""
     if head is None or head.error or head.step is not None or not head.fails:
         # HEAD's replay did not show it again: compare by claim alone
-        head = Outcome(tuple((claim, "") for claim in claims))
-        missing = {(c, "") for c in claims if c not in base.claims}
+        shown, missing = (), {(c, "") for c in claims if c not in base.claims}
     else:
-        missing = shape(head.violations) - shape(base.violations)
+        shown = head.violations
+        missing = shape(shown) - shape(base.violations)
     if not missing:
         return "pre-existing", ""
     if not base.fails:
         return "head-only", ""
-    example = next((m for c, m in head.violations if (c, template(m)) in missing and m), "")
+    example = next((m for c, m in shown if (c, template(m)) in missing), "")
     return "head-only", (f"BASE loses {', '.join(sorted(base.claims))} on this trace too, "
                          "but not every way HEAD does" + (f": {example}" if example else ""))
 

@@ -74,7 +74,7 @@ def test_a_campaign_s_unwitnessed_claims_keep_their_reasons():
 def _summary(line: str, known: list[dict], violations=()) -> dict:
     return {"claims": [], "elapsed_s": 1.0, "actions": 1, "runs": 1,
             "violations": list(violations), "verdict": "hold", "verdict_line": line,
-            "trace": None, "exit_code": 0, "seed": 0, "unwitnessed": [], "state_checks": {},
+            "trace": None, "exit_code": 0, "seed": 0, "unwitnessed": {}, "state_checks": {},
             "known_findings": known}
 
 

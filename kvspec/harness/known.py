@@ -742,20 +742,11 @@ def _first_failing_as(pairs, findings) -> AcceptedFinding | None:
     return next((f for f in findings if fails_as(pairs, f)), None)
 
 
-def get_target_without(target: str, applied: set[str], planted) -> str:
-    """``target`` with exactly the fixes ``applied`` (its planted patches and
-    connector kept)."""
-    from kvspec.harness.targets import parse_connector_choice, vllm_target_name
-    ids = sorted(applied)
-    return vllm_target_name(",".join(ids) if ids else "none", tuple(planted),
-                            parse_connector_choice(target))
-
-
 def build_recogniser(target: str, base=None,
                      base_decides: bool = False) -> tuple[Recogniser | None, list[FixStatus]]:
     """The recogniser and fix statuses for a vllm ``target`` on the active source
     (None for other targets); ``base_decides``: a review (see Recogniser)."""
-    from kvspec.harness.targets import parse_vllm_target
+    from kvspec.harness.targets import parse_vllm_target, with_connector
     from kvspec.harness.vllm_patches import FIXES, patched, select
     from kvspec.harness.vllm_source import active, content_hash
     options = parse_vllm_target(target)
@@ -769,16 +760,16 @@ def build_recogniser(target: str, base=None,
     statuses = fix_statuses(built, chosen, cache, planted)
     handled = get_handled(statuses, applied, cache, base, planted) \
         if base_decides and base is not None else []
-    if handled:
-        left_out = {h.fix for h in handled}
+    left_out = {h.fix for h in handled}
+    if left_out:
         applied -= left_out
         statuses = sorted([s for s in statuses if s.fix not in left_out] + handled,
                           key=lambda s: STATUSES.index(s.status))
-        target = get_target_without(target, applied, planted)
+        target = with_connector(fixes_target(applied, planted), target)
     fitting = set(patched("all", planted).applied) & set(FIXES)
     # a fix the change handles is no toggle: "passes with kvspec's fix" would
     # explain away whatever the change does on the path that fix closes
-    toggles = sorted(fitting - applied - {h.fix for h in handled})
+    toggles = sorted(fitting - applied - left_out)
     unfixed = [] if base_decides else present_unfixed(applied, cache, planted,
                                                       get_connector_findings(target))
     changed = [s.fix for s in statuses if s.status == "code-changed" and s.fix not in applied]
