@@ -906,8 +906,12 @@ def review(base: str = typer.Argument(..., help="the vLLM before the change: a s
                                       "to read it from standard input"),
            repo: Path = typer.Option(None, help="a vLLM git checkout whose refs BASE and HEAD "
                                                "may name"),
-           budget: str = typer.Option("60s", help="the check's budget on HEAD, shrinking "
-                                                  "included: 60s, 10m"),
+           budget: str = typer.Option(None, help="the check's budget on HEAD, shrinking "
+                                                 "included: 60s (the default), 10m; or "
+                                                 "--examples"),
+           examples: int = typer.Option(None, "--examples", help="a budget in runs instead of "
+                                        "--budget: the review explores, shrinks and decides "
+                                        "the same way on any machine (CI's, a laptop)"),
            seed: int = typer.Option(0, help="seed; everything derives from it"),
            out: Path = typer.Option(Path(".kvspec/review"), help="where traces and the "
                                                                 "review are written"),
@@ -927,7 +931,9 @@ def review(base: str = typer.Argument(..., help="the vLLM before the change: a s
     from kvspec.review import Review, attach_statements, changed_hunks
     global console
     started = _time.monotonic()
-    seconds = parse_budget_or_fail(budget)
+    seconds = parse_budget_or_fail(get_budget(budget, examples))
+    if examples is not None and examples < 1:
+        fail(f"--examples {examples}: a number of runs, at least 1")
     set_scale(scale)  # the check on HEAD draws as `kvspec check` does
     try:
         base_src = vllm_source.resolve(base, repo)
@@ -941,7 +947,8 @@ def review(base: str = typer.Argument(..., help="the vLLM before the change: a s
         fail(f"--markdown {shown(markdown)}: is a directory")
     from kvspec.harness.targets import vllm_target_name
     target = vllm_target_name("all", (), get_connector_choice(connector, connector_config))
-    review_ = Review(base_src, head_src, changed_hunks(base_src, head_src), seconds)
+    review_ = Review(base_src, head_src, changed_hunks(base_src, head_src), seconds,
+                     examples=examples)
     attach_statements(review_.hunks, head_src)
     saved = console
     if as_json:

@@ -228,26 +228,37 @@ class ReviewVerdict:
         return {0: "pass", 1: "regression", 3: "incomplete"}.get(self.code, "error")
 
 
-def get_model_claims(violations) -> frozenset[str]:
-    """The violated claims that are the transition model's ("model" kind): they
-    say a step did something the spec does not admit, not what harm it does."""
+#: kinds of claim about the scheduler's books: the transition model, a call's
+#: relation, a request's or the pool's state (not what users are served: the
+#: KV content a request reads, requests that finish; not a connector's answers)
+BOOKKEEPING_KINDS = frozenset({"model", "relation", "state"})
+
+
+def get_bookkeeping_claims(violations) -> frozenset[str]:
+    """The broken claims, when every one is about the scheduler's books
+    (``BOOKKEEPING_KINDS``) and nothing crashed (a crash is no claim of the
+    registry); empty otherwise. Such a regression is real, but what it costs a
+    user is what the run goes on to break with those claims unchecked."""
     from kvspec.spec.catalogue import REGISTRY
-    return frozenset(v.invariant for v in violations
-                     if v.invariant in REGISTRY and REGISTRY[v.invariant].kind == "model")
+    claims = frozenset(v.invariant for v in violations)
+    if claims and all(c in REGISTRY and REGISTRY[c].kind in BOOKKEEPING_KINDS for c in claims):
+        return claims
+    return frozenset()
 
 
 def get_harm(trace: Path, violations):
-    """A regression whose every violated claim is a model claim, replayed on
-    HEAD (active in this process) with those claims unchecked: the claims the
-    transition goes on to break, which say what it costs a user (None: some
-    claim besides the model's broke already, or the replay could not run)."""
+    """A regression that broke only bookkeeping claims (``get_bookkeeping_claims``),
+    replayed on HEAD (active in this process) with those claims unchecked: the
+    claims the run goes on to break, which say what it costs a user (None: it
+    broke an outcome claim or crashed already; a string: the replay could not
+    run). ``kvspec export-test`` writes its test of the same continuation."""
     from kvspec.harness.replay import replay_trace
     from kvspec.harness.trace import TraceError
-    model = get_model_claims(violations)
-    if not model or model != {v.invariant for v in violations}:
+    ignored = get_bookkeeping_claims(violations)
+    if not ignored:
         return None
     try:
-        return replay_trace(trace, ignore=model)
+        return replay_trace(trace, ignore=ignored)
     except (TraceError, ValueError, RuntimeError) as exc:
         return f"{type(exc).__name__}: {exc}"
 
@@ -386,6 +397,9 @@ class Review:
     head: VllmSource
     hunks: list[Hunk]
     seconds: float
+    #: a budget in runs instead of ``seconds`` (``--examples``): the same
+    #: exploration, shrink and verdict on any machine
+    examples: int | None = None
     verdict: ReviewVerdict | None = None
     #: the check on HEAD (None: nothing changed, nothing was run)
     result: object = None
@@ -403,6 +417,10 @@ class Review:
     lost: list = attrs.Factory(list)
     #: what BASE did with the regression's trace (``get_base_note``)
     base_note: str | None = None
+
+    def get_budget_text(self) -> str:
+        """The budget as the review's lines say it."""
+        return f"{self.seconds:g}s" if self.examples is None else f"{self.examples} runs"
 
 
 def get_base_note(recogniser, ce) -> str | None:
@@ -444,14 +462,15 @@ def check_head(review: Review, worker, seed: int, out: Path, console,
     review.prep, review.base_label = prep, worker.label
     from rich.text import Text
     console.print(Text(f"kvspec review: base {review.base.label()}, head {review.head.label()}; "
-                       f"{len(review.hunks)} changed hunk(s); budget {review.seconds:g}s"))
+                       f"{len(review.hunks)} changed hunk(s); budget {review.get_budget_text()}"))
     describe_source(console, prep)
     print_statuses(console, prep)
     coverage = Coverage(review.head)
     coverage.start()
     try:
         review.result = execute(prep, seed, out, None, True, "symbolic", console,
-                                on_run=coverage.on_run, trace_name=get_trace_name(review.head, seed))
+                                on_run=coverage.on_run, max_examples=review.examples,
+                                trace_name=get_trace_name(review.head, seed))
     finally:
         coverage.stop()
     # the patched files of the fixes the run applied (a review may leave some out)
@@ -480,7 +499,8 @@ def to_json(review: Review, markdown_path: Path) -> dict:
         "exit_code": review.verdict.code, "base": review.base.label(),
         "head": review.head.label(), "wall_s": round(review.wall, 1),
         "sources": {"base": review.base.as_dict(), "head": review.head.as_dict()},
-        "budget_s": review.seconds, "runs": 0 if r is None else r.runs,
+        "budget_s": review.seconds, "examples_budget": review.examples,
+        "runs": 0 if r is None else r.runs,
         "actions": 0 if r is None else r.actions, "markdown": str(markdown_path),
         "regression": None if ce is None else {
             "claims": sorted({v.invariant for v in ce.violations}),
@@ -527,7 +547,7 @@ def markdown(review: Review) -> str:
     if result is not None:
         fixes = [s.fix for s in review.prep.statuses if s.status in ("applied", "drifted")]
         md += [f"- check: {result.runs} runs, {result.actions} actions in "
-               f"{result.elapsed:.0f}s (budget {review.seconds:g}s; review wall time "
+               f"{result.elapsed:.0f}s (budget {review.get_budget_text()}; review wall time "
                f"{review.wall:.0f}s)",
                f"- both sides run with kvspec's {len(fixes)} fixes of known vLLM findings "
                "applied (so that a known finding hides no regression): "
@@ -587,7 +607,7 @@ def _regression(review: Review, command_arg) -> list[str]:
     md += [f"| {s.index} | `{s.action}` | {s.requests} |" for s in log[:-1]]
     md += [f"| **{s.index} (broke here)** | `{s.action}` | {s.requests} |" for s in log[-1:]]
     md += [""] + [f"- **{x.invariant}**: {x.message}" for x in ce.violations] + [""]
-    md += _harm(review.harm, get_model_claims(ce.violations), trace, review, command_arg)
+    md += _harm(review.harm, get_bookkeeping_claims(ce.violations), trace, review, command_arg)
     if result.shrink_cut:
         md += ["The budget ran out while this example was being shrunk: it may hold actions "
                "it does not need (a longer `--budget` shrinks it further).", ""]
@@ -609,28 +629,29 @@ def _regression(review: Review, command_arg) -> list[str]:
               "    # passes" if review.base_note == "" else ""),
            "```", "",
            "A standalone test in vLLM's style, for the pull request (it imports no kvspec; "
-           "a break only kvspec's model sees is written as what it leads to):", "", "```",
+           "a break of claims such a test cannot check is written as what it leads to):",
+           "", "```",
            f"kvspec export-test {command_arg(trace)} --vllm "
            f"{command_arg(review.head.cli_name())} -o test_regression.py",
            "```", ""]
     return md
 
 
-def _harm(harm, model: frozenset[str], trace: Path, review: Review, command_arg) -> list[str]:
-    """What a regression found by the transition model alone goes on to do."""
+def _harm(harm, ignored: frozenset[str], trace: Path, review: Review, command_arg) -> list[str]:
+    """What a regression that broke only bookkeeping claims goes on to do."""
     if harm is None:
         return []
-    ignored = " ".join(f"--ignore {c}" for c in sorted(model))
+    names = ", ".join(sorted(ignored))
+    flags = " ".join(f"--ignore {c}" for c in sorted(ignored))
     if isinstance(harm, str):
-        return [f"The same trace with {', '.join(sorted(model))} unchecked could not be "
-                f"replayed on HEAD ({harm}).", ""]
+        return [f"The same trace with {names} unchecked could not be replayed on HEAD "
+                f"({harm}).", ""]
     if not harm.violations:
-        return [f"With {', '.join(sorted(model))} unchecked, the rest of this trace breaks "
-                "no other claim on HEAD: the transition is one the model does not admit, "
-                "and this run shows no harm from it yet (a longer run may).", ""]
-    return [f"What it leads to: with {', '.join(sorted(model))} unchecked, the same trace "
-            "on HEAD goes on to break:", ""] + [
+        return [f"With {names} unchecked, the rest of this trace breaks no other claim on "
+                "HEAD: the scheduler's books are wrong, and this run shows no harm from it "
+                "yet (a longer run may).", ""]
+    return [f"What it leads to: with {names} unchecked, the same trace on HEAD goes on to "
+            "break:", ""] + [
         f"- **{x.invariant}**: {x.message}" for x in harm.violations] + [
         "", f"(`kvspec replay {command_arg(trace)} --vllm "
-        f"{command_arg(review.head.cli_name())} {ignored}`)", ""]
-
+        f"{command_arg(review.head.cli_name())} {flags}`)", ""]

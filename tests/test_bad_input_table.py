@@ -513,6 +513,12 @@ ARGS = {
     # every trace is read before any is replayed, --target or not (one line, no replay)
     "replay-target-later-trace-missing": (("replay", REGRESSION, "missing.json",
                                            "--target", "impl"), "missing.json"),
+    # a review's budget in runs, as check's and fuzz's (before any source is read)
+    "review-budget-and-examples": (("review", "installed", "change.diff", "--budget", "5s",
+                                    "--examples", "3"),
+                                   "--examples is a budget in runs instead of --budget"),
+    "review-examples-zero": (("review", "installed", "change.diff", "--examples", "0"),
+                             "--examples 0: a number of runs, at least 1"),
 }
 for command in ("check", "fuzz"):
     ARGS.update({

@@ -108,6 +108,31 @@ def test_the_github_workflow_runs_the_review_script():
     assert usage.returncode == 2 and "usage:" in usage.stderr
 
 
+def test_the_review_script_passes_its_budget_and_exit_code(tmp_path):
+    """KVSPEC_EXAMPLES is a budget in runs (the same verdict on any runner) in
+    place of KVSPEC_BUDGET; both set is refused; kvspec's exit code is the job's
+    (a stand-in ``kvspec`` records what it was asked and answers a regression)."""
+    fake = tmp_path / "kvspec"
+    fake.write_text('#!/bin/sh\necho "$@" > "$KVSPEC_REPORTS/args"\nexit 1\n')
+    fake.chmod(0o755)
+    env = dict(os.environ, KVSPEC=str(fake), KVSPEC_REPORTS=str(tmp_path), GITHUB_STEP_SUMMARY="")
+
+    def review(**settings):
+        return subprocess.run(["bash", str(CI / "kvspec-review.sh"), "installed", "pr.diff"],
+                              capture_output=True, text=True, timeout=60,
+                              env=dict(env, **settings))
+    by_runs = review(KVSPEC_EXAMPLES="200")
+    assert by_runs.returncode == 1 and "REGRESSION" in by_runs.stderr
+    args = (tmp_path / "args").read_text().split()
+    assert args[:5] == ["review", "installed", "pr.diff", "--examples", "200"], args
+    assert "--budget" not in args
+    by_time = review(KVSPEC_BUDGET="90s")
+    assert by_time.returncode == 1
+    assert (tmp_path / "args").read_text().split()[3:5] == ["--budget", "90s"]
+    both = review(KVSPEC_BUDGET="90s", KVSPEC_EXAMPLES="200")
+    assert both.returncode == 2 and "set one of them" in both.stderr
+
+
 def test_the_hypofuzz_targets_run_as_plain_hypothesis_tests():
     """docs/ci/hypofuzz/: what HypoFuzz fuzzes for hours is a working Hypothesis test
     (HypoFuzz itself is not installed here; docs/ci/README.md says how it was tried)."""

@@ -126,16 +126,25 @@ def test_a_regression_base_fails_otherwise_says_how():
         "REGRESSION on HEAD: ref_count_is_holders")
 
 
-def test_harm_is_sought_only_when_the_model_alone_broke(tmp_path):
-    """A regression that already breaks a claim of its own harm (data, state)
-    needs no second replay; a missing trace is one line, not a traceback."""
+def test_harm_is_sought_only_when_bookkeeping_alone_broke(tmp_path):
+    """A regression that already breaks a claim of what users are served (KV
+    content, finishing) or of a connector's answers, or crashes, needs no
+    second replay; one that broke only the scheduler's books (the model, a
+    relation, a state) is replayed with them unchecked, as export-test records
+    it; a missing trace is one line, not a traceback."""
     from kvspec.spec.registry import Violation
     data = Violation("computed_means_valid", "r0 counts block 2, which holds garbage")
     model = Violation("transition_admitted_by_model", "r0 kept 4 computed tokens")
-    assert get_harm(tmp_path / "t.json", [model, data]) is None
-    assert get_harm(tmp_path / "t.json", [data]) is None
-    missing = get_harm(tmp_path / "t.json", [model])
-    assert isinstance(missing, str) and "t.json" in missing
+    state = Violation("placeholders_match_in_flight", "r0 has 2 placeholders, 1 in flight")
+    relation = Violation("update_from_output_relation", "r0 kept a token")
+    crash = Violation("target_crashed", "AssertionError")
+    connector = Violation("lookup_answer_has_the_api_types", "r0 -> '3'")
+    for outcome in (data, crash, connector):
+        assert get_harm(tmp_path / "t.json", [model, outcome]) is None
+        assert get_harm(tmp_path / "t.json", [outcome]) is None
+    for books in ([model], [model, state, relation], [state]):
+        missing = get_harm(tmp_path / "t.json", books)
+        assert isinstance(missing, str) and "t.json" in missing
 
 
 def test_a_base_that_could_not_answer_makes_it_incomplete():

@@ -15,7 +15,8 @@
 # the check ran, the change was never exercised) fails too, with its reason, since a
 # green there would say nothing; KVSPEC_ALLOW_INCOMPLETE=1 turns it into a warning.
 #
-# Settings (environment): KVSPEC_BUDGET (default 10m), KVSPEC_SEED (0),
+# Settings (environment): KVSPEC_BUDGET (default 10m), or KVSPEC_EXAMPLES (a budget
+# in runs instead: the same verdict on any runner, however fast), KVSPEC_SEED (0),
 # KVSPEC_REPO, KVSPEC_REPORTS (./kvspec-review), KVSPEC (the kvspec command).
 set -uo pipefail
 
@@ -25,8 +26,16 @@ if [ $# -ne 2 ]; then
 fi
 KVSPEC=${KVSPEC:-kvspec}
 OUT=${KVSPEC_REPORTS:-$PWD/kvspec-review}
-args=(--budget "${KVSPEC_BUDGET:-10m}" --seed "${KVSPEC_SEED:-0}" --out "$OUT"
-      --markdown "$OUT/review.md")
+if [ -n "${KVSPEC_EXAMPLES:-}" ] && [ -n "${KVSPEC_BUDGET:-}" ]; then
+    echo "$0: KVSPEC_EXAMPLES is a budget in runs instead of KVSPEC_BUDGET: set one of them" >&2
+    exit 2
+fi
+if [ -n "${KVSPEC_EXAMPLES:-}" ]; then
+    args=(--examples "$KVSPEC_EXAMPLES")
+else
+    args=(--budget "${KVSPEC_BUDGET:-10m}")
+fi
+args+=(--seed "${KVSPEC_SEED:-0}" --out "$OUT" --markdown "$OUT/review.md")
 if [ -n "${KVSPEC_REPO:-}" ]; then
     args+=(--repo "$KVSPEC_REPO")
 fi
