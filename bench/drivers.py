@@ -165,6 +165,26 @@ class BareDriver(_Driver):
         self.live = {rid for rid in self.live if rid in self.requests}
 
 
+class ObserveDriver(BareDriver):
+    """Bare stepping plus one observation of the whole state (``target.observe()``,
+    the observer the Runner uses) after each of the two scheduler calls: the least
+    any checker that reads the scheduler's state after every call must do. No
+    claim, no model, no data oracle, no Runner."""
+
+    def step(self) -> None:
+        self._top_up()
+        step = self.target.schedule()
+        self.target.observe()
+        sampled = {}
+        for rid, n in step.num_scheduled_tokens.items():
+            num_tokens = self.requests[rid].num_tokens
+            if step.num_computed_before[rid] + n >= num_tokens:
+                sampled[rid] = (sampled_token(rid, num_tokens),)
+        self.target.update_from_output(WorkerOutcome(sampled_token_ids=sampled))
+        self.target.observe()
+        self.live = {rid for rid in self.live if rid in self.requests}
+
+
 def parse_args(doc: str, default_out: Path, argv: list[str] | None):
     """The options both benchmarks take."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
@@ -215,22 +235,26 @@ def git_commit() -> str:
 
 def compare(target: str, n: int, seconds: float, token_range: tuple[int, int],
             shape: Shape = SMALL) -> dict:
-    """Bare, then checked, stepping of one configuration, side by side; and the
+    """Bare, then checked, stepping of one configuration, side by side; the
     checking Runner judging no claim ("no_claims": the observation, the data
     oracle's worker model and the bookkeeping alone), which bounds what faster
-    claims could ever give."""
+    claims could ever give; and bare stepping that only observes the state after
+    each call ("observe_only"), which bounds what any checker that reads the
+    state could ever reach."""
     bare = measure(lambda: BareDriver(target, n, token_range, shape), seconds)
     checked = measure(lambda: CheckedDriver(target, n, token_range, shape), seconds)
     no_claims = measure(lambda: CheckedDriver(target, n, token_range, shape, kinds=()),
                         seconds)
+    observe_only = measure(lambda: ObserveDriver(target, n, token_range, shape), seconds)
 
     def over_bare(mode: dict) -> float | None:
         return round(mode["steps_per_s"] / bare["steps_per_s"], 5) \
             if bare["steps_per_s"] else None
     ratio = over_bare(checked)
     return {"workload": shape.name, "concurrency": n, "bare": bare, "checked": checked,
-            "no_claims": no_claims,
+            "no_claims": no_claims, "observe_only": observe_only,
             "checked_over_bare": ratio, "no_claims_over_bare": over_bare(no_claims),
+            "observe_only_over_bare": over_bare(observe_only),
             "overhead_x": round(1 / ratio, 2) if ratio else None}
 
 
@@ -255,12 +279,15 @@ def write_and_print(result: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(f"{'workload':>10} {'N':>5}  {'bare steps/s':>13}  {'checked steps/s':>16}  "
-          f"{'checked/bare':>12}  {'no claims/bare':>14}")
+          f"{'checked/bare':>12}  {'no claims/bare':>14}  {'observe only/bare':>17}")
+
+    def shown(ratio, width: int) -> str:
+        return f"{(f'{ratio:.4f}' if ratio is not None else 'n/a'):>{width}}"
     for row in result["results"]:
-        ratio, ceiling = row["checked_over_bare"], row.get("no_claims_over_bare")
         print(f"{row.get('workload', 'small'):>10} {row['concurrency']:>5}  "
               f"{row['bare']['steps_per_s']:>13.2f}  "
               f"{row['checked']['steps_per_s']:>16.2f}  "
-              f"{(f'{ratio:.4f}' if ratio is not None else 'n/a'):>12}  "
-              f"{(f'{ceiling:.4f}' if ceiling is not None else 'n/a'):>14}")
+              f"{shown(row['checked_over_bare'], 12)}  "
+              f"{shown(row.get('no_claims_over_bare'), 14)}  "
+              f"{shown(row.get('observe_only_over_bare'), 17)}")
     print(f"wrote {out}")
