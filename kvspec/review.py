@@ -228,39 +228,43 @@ class ReviewVerdict:
         return {0: "pass", 1: "regression", 3: "incomplete"}.get(self.code, "error")
 
 
-#: kinds of claim about the scheduler's books: the transition model, a call's
-#: relation, a request's or the pool's state (not what users are served: the
-#: KV content a request reads, requests that finish; not a connector's answers)
-BOOKKEEPING_KINDS = frozenset({"model", "relation", "state"})
-
-
-def get_bookkeeping_claims(violations) -> frozenset[str]:
-    """The broken claims, when every one is about the scheduler's books
-    (``BOOKKEEPING_KINDS``) and nothing crashed (a crash is no claim of the
-    registry); empty otherwise. Such a regression is real, but what it costs a
-    user is what the run goes on to break with those claims unchecked."""
+def get_beyond_a_test(violations, config) -> frozenset[str]:
+    """The claims a standalone test of this run cannot check (``kvspec
+    export-test``'s ``get_usable``), when every broken claim is one of them
+    (the transition model, a call's relation, placeholder and stats accounting)
+    and nothing crashed; empty when a broken claim is one a test checks (KV
+    content served, num_computed_tokens within the tokens, a request that
+    never finishes, a crash) or is no claim of the registry (the environment's
+    or kvspec's own fault)."""
+    from kvspec.export_test import get_usable
     from kvspec.spec.catalogue import REGISTRY
-    claims = frozenset(v.invariant for v in violations)
-    if claims and all(c in REGISTRY and REGISTRY[c].kind in BOOKKEEPING_KINDS for c in claims):
-        return claims
-    return frozenset()
+    claims = {v.invariant for v in violations}
+    usable = get_usable(config)
+    if not claims or claims & usable or not claims <= set(REGISTRY):
+        return frozenset()
+    return frozenset(REGISTRY) - usable
 
 
-def get_harm(trace: Path, violations):
-    """A regression that broke only bookkeeping claims (``get_bookkeeping_claims``),
-    replayed on HEAD (active in this process) with those claims unchecked: the
-    claims the run goes on to break, which say what it costs a user (None: it
-    broke an outcome claim or crashed already; a string: the replay could not
-    run). ``kvspec export-test`` writes its test of the same continuation."""
+def get_harm(trace: Path, violations, config):
+    """A regression that broke only claims a standalone test cannot check
+    (``get_beyond_a_test``), replayed on HEAD (active in this process) with
+    all of those unchecked: the safety claims it goes on to break, which is
+    what ``kvspec export-test`` writes its test of, and what a user would see
+    (None: it broke such a claim or crashed already; a string: the replay
+    could not run). Lost performance met on the way is not harm."""
     from kvspec.harness.replay import replay_trace
+    from kvspec.harness.runner import is_lost_performance
     from kvspec.harness.trace import TraceError
-    ignored = get_bookkeeping_claims(violations)
+    ignored = get_beyond_a_test(violations, config)
     if not ignored:
         return None
     try:
-        return replay_trace(trace, ignore=ignored)
+        got = replay_trace(trace, ignore=ignored)
     except (TraceError, ValueError, RuntimeError) as exc:
         return f"{type(exc).__name__}: {exc}"
+    if all(is_lost_performance(v) for v in got.violations):
+        return attrs.evolve(got, violations=[])
+    return got
 
 
 @attrs.frozen
@@ -410,8 +414,8 @@ class Review:
     base_as_released: object = None
     wall: float = 0.0
     base_import_s: float | None = None
-    #: for a regression found by model claims only: the same trace on HEAD with
-    #: those claims left unchecked, to show the harm the transition leads to
+    #: for a regression of claims only kvspec can check: the same trace on HEAD
+    #: with those unchecked, to show what a standalone test sees it lead to
     harm: object = None
     #: the run's lost performance, each asked of BASE (see ``classify_lost``)
     lost: list = attrs.Factory(list)
@@ -482,7 +486,8 @@ def check_head(review: Review, worker, seed: int, out: Path, console,
         # what BASE does with it when nothing of kvspec's is applied
         review.base_as_released = worker.replay(with_connector("vllm?fixes=none", target),
                                                 ce.runner.config, list(ce.runner.actions))
-        review.harm = get_harm(Path(review.result.trace_path), ce.violations)
+        review.harm = get_harm(Path(review.result.trace_path), ce.violations,
+                               ce.runner.config)
     review.lost = classify_lost(getattr(review.result, "efficiency", {}) or {}, worker, target)
     review.base_import_s = worker.import_seconds
     changed = [s for s in prep.statuses if s.status == "code-changed"]
@@ -499,7 +504,9 @@ def to_json(review: Review, markdown_path: Path) -> dict:
         "exit_code": review.verdict.code, "base": review.base.label(),
         "head": review.head.label(), "wall_s": round(review.wall, 1),
         "sources": {"base": review.base.as_dict(), "head": review.head.as_dict()},
-        "budget_s": review.seconds, "examples_budget": review.examples,
+        # no time budget applies under --examples
+        "budget_s": review.seconds if review.examples is None else None,
+        "examples_budget": review.examples,
         "runs": 0 if r is None else r.runs,
         "actions": 0 if r is None else r.actions, "markdown": str(markdown_path),
         "regression": None if ce is None else {
@@ -607,7 +614,7 @@ def _regression(review: Review, command_arg) -> list[str]:
     md += [f"| {s.index} | `{s.action}` | {s.requests} |" for s in log[:-1]]
     md += [f"| **{s.index} (broke here)** | `{s.action}` | {s.requests} |" for s in log[-1:]]
     md += [""] + [f"- **{x.invariant}**: {x.message}" for x in ce.violations] + [""]
-    md += _harm(review.harm, get_bookkeeping_claims(ce.violations), trace, review, command_arg)
+    md += _harm(review.harm, ce.violations)
     if result.shrink_cut:
         md += ["The budget ran out while this example was being shrunk: it may hold actions "
                "it does not need (a longer `--budget` shrinks it further).", ""]
@@ -627,31 +634,37 @@ def _regression(review: Review, command_arg) -> list[str]:
            f"kvspec replay {command_arg(trace)} --vllm {command_arg(review.base.cli_name())}"
            + ("    # fails otherwise (above)" if review.base_note else
               "    # passes" if review.base_note == "" else ""),
-           "```", "",
-           "A standalone test in vLLM's style, for the pull request (it imports no kvspec; "
-           "a break of claims such a test cannot check is written as what it leads to):",
-           "", "```",
-           f"kvspec export-test {command_arg(trace)} --vllm "
-           f"{command_arg(review.head.cli_name())} -o test_regression.py",
            "```", ""]
+    if not is_refused_by_export(review.harm):
+        md += ["A standalone test in vLLM's style, for the pull request (it imports no "
+               "kvspec; a break of claims such a test cannot check is written as what it "
+               "leads to):", "", "```",
+               f"kvspec export-test {command_arg(trace)} --vllm "
+               f"{command_arg(review.head.cli_name())} -o test_regression.py", "```", ""]
     return md
 
 
-def _harm(harm, ignored: frozenset[str], trace: Path, review: Review, command_arg) -> list[str]:
-    """What a regression that broke only bookkeeping claims goes on to do."""
+def is_refused_by_export(harm) -> bool:
+    """Whether ``kvspec export-test`` refuses the regression's trace: it broke
+    only claims a test cannot check and, with those unchecked, nothing it can."""
+    return harm is not None and not isinstance(harm, str) and not harm.violations
+
+
+def _harm(harm, broken) -> list[str]:
+    """What a regression that broke only claims a standalone test cannot check
+    goes on to break with those unchecked (as ``kvspec export-test`` records it)."""
     if harm is None:
         return []
-    names = ", ".join(sorted(ignored))
-    flags = " ".join(f"--ignore {c}" for c in sorted(ignored))
+    names = ", ".join(sorted({v.invariant for v in broken}))
     if isinstance(harm, str):
-        return [f"The same trace with {names} unchecked could not be replayed on HEAD "
-                f"({harm}).", ""]
+        return [f"The same trace with the claims a standalone test cannot check unchecked "
+                f"could not be replayed on HEAD ({harm}).", ""]
     if not harm.violations:
-        return [f"With {names} unchecked, the rest of this trace breaks no other claim on "
-                "HEAD: the scheduler's books are wrong, and this run shows no harm from it "
-                "yet (a longer run may).", ""]
-    return [f"What it leads to: with {names} unchecked, the same trace on HEAD goes on to "
-            "break:", ""] + [
-        f"- **{x.invariant}**: {x.message}" for x in harm.violations] + [
-        "", f"(`kvspec replay {command_arg(trace)} --vllm "
-        f"{command_arg(review.head.cli_name())} {flags}`)", ""]
+        return [f"{names}: a standalone test checks none of these, and with every claim it "
+                "cannot check left unchecked the rest of this trace breaks none it can (KV "
+                "content served, num_computed_tokens within the tokens, every request "
+                "finishing, a crash), so `kvspec export-test` refuses this trace; "
+                "`kvspec replay` reproduces it.", ""]
+    return [f"What it leads to: {names} are claims a standalone test cannot check; with "
+            "every such claim unchecked, the same trace on HEAD goes on to break:", ""] + [
+        f"- **{x.invariant}**: {x.message}" for x in harm.violations] + [""]

@@ -115,7 +115,8 @@ def test_the_review_script_passes_its_budget_and_exit_code(tmp_path):
     fake = tmp_path / "kvspec"
     fake.write_text('#!/bin/sh\necho "$@" > "$KVSPEC_REPORTS/args"\nexit 1\n')
     fake.chmod(0o755)
-    env = dict(os.environ, KVSPEC=str(fake), KVSPEC_REPORTS=str(tmp_path), GITHUB_STEP_SUMMARY="")
+    env = {k: v for k, v in os.environ.items() if k not in ("KVSPEC_BUDGET", "KVSPEC_EXAMPLES")}
+    env.update(KVSPEC=str(fake), KVSPEC_REPORTS=str(tmp_path), GITHUB_STEP_SUMMARY="")
 
     def review(**settings):
         return subprocess.run(["bash", str(CI / "kvspec-review.sh"), "installed", "pr.diff"],

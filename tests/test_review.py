@@ -126,25 +126,34 @@ def test_a_regression_base_fails_otherwise_says_how():
         "REGRESSION on HEAD: ref_count_is_holders")
 
 
-def test_harm_is_sought_only_when_bookkeeping_alone_broke(tmp_path):
-    """A regression that already breaks a claim of what users are served (KV
-    content, finishing) or of a connector's answers, or crashes, needs no
-    second replay; one that broke only the scheduler's books (the model, a
-    relation, a state) is replayed with them unchecked, as export-test records
-    it; a missing trace is one line, not a traceback."""
+def test_harm_is_sought_only_when_no_claim_a_test_checks_broke(tmp_path):
+    """What a regression leads to is sought, as `kvspec export-test` seeks it,
+    only when every claim it broke is one a standalone test cannot check (the
+    model, a relation, placeholder accounting): one that already breaks a
+    claim such a test checks (KV content, num_computed_tokens within the
+    tokens, a crash) needs no second replay, nor does the environment's or
+    kvspec's own fault; with several KV cache groups the block ledger checks
+    nothing, so a garbage block cached is sought further too. A missing trace
+    is one line, not a traceback."""
+    from kvspec.harness.target import make_config
     from kvspec.spec.registry import Violation
-    data = Violation("computed_means_valid", "r0 counts block 2, which holds garbage")
+    from kvspec.spec.state import GroupSpec
+    one = make_config()
+    two = make_config(groups=(GroupSpec(4), GroupSpec(4, "sliding_window", 5)))
     model = Violation("transition_admitted_by_model", "r0 kept 4 computed tokens")
     state = Violation("placeholders_match_in_flight", "r0 has 2 placeholders, 1 in flight")
     relation = Violation("update_from_output_relation", "r0 kept a token")
+    within = Violation("computed_within_tokens", "r0 computed 9 of 8 tokens")
+    cached = Violation("no_caching_of_invalid_blocks", "block 0 holds garbage")
     crash = Violation("target_crashed", "AssertionError")
-    connector = Violation("lookup_answer_has_the_api_types", "r0 -> '3'")
-    for outcome in (data, crash, connector):
-        assert get_harm(tmp_path / "t.json", [model, outcome]) is None
-        assert get_harm(tmp_path / "t.json", [outcome]) is None
-    for books in ([model], [model, state, relation], [state]):
-        missing = get_harm(tmp_path / "t.json", books)
+    kvspec_own = Violation("kvspec_crashed", "KeyError")
+    for checked in ([within], [model, within], [crash], [model, crash], [cached], [kvspec_own],
+                    [model, kvspec_own], []):
+        assert get_harm(tmp_path / "t.json", checked, one) is None, checked
+    for beyond in ([model], [model, state, relation], [state]):
+        missing = get_harm(tmp_path / "t.json", beyond, one)
         assert isinstance(missing, str) and "t.json" in missing
+    assert isinstance(get_harm(tmp_path / "t.json", [cached], two), str)
 
 
 def test_a_base_that_could_not_answer_makes_it_incomplete():
@@ -280,3 +289,24 @@ def test_lost_performance_is_pre_existing_only_when_base_loses_it_every_way():
     assert verdict.code == 1
     assert "computed_blocks_are_cached (2x; BASE loses computed_blocks_are_cached on this " \
            "trace too" in verdict.line
+
+
+def test_the_review_says_what_export_test_will_do_with_the_trace():
+    """A regression whose continuation breaks a claim a test checks names it and
+    offers export-test; one whose continuation breaks none says export-test
+    refuses the trace, and does not offer it."""
+    from types import SimpleNamespace as NS
+
+    from kvspec.review import _harm, is_refused_by_export
+    from kvspec.spec.registry import Violation
+    broken = [Violation("transition_admitted_by_model", "r0 kept 4 computed tokens")]
+    led = NS(violations=[Violation("no_caching_of_invalid_blocks", "block 0 holds garbage")])
+    text = "\n".join(_harm(led, broken))
+    assert text.startswith("What it leads to: transition_admitted_by_model are claims")
+    assert "- **no_caching_of_invalid_blocks**: block 0 holds garbage" in text
+    assert not is_refused_by_export(led)
+    nothing = NS(violations=[])
+    assert "so `kvspec export-test` refuses this trace" in "\n".join(_harm(nothing, broken))
+    assert is_refused_by_export(nothing)
+    assert not is_refused_by_export(None) and not is_refused_by_export("TraceError: gone")
+    assert _harm(None, broken) == []

@@ -13,6 +13,7 @@ goes on: the environment is never narrowed around a known finding.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -25,6 +26,7 @@ from typing import Callable
 from unittest import SkipTest
 
 import attrs
+import hypothesis.internal.conjecture.engine as hypothesis_engine
 from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -124,6 +126,23 @@ def safe_file_stem(target: str) -> str:
     return f"{stem[:MAX_STEM - 13].rstrip('-,.')}-{digest}"
 
 
+@contextlib.contextmanager
+def lift_shrink_time_cap(lift: bool):
+    """Hypothesis stops shrinking after ``MAX_SHRINKING_SECONDS`` (300) of wall
+    time, so a slow machine may report a less shrunk example than a fast one;
+    an examples budget promises the same trace on any machine, so it lifts the
+    cap for its batches (Hypothesis leaves the constant patchable for this)."""
+    if not lift:
+        yield
+        return
+    kept = hypothesis_engine.MAX_SHRINKING_SECONDS
+    hypothesis_engine.MAX_SHRINKING_SECONDS = math.inf
+    try:
+        yield
+    finally:
+        hypothesis_engine.MAX_SHRINKING_SECONDS = kept
+
+
 def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | None = None,
          batch_examples: int = 25, step_count: int = 30,
          progress: Callable[[FuzzResult], None] | None = None,
@@ -142,8 +161,9 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
     counterexample is new); ``on_event``: one-line news (a known finding met,
     shrinking begun); ``on_run``: called as each run starts (coverage contexts).
     ``max_examples``: a budget in runs instead of seconds, so that a seed explores
-    the same way on any machine: no time limit applies (to shrinking neither), and
-    the example database is written but not replayed first. ``scale``: "small"
+    the same way on any machine: no time limit applies (to shrinking neither:
+    ``lift_shrink_time_cap``), generation stops at the first failure, and the
+    example database is written but not replayed first. ``scale``: "small"
     runs, "production"-sized ones (``machine.ProductionMachine``), or "mixed":
     one batch in ``PRODUCTION_EVERY`` is ``PRODUCTION_BATCH`` production-sized runs."""
     start = time.monotonic()
@@ -227,10 +247,16 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
                     examples = min(examples, max_examples - planned)
                 planned += examples if Phase.generate in phases else 0
                 try:
-                    run_state_machine_as_test(machine, settings=settings(
-                        max_examples=examples, stateful_step_count=step_count,
-                        deadline=None, database=database, suppress_health_check=list(HealthCheck),
-                        verbosity=Verbosity.quiet, print_blob=False, phases=phases))
+                    with lift_shrink_time_cap(by_examples):
+                        run_state_machine_as_test(machine, settings=settings(
+                            max_examples=examples, stateful_step_count=step_count,
+                            deadline=None, database=database,
+                            suppress_health_check=list(HealthCheck),
+                            verbosity=Verbosity.quiet, print_blob=False, phases=phases,
+                            # Hypothesis goes on generating for up to 10 s of wall
+                            # time after a first failure: an examples budget stops
+                            # at it, so that no machine's speed changes what is shrunk
+                            report_multiple_bugs=not by_examples))
                 except SkipTest:  # a reuse-only batch with nothing saved: nothing ran
                     pass
                 except Exception:  # the machine raised: the saved trace holds the shrunk example
