@@ -6,10 +6,12 @@ imported the base once, whether each counterexample also fails there. The
 worker starts importing as soon as it is spawned, beside the head's import.
 
 Protocol: one JSON object per line on the worker's stdin and stdout.
-Requests ``{"op": "replay", "target", "config", "actions", "lost"}`` and
-``{"op": "describe", "target"}``; the first line the worker writes is
-``{"ready": true, ...}`` (or ``{"ready": false, "error": ...}``). vLLM's own
-output goes to the worker's stderr, never into the protocol.
+Requests ``{"op": "replay", "target", "config", "actions", "lost", "id"}`` and
+``{"op": "describe", "target", "id"}``; each answer carries its request's
+``id``, so that the late answer to a request the parent stopped waiting for
+is never read as the answer to the next one. The first line the worker
+writes is ``{"ready": true, ...}`` (or ``{"ready": false, "error": ...}``).
+vLLM's own output goes to the worker's stderr, never into the protocol.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ class BaseWorker:
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         self._ready = False
+        self._asked = 0  # the id of the last request
         self.started = time.monotonic()
         self.import_seconds: float | None = None
 
@@ -82,14 +85,22 @@ class BaseWorker:
         return line
 
     def _ask(self, request: dict, timeout: float = 600.0) -> dict:
+        """The worker's answer to ``request``; answers to earlier requests that
+        timed out here (still arriving) are passed over."""
         self.wait_ready()
         with self._lock:
+            self._asked += 1
+            asked = self._asked
             try:
-                self._proc.stdin.write(json.dumps(request) + "\n")
+                self._proc.stdin.write(json.dumps(dict(request, id=asked)) + "\n")
                 self._proc.stdin.flush()
             except (BrokenPipeError, OSError) as exc:
                 raise BaseWorkerError(f"the base process is gone ({exc})") from None
-            return json.loads(self._read_line(timeout))
+            deadline = time.monotonic() + timeout
+            while True:
+                answer = json.loads(self._read_line(max(0.0, deadline - time.monotonic())))
+                if answer.get("id") == asked:
+                    return answer
 
     def target_for(self, applied) -> str:
         """The base target with the fixes the head run applied."""
@@ -137,11 +148,14 @@ def _serve() -> int:
     for line in sys.stdin:
         if not line.strip():
             continue
+        asked = None
         try:
-            answer = _handle(json.loads(line))
+            request = json.loads(line)
+            asked = request.get("id")
+            answer = _handle(request)
         except Exception as exc:  # noqa: BLE001
             answer = {"error": f"{type(exc).__name__}: {exc}"}
-        out.write(json.dumps(answer) + "\n")
+        out.write(json.dumps(dict(answer, id=asked)) + "\n")
     return 0
 
 
