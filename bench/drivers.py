@@ -156,13 +156,18 @@ class BareDriver(_Driver):
     def step(self) -> None:
         self._top_up()
         step = self.target.schedule()
+        self.target.update_from_output(self._sample(step))
+        self.live = {rid for rid in self.live if rid in self.requests}
+
+    def _sample(self, step) -> WorkerOutcome:
+        """The trivial worker: a token for each request whose scheduled tokens
+        reach its end, nothing else."""
         sampled = {}
         for rid, n in step.num_scheduled_tokens.items():
             num_tokens = self.requests[rid].num_tokens
             if step.num_computed_before[rid] + n >= num_tokens:
                 sampled[rid] = (sampled_token(rid, num_tokens),)
-        self.target.update_from_output(WorkerOutcome(sampled_token_ids=sampled))
-        self.live = {rid for rid in self.live if rid in self.requests}
+        return WorkerOutcome(sampled_token_ids=sampled)
 
 
 class ObserveDriver(BareDriver):
@@ -175,12 +180,7 @@ class ObserveDriver(BareDriver):
         self._top_up()
         step = self.target.schedule()
         self.target.observe()
-        sampled = {}
-        for rid, n in step.num_scheduled_tokens.items():
-            num_tokens = self.requests[rid].num_tokens
-            if step.num_computed_before[rid] + n >= num_tokens:
-                sampled[rid] = (sampled_token(rid, num_tokens),)
-        self.target.update_from_output(WorkerOutcome(sampled_token_ids=sampled))
+        self.target.update_from_output(self._sample(step))
         self.target.observe()
         self.live = {rid for rid in self.live if rid in self.requests}
 

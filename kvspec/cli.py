@@ -825,6 +825,11 @@ def check_report_options(junit: Path | None, markdown: Path | None,
             if path.is_dir():
                 fail(f"{option} {shown(path)}: is a directory, not a file to write")
             check_writable_dir(path.parent, option)
+    check_examples(examples)
+
+
+def check_examples(examples: int | None) -> None:
+    """``--examples`` (check, fuzz, review) is a number of runs, at least 1."""
     if examples is not None and examples < 1:
         fail(f"--examples {examples}: a number of runs, at least 1")
 
@@ -932,8 +937,7 @@ def review(base: str = typer.Argument(..., help="the vLLM before the change: a s
     global console
     started = _time.monotonic()
     seconds = parse_budget_or_fail(get_budget(budget, examples))
-    if examples is not None and examples < 1:
-        fail(f"--examples {examples}: a number of runs, at least 1")
+    check_examples(examples)
     set_scale(scale)  # the check on HEAD draws as `kvspec check` does
     try:
         base_src = vllm_source.resolve(base, repo)

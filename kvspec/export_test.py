@@ -92,10 +92,11 @@ def record(trace: Path, target: str | None = None) -> Recording:
     garbage block cached, a request that never finishes); the first breaks are
     kept in ``first_seen``."""
     rec = _record(trace, target)
-    if not rec.violations or rec.crashed or not get_unexpressible(rec):
+    ignore = () if rec.crashed else get_ignored_to_go_on(
+        {v.invariant for v in rec.violations}, rec.config)
+    if not ignore:
         return rec
-    from kvspec.spec.registry import REGISTRY
-    further = _record(trace, target, frozenset(REGISTRY) - get_usable(rec.config))
+    further = _record(trace, target, ignore)
     if not further.violations:
         rec.went_on = True
         return rec
@@ -224,6 +225,18 @@ def get_usable(config) -> frozenset[str]:
     """The claims a standalone test of a run with ``config`` can check."""
     usable = frozenset(EXPRESSIBLE)
     return usable if _checks_blocks(config) else usable - SINGLE_GROUP_ONLY
+
+
+def get_ignored_to_go_on(claims: set[str], config) -> frozenset[str]:
+    """When every broken claim is one a standalone test cannot check: all such
+    claims, to leave unchecked so that the run goes on to what a test can show
+    (``record``; ``kvspec review`` names the same continuation). Empty when a
+    broken claim is one the test checks, or none broke."""
+    from kvspec.spec.registry import REGISTRY
+    usable = get_usable(config)
+    if not claims or claims & usable:
+        return frozenset()
+    return frozenset(REGISTRY) - usable
 
 
 def get_unexpressible(rec: Recording) -> list[str]:

@@ -229,20 +229,17 @@ class ReviewVerdict:
 
 
 def get_beyond_a_test(violations, config) -> frozenset[str]:
-    """The claims a standalone test of this run cannot check (``kvspec
-    export-test``'s ``get_usable``), when every broken claim is one of them
-    (the transition model, a call's relation, placeholder and stats accounting)
-    and nothing crashed; empty when a broken claim is one a test checks (KV
-    content served, num_computed_tokens within the tokens, a request that
-    never finishes, a crash) or is no claim of the registry (the environment's
-    or kvspec's own fault)."""
-    from kvspec.export_test import get_usable
+    """The claims a standalone test of this run cannot check, to leave unchecked,
+    when every broken claim is one of them (the transition model, a call's
+    relation, placeholder and stats accounting): ``kvspec export-test``'s own
+    rule (``get_ignored_to_go_on``). Empty when a broken claim is one a test
+    checks (KV content served, num_computed_tokens within the tokens, a request
+    that never finishes, a crash) or is no claim of the registry (the
+    environment's or kvspec's own fault)."""
+    from kvspec.export_test import get_ignored_to_go_on
     from kvspec.spec.catalogue import REGISTRY
     claims = {v.invariant for v in violations}
-    usable = get_usable(config)
-    if not claims or claims & usable or not claims <= set(REGISTRY):
-        return frozenset()
-    return frozenset(REGISTRY) - usable
+    return get_ignored_to_go_on(claims, config) if claims <= set(REGISTRY) else frozenset()
 
 
 def get_harm(trace: Path, violations, config):
