@@ -360,6 +360,20 @@ def use_source(vllm: str | None, repo: Path | None = None):
         fail(str(exc))
 
 
+def check_connector_name(target: str, source=None) -> None:
+    """A ``--connector`` name the checked vLLM (``source``; None: the active
+    one) registers, read from its factory without importing vLLM: a typo is
+    one line at once, not after the import."""
+    from kvspec.harness.connector_worlds import ConnectorChoiceError, refuse_unregistered
+    from kvspec.harness.targets import parse_connector_choice
+    choice = parse_connector_choice(target)
+    if choice is not None and not choice.module_path:
+        try:
+            refuse_unregistered(choice, source)
+        except ConnectorChoiceError as exc:
+            fail(str(exc))
+
+
 def check_base(base: str | None) -> None:
     """``--base`` names a usable vLLM source (or "none"), before anything runs."""
     if base is None or base == "none":
@@ -872,6 +886,7 @@ def prepare_vllm_aware(target: str, budget: str, out: Path, db: Path | None, db_
     check_target_name(target)
     if target.startswith("vllm"):
         use_source(vllm)
+        check_connector_name(target)
         check_base(base)
     elif base is not None:
         fail("--base applies to the vllm target")
@@ -951,6 +966,7 @@ def review(base: str = typer.Argument(..., help="the vLLM before the change: a s
         fail(f"--markdown {shown(markdown)}: is a directory")
     from kvspec.harness.targets import vllm_target_name
     target = vllm_target_name("all", (), get_connector_choice(connector, connector_config))
+    check_connector_name(target, head_src)
     review_ = Review(base_src, head_src, changed_hunks(base_src, head_src), seconds,
                      examples=examples)
     attach_statements(review_.hunks, head_src)
@@ -1364,6 +1380,7 @@ def targets(vllm: str = typer.Option(None, "--vllm", help=VLLM_HELP)):
             description += (f" [{source_label()}]" if installed or vllm is not None
                             else " [not installed]")
         console.print(f"{name:40s} {description}", markup=False)
+    print_connectors(vllm)
     from kvspec.harness.vllm_patches import CONNECTOR_FIXES, FIXES, PLANTED
     for title, patches in (("vllm fixes (--fixes ID,...)", FIXES),
                            ("vllm connector fixes (for vLLM's own tests; not in --fixes all, "
@@ -1372,6 +1389,23 @@ def targets(vllm: str = typer.Option(None, "--vllm", help=VLLM_HELP)):
         console.print(f"\n{title}:", markup=False)
         for pid, patch in patches.items():
             console.print(f"  {pid:55s} {patch.summary}", markup=False, soft_wrap=True)
+
+
+def print_connectors(vllm: str | None) -> None:
+    """The connector names ``--connector`` takes: those the checked vLLM's
+    factory registers (read, not imported)."""
+    import importlib.util
+
+    from kvspec.harness import vllm_source
+    if vllm is None and importlib.util.find_spec("vllm") is None \
+            and not os.environ.get(vllm_source.SOURCE_ENV):
+        return
+    source = use_source(vllm)
+    names = vllm_source.registered_connectors(source)
+    if names:
+        console.print(f"\nvllm connectors (--connector NAME, or module.path:ClassName; "
+                      f"{source.label()}):", markup=False)
+        console.print("  " + ", ".join(sorted(names)), markup=False, soft_wrap=True)
 
 
 def run(argv: list[str] | None = None) -> int:

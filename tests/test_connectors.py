@@ -74,6 +74,28 @@ def test_a_malformed_choice_is_one_line(name, config, says):
         parse_choice(name, config)
 
 
+def test_registered_names_are_read_without_importing_vllm(tmp_path):
+    from kvspec.harness.vllm_source import VllmSource, registered_connectors
+    factory = tmp_path / "vllm" / "distributed" / "kv_transfer" / "kv_connector"
+    factory.mkdir(parents=True)
+    (factory / "factory.py").write_text(
+        'KVConnectorFactory.register_connector(\n    "ExampleConnector",\n    "m", "C")\n'
+        "KVConnectorFactory.register_connector('NixlConnector', 'm', 'C')\n")
+    source = VllmSource("x", "directory", tmp_path, tmp_path / "vllm", "9.9")
+    assert registered_connectors(source) == ("ExampleConnector", "NixlConnector")
+    assert registered_connectors(VllmSource("y", "directory", tmp_path / "none",
+                                            tmp_path / "none" / "vllm", "9.9")) == ()
+
+
+@needs_vllm
+def test_targets_lists_the_connectors_a_name_may_be(tmp_path):
+    out = run_kvspec(tmp_path, "targets")
+    assert out.returncode == 0, out.stderr
+    listed = out.stdout.split("vllm connectors", 1)[1]
+    for name in ("ExampleConnector", "NixlConnector", "OffloadingConnector", "MultiConnector"):
+        assert name in listed
+
+
 def test_a_choice_round_trips_through_the_target_name():
     from kvspec.harness.targets import parse_connector_choice, vllm_target_name
     choice = parse_choice("pkg.mod:MyConnector", '{"b": 1, "a": "x&y"}')
@@ -84,7 +106,8 @@ def test_a_choice_round_trips_through_the_target_name():
 
 @needs_vllm
 @pytest.mark.parametrize("args, says", [
-    (["--connector", "NoSuchConnector"], "not registered"),
+    (["--connector", "NoSuchConnector"], "registers no connector of that name"),
+    (["--connector", "NixlConector"], "did you mean NixlConnector"),
     (["--connector-config", "{}"], "applies with --connector"),
     (["--target", "impl", "--connector", "ExampleConnector"], "apply to the vllm target"),
     (["--connector", "model_tests.connectors.async_store:_Loads"], "is not a connector"),

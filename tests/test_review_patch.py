@@ -135,6 +135,24 @@ def test_the_review_command_says_it_in_one_line(base, tmp_path):
                                    "under vllm/ (it changes docs/x.md)")
 
 
+def test_a_connector_base_does_not_register_is_refused_before_anything_runs(base, tmp_path):
+    """Read from HEAD's factory, without importing vLLM (it took the import,
+    ~10 s, and a BASE worker started for nothing, to say so)."""
+    factory = base.package / "distributed" / "kv_transfer" / "kv_connector" / "factory.py"
+    factory.parent.mkdir(parents=True)
+    factory.write_text('KVConnectorFactory.register_connector(\n    "NixlConnector", "m", "C")\n')
+    diff = write(tmp_path, DIFF)
+    done = subprocess.run([sys.executable, "-m", "kvspec.cli", "review", str(base.root),
+                           str(diff), "--budget", "5s", "--connector", "NixlConector"],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == (
+        "kvspec: error: --connector NixlConector: vLLM unknown registers no connector of "
+        "that name; did you mean NixlConnector? `kvspec targets` lists the 1 it does (or "
+        "give module.path:ClassName)")
+
+
 def test_two_reviews_into_one_out_keep_both_traces(base, tmp_path, monkeypatch):
     """A review's trace is named after its HEAD (it was review-seed0.json for
     every review, so a second review into the same --out overwrote the first)."""

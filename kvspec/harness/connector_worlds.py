@@ -29,6 +29,7 @@ A *world* is what kvspec knows of one connector's transfers:
 """
 from __future__ import annotations
 
+import difflib
 import json
 import numbers
 import os
@@ -96,9 +97,28 @@ def parse_choice(name: str, extra_config: str = "") -> ConnectorChoice:
     return ConnectorChoice(name, text)
 
 
+def refuse_unregistered(choice: ConnectorChoice, source=None) -> None:
+    """A bare name the checked vLLM's factory (``source``'s; None: the
+    active one) does not register: one line naming the nearest registered
+    ones, before vLLM is imported."""
+    from kvspec.harness import vllm_source
+    source = source or vllm_source.active()
+    names = vllm_source.registered_connectors(source)
+    if not names or choice.class_name in names:
+        return  # an unreadable factory: vLLM's own lookup decides
+    near = difflib.get_close_matches(choice.class_name, names, n=2, cutoff=0.5)
+    hint = f"did you mean {' or '.join(near)}? " if near else ""
+    raise ConnectorChoiceError(
+        f"--connector {choice.name}: vLLM {source.version} registers no connector of that "
+        f"name; {hint}`kvspec targets` lists the {len(names)} it does (or give "
+        "module.path:ClassName)")
+
+
 def get_connector_class(choice: ConnectorChoice):
     """The connector class, as vLLM's factory would find it (imports vLLM and
     the connector's module)."""
+    if not choice.module_path:
+        refuse_unregistered(choice)
     from kvspec.harness.vllm_target import modules
     modules()  # the vLLM source this process checks, activated first
     if choice.module_path:

@@ -588,6 +588,18 @@ def connectors_hash(source: VllmSource) -> str:
     return _hashes[key]
 
 
+def registered_connectors(source: VllmSource) -> tuple[str, ...]:
+    """The connector names ``source``'s factory registers, read from its text
+    without importing vLLM (an unknown ``--connector`` is refused at once,
+    not after vLLM's ~10 s import); empty when the factory cannot be read."""
+    factory = source.package / "distributed" / "kv_transfer" / "kv_connector" / "factory.py"
+    try:
+        text = factory.read_text(errors="replace")
+    except OSError:
+        return ()
+    return tuple(re.findall(r"register_connector\(\s*['\"]([^'\"]+)['\"]", text))
+
+
 # -- activating -----------------------------------------------------------------------
 
 _active: VllmSource | None = None
