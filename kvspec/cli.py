@@ -56,6 +56,9 @@ DB_HELP = ("Hypothesis example database, replayed first by every run: a director
 EXAMPLES_HELP = ("a budget in runs instead of --budget: the same seed explores the same way "
                  "on any machine (no time limit, shrinking included; the example database "
                  "is written, not replayed first)")
+TIME_LIMIT_HELP = ("with --examples: a wall-clock safety net (30m, 1h) for a CI job's "
+                   "timeout; a run it stops is judged up to there, and is incomplete (exit 3) "
+                   "unless it found something")
 WORKERS_HELP = ("fuzz over N processes sharing one example database: worker i uses seed "
                 "SEED+i, a failure any worker saves is replayed first by the others; the "
                 "summary sums them and the verdict is the worst")
@@ -629,6 +632,7 @@ def check(target: str = typer.Option(None, help="target to check (default: impl,
           junit: Path = typer.Option(None, "--junit", help=JUNIT_HELP),
           markdown: Path = typer.Option(None, "--markdown", help=MARKDOWN_HELP),
           examples: int = typer.Option(None, "--examples", help=EXAMPLES_HELP),
+          time_limit: str = typer.Option(None, "--time-limit", help=TIME_LIMIT_HELP),
           profile_claims: bool = typer.Option(False, "--profile-claims",
                                               help="time every claim; print the costliest"),
           full_check_every: int = typer.Option(None, "--full-check-every", min=1,
@@ -646,7 +650,8 @@ def check(target: str = typer.Option(None, help="target to check (default: impl,
                     budget, seed, out, DEFAULT_DB,
                     design_rules, as_json, db_option="the example database", layouts=layouts,
                     kv=kv, vllm=vllm, base=base, junit=junit, markdown=markdown,
-                    examples=examples, profile_claims=profile_claims)
+                    examples=examples, profile_claims=profile_claims,
+                    time_limit=get_time_limit(time_limit, examples))
 
 
 @app.command("fuzz")
@@ -668,6 +673,7 @@ def fuzz_cmd(target: str = typer.Option(None, help="target to fuzz (default: imp
              junit: Path = typer.Option(None, "--junit", help=JUNIT_HELP),
           markdown: Path = typer.Option(None, "--markdown", help=MARKDOWN_HELP),
           examples: int = typer.Option(None, "--examples", help=EXAMPLES_HELP),
+          time_limit: str = typer.Option(None, "--time-limit", help=TIME_LIMIT_HELP),
           workers: int = typer.Option(1, "--workers", help=WORKERS_HELP),
           full_check_every: int = typer.Option(None, "--full-check-every", min=1,
                                                help=FULL_CHECK_EVERY_HELP),
@@ -681,16 +687,18 @@ def fuzz_cmd(target: str = typer.Option(None, help="target to fuzz (default: imp
     set_scale(scale, kv)
     target = resolve_target(default_target(target, vllm, connector), strict, fixes, plant,
                             connector, connector_config)
+    limit = get_time_limit(time_limit, examples)
     if workers != 1:
         argv = ["--target", target, "--out", str(out), "--db", db, "--kv", kv]
         argv += ([] if examples is not None else ["--budget", budget]) + \
             ([] if design_rules else ["--no-design-rules"])
+        argv += [] if limit is None else ["--time-limit", f"{limit:g}s"]
         argv += [x for opt, v in (("--layouts", layouts), ("--vllm", vllm), ("--base", base))
                  if v is not None for x in (opt, v)]
         fuzz_in_parallel(argv, workers, seed, out, db, as_json, junit, markdown, examples)
     fuzz_and_report(target, budget, seed, out, db,
                     design_rules, as_json, layouts=layouts, kv=kv, vllm=vllm, base=base,
-                    junit=junit, markdown=markdown, examples=examples)
+                    junit=junit, markdown=markdown, examples=examples, time_limit=limit)
 
 
 def fuzz_in_parallel(argv: list[str], workers: int, seed: int, out: Path, db: str,
@@ -742,6 +750,20 @@ def print_campaign(summary: dict) -> None:
                       + (f" ({why})" if why else ""))
 
 
+def get_time_limit(time_limit: str | None, examples: int | None) -> float | None:
+    """``--time-limit``: seconds, a safety net for ``--examples`` only (a
+    budget in seconds is a time limit already)."""
+    if time_limit is None:
+        return None
+    if examples is None:
+        fail("--time-limit applies with --examples (a budget in runs); --budget is a time "
+             "limit already")
+    try:
+        return parse_budget(time_limit)
+    except UsageError as exc:
+        fail(str(exc).replace("budget", "--time-limit", 1))
+
+
 def get_budget(budget: str | None, examples: int | None) -> str:
     """``--budget`` (default 60s); not with ``--examples``, a budget in runs instead."""
     if budget is not None and examples is not None:
@@ -765,7 +787,7 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
                     kv: str = "symbolic", vllm: str | None = None,
                     base: str | None = None, junit: Path | None = None,
                     markdown: Path | None = None, examples: int | None = None,
-                    profile_claims: bool = False) -> None:
+                    profile_claims: bool = False, time_limit: float | None = None) -> None:
     """What ``check`` and ``fuzz`` share: run, report, exit 1 on a new violation
     (2 on bad input, 3 when something was left unchecked that nobody asked to
     leave out). With ``as_json`` the human-readable output goes to stderr and
@@ -779,11 +801,12 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
     from kvspec.harness import checker
     try:
         prep = prepare_vllm_aware(target, budget, out, db, db_option, layouts, kv, vllm, base,
-                                  seed, examples)
+                                  seed, examples, time_limit)
         from kvspec.run import execute
         if profile_claims:
             checker.start_profile()
-        result = execute(prep, seed, out, db, design_rules, kv, console, max_examples=examples)
+        result = execute(prep, seed, out, db, design_rules, kv, console, max_examples=examples,
+                         time_limit=time_limit)
     except UsageError as exc:
         fail(str(exc))
     finally:
@@ -801,6 +824,7 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
         summary = json_summary(result, target_version(target), prep.seconds, prep.profile,
                                design_rules, target_patches(target), prep)
         summary["examples_budget"] = examples
+        summary["time_limit_s"], summary["time_limited"] = time_limit, result.time_limited
         if costs is not None:
             summary["claim_costs"] = get_claim_costs(costs, result.actions)
         write_reports(summary, as_json, junit, markdown)
@@ -876,7 +900,8 @@ def check_database(db: str | Path, db_option: str) -> None:
 
 def prepare_vllm_aware(target: str, budget: str, out: Path, db: Path | None, db_option: str,
                        layouts: str | None, kv: str, vllm: str | None, base: str | None,
-                       seed: int = 0, examples: int | None = None):
+                       seed: int = 0, examples: int | None = None,
+                       time_limit: float | None = None):
     """Everything a run settles before fuzzing: the budget, the source (and
     the base, started first so that the two imports overlap), the target, the
     output directories, the environment, the fixes and known findings."""
@@ -907,8 +932,10 @@ def prepare_vllm_aware(target: str, budget: str, out: Path, db: Path | None, db_
                   + (f" on {source_label()}" if target.startswith("vllm") else "")
                   + f", seed {seed}, "
                   + (f"budget {seconds:g}s (shrinking included)" if examples is None else
-                     f"budget {examples} runs (--examples: no time limit; the same seed "
-                     "explores the same way on any machine)")
+                     f"budget {examples} runs (--examples: "
+                     + ("no time limit" if time_limit is None else
+                        f"stopped at --time-limit {time_limit:g}s if not done")
+                     + "; the same seed explores the same way on any machine)")
                   + (f", layouts {', '.join(profile.layouts)}" if layouts else "")
                   + (f", KV in torch tensors ({', '.join(profile.layouts)})"
                      if kv == "torch" else ""), markup=False)
@@ -932,6 +959,10 @@ def review(base: str = typer.Argument(..., help="the vLLM before the change: a s
            examples: int = typer.Option(None, "--examples", help="a budget in runs instead of "
                                         "--budget: the review explores, shrinks and decides "
                                         "the same way on any machine (CI's, a laptop)"),
+           time_limit: str = typer.Option(None, "--time-limit", help="with --examples: a "
+                                          "wall-clock safety net for the check on HEAD (30m); "
+                                          "a review it stops finds no regression is "
+                                          "INCOMPLETE (exit 3)"),
            seed: int = typer.Option(0, help="seed; everything derives from it"),
            out: Path = typer.Option(Path(".kvspec/review"), help="where traces and the "
                                                                 "review are written"),
@@ -944,7 +975,7 @@ def review(base: str = typer.Argument(..., help="the vLLM before the change: a s
                                                 help=CONNECTOR_CONFIG_HELP)):
     """Review a change to vLLM: the default check on HEAD; a counterexample BASE
     fails the same way is pre-existing; every other is a regression.
-    Says how often each changed hunk ran. Exit 0 pass, 1 regression, 3 incomplete."""
+    Says how often each changed hunk ran. Exit 0 pass, 1 regression, 3 incomplete, 130 interrupted."""
     import time as _time
 
     from kvspec.harness import vllm_source
@@ -953,6 +984,7 @@ def review(base: str = typer.Argument(..., help="the vLLM before the change: a s
     started = _time.monotonic()
     seconds = parse_budget_or_fail(get_budget(budget, examples))
     check_examples(examples)
+    limit = get_time_limit(time_limit, examples)
     set_scale(scale)  # the check on HEAD draws as `kvspec check` does
     try:
         base_src = vllm_source.resolve(base, repo)
@@ -968,7 +1000,7 @@ def review(base: str = typer.Argument(..., help="the vLLM before the change: a s
     target = vllm_target_name("all", (), get_connector_choice(connector, connector_config))
     check_connector_name(target, head_src)
     review_ = Review(base_src, head_src, changed_hunks(base_src, head_src), seconds,
-                     examples=examples)
+                     examples=examples, time_limit=limit)
     attach_statements(review_.hunks, head_src)
     saved = console
     if as_json:

@@ -26,6 +26,7 @@ from pathlib import Path
 import attrs
 
 from kvspec.harness.vllm_source import CHECKED_MODULES, VllmSource
+from kvspec.verdict import EXIT_INTERRUPTED, describe_time_limit
 from kvspec.report import config_line
 
 #: equal lines between two changes that still make them one hunk (as a diff's context)
@@ -225,7 +226,8 @@ class ReviewVerdict:
 
     @property
     def word(self) -> str:
-        return {0: "pass", 1: "regression", 3: "incomplete"}.get(self.code, "error")
+        return {0: "pass", 1: "regression", 3: "incomplete",
+                EXIT_INTERRUPTED: "interrupted"}.get(self.code, "error")
 
 
 def get_beyond_a_test(violations, config) -> frozenset[str]:
@@ -363,7 +365,11 @@ def review_verdict(result, hunks: list[Hunk], base_errors, code_changed,
     if old_lost:
         notes.append("lost performance not HEAD's own: " + ", ".join(
             f"{'+'.join(x.claims)} ({x.count}x, BASE: {x.on_base})" for x in old_lost))
+    if getattr(result, "time_limited", False):
+        notes.insert(0, describe_time_limit(result))
     tail = "".join(f" | {note}" for note in notes)
+    if getattr(result, "interrupted", False):
+        return describe_interrupted_review(result, tail)
     if result is not None and result.counterexample is not None:
         claims = sorted({v.invariant for v in result.counterexample.violations})
         led = harm_claims(harm)
@@ -382,12 +388,27 @@ def review_verdict(result, hunks: list[Hunk], base_errors, code_changed,
     if unrun or base_errors:
         return ReviewVerdict(f"INCOMPLETE: no regression found, but not all of the change "
                              f"was checked{tail}", 3)
+    if getattr(result, "time_limited", False):
+        return ReviewVerdict(f"INCOMPLETE: no regression found in the runs made, but not "
+                             f"every run was made{tail}", 3)
     if not hunks:
         return ReviewVerdict(f"PASS: nothing to review (HEAD changes none of vLLM's Python "
                              f"files){tail}", 0)
     ran = sum(1 for h in hunks if h.statements)
     return ReviewVerdict(f"PASS: no regression; every changed hunk with code ran ({ran} of "
                          f"{len(hunks)} hunks have code){tail}", 0)
+
+
+def describe_interrupted_review(result, tail: str) -> ReviewVerdict:
+    """SIGINT or SIGTERM (a cancelled CI job) cut the check on HEAD short: a
+    partial review is no PASS, and what it found was not asked of BASE."""
+    ce = result.counterexample
+    found = "" if ce is None else (
+        f"; found before it on HEAD, not compared with BASE: "
+        f"{', '.join(sorted({v.invariant for v in ce.violations}))} (trace {result.trace_path})")
+    return ReviewVerdict(f"INTERRUPTED by {result.interrupted_by or 'a signal'} after "
+                         f"{result.runs} runs ({result.elapsed:.0f}s): a partial review, "
+                         f"no verdict{found}{tail}", EXIT_INTERRUPTED)
 
 
 # -- a whole review ----------------------------------------------------------------------------
@@ -401,6 +422,8 @@ class Review:
     #: a budget in runs instead of ``seconds`` (``--examples``): the same
     #: exploration, shrink and verdict on any machine
     examples: int | None = None
+    #: with ``examples``: the check's wall-clock safety net, seconds (``--time-limit``)
+    time_limit: float | None = None
     verdict: ReviewVerdict | None = None
     #: the check on HEAD (None: nothing changed, nothing was run)
     result: object = None
@@ -421,7 +444,10 @@ class Review:
 
     def get_budget_text(self) -> str:
         """The budget as the review's lines say it."""
-        return f"{self.seconds:g}s" if self.examples is None else f"{self.examples} runs"
+        if self.examples is None:
+            return f"{self.seconds:g}s"
+        limit = f", time limit {self.time_limit:g}s" if self.time_limit is not None else ""
+        return f"{self.examples} runs{limit}"
 
 
 def get_base_note(recogniser, ce) -> str | None:
@@ -471,6 +497,7 @@ def check_head(review: Review, worker, seed: int, out: Path, console,
     try:
         review.result = execute(prep, seed, out, None, True, "symbolic", console,
                                 on_run=coverage.on_run, max_examples=review.examples,
+                                time_limit=review.time_limit,
                                 trace_name=get_trace_name(review.head, seed))
     finally:
         coverage.stop()
@@ -478,6 +505,9 @@ def check_head(review: Review, worker, seed: int, out: Path, console,
     attach_coverage(review.hunks, measured_lines(coverage.data(), review.head,
                                                  patched(*parse_vllm_target(prep.target)).files))
     ce = review.result.counterexample
+    if review.result.interrupted:  # the user (or CI) asked to stop: nothing more is asked
+        review.verdict = review_verdict(review.result, review.hunks, (), [])
+        return
     if ce is not None:
         review.base_note = get_base_note(prep.recogniser, ce)
         # what BASE does with it when nothing of kvspec's is applied
@@ -503,7 +533,9 @@ def to_json(review: Review, markdown_path: Path) -> dict:
         "sources": {"base": review.base.as_dict(), "head": review.head.as_dict()},
         # no time budget applies under --examples
         "budget_s": review.seconds if review.examples is None else None,
-        "examples_budget": review.examples,
+        "examples_budget": review.examples, "time_limit_s": review.time_limit,
+        "stopped_by": None if r is None else (
+            "time limit" if r.time_limited else r.interrupted_by if r.interrupted else None),
         "runs": 0 if r is None else r.runs,
         "actions": 0 if r is None else r.actions, "markdown": str(markdown_path),
         "regression": None if ce is None else {

@@ -92,7 +92,7 @@ def prepare(target: str, seconds: float, profile, asked: dict[str, str], gaps: d
 
 def execute(prep: Prepared, seed: int, out: Path, db: Path | None, design_rules: bool, kv: str,
             console, on_run: Callable[[int], None] | None = None, trace_name=None,
-            max_examples: int | None = None):
+            max_examples: int | None = None, time_limit: float | None = None):
     """Fuzz within the budget, at the run sizes ``--scale`` set (``get_scale``);
     progress as a bar on a terminal, as lines in a log."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -107,7 +107,8 @@ def execute(prep: Prepared, seed: int, out: Path, db: Path | None, design_rules:
         prep.restrictions.append(get_scale_restriction(kv))
     common = dict(profile=prep.profile, design_rules=design_rules, kv=kv,
                   recogniser=prep.recogniser, on_event=event, on_run=on_run,
-                  trace_name=trace_name, max_examples=max_examples, scale=scale)
+                  trace_name=trace_name, max_examples=max_examples, scale=scale,
+                  time_limit=time_limit)
     if not console.is_terminal:  # a log: a plain line at a steady interval
         from kvspec.cli import PROGRESS_EVERY, progress_line
         return fuzz(prep.target, prep.seconds, seed, out, db,

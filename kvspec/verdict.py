@@ -128,6 +128,12 @@ def first_line(result, found: list[Restriction], code_changed=(),
                  if claims else "")
         return (f"INTERRUPTED after {result.elapsed:.1f}s: a partial run, judged up to the "
                 f"interrupt{found}{tail}", EXIT_INTERRUPTED)
+    if getattr(result, "time_limited", False):
+        tail = f" | {describe_time_limit(result)}{tail}"
+        if ce is None:
+            return (f"INCOMPLETE: no violation in the runs made, but not every run asked "
+                    f"for was made{tail}",
+                    EXIT_INCOMPLETE)
     if ce is not None:
         replays = getattr(result, "replays", None)
         flaky = (f" (FLAKY: the saved trace broke it in {replays[0]} of {replays[1]} replays)"
@@ -136,3 +142,9 @@ def first_line(result, found: list[Restriction], code_changed=(),
     if unasked:
         return f"INCOMPLETE{tail}", EXIT_INCOMPLETE
     return f"{HOLD_KNOWN if known else HOLD_PLAIN}{tail}", EXIT_HOLD
+
+
+def describe_time_limit(result) -> str:
+    """A budget in runs cut by its wall-clock safety net (``--time-limit``)."""
+    return (f"--time-limit {result.time_limit:g}s stopped the run after {result.runs} of "
+            f"{result.max_examples} runs (--examples)")

@@ -115,7 +115,8 @@ def test_the_review_script_passes_its_budget_and_exit_code(tmp_path):
     fake = tmp_path / "kvspec"
     fake.write_text('#!/bin/sh\necho "$@" > "$KVSPEC_REPORTS/args"\nexit 1\n')
     fake.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("KVSPEC_BUDGET", "KVSPEC_EXAMPLES")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KVSPEC_BUDGET", "KVSPEC_EXAMPLES", "KVSPEC_TIME_LIMIT")}
     env.update(KVSPEC=str(fake), KVSPEC_REPORTS=str(tmp_path), GITHUB_STEP_SUMMARY="")
 
     def review(**settings):
@@ -132,6 +133,25 @@ def test_the_review_script_passes_its_budget_and_exit_code(tmp_path):
     assert (tmp_path / "args").read_text().split()[3:5] == ["--budget", "90s"]
     both = review(KVSPEC_BUDGET="90s", KVSPEC_EXAMPLES="200")
     assert both.returncode == 2 and "set one of them" in both.stderr
+    # KVSPEC_TIME_LIMIT: the wall-clock safety net of a budget in runs, and only of one
+    netted = review(KVSPEC_EXAMPLES="200", KVSPEC_TIME_LIMIT="30m")
+    assert netted.returncode == 1
+    assert (tmp_path / "args").read_text().split()[3:7] == ["--examples", "200",
+                                                            "--time-limit", "30m"]
+    bare = review(KVSPEC_TIME_LIMIT="30m")
+    assert bare.returncode == 2 and "safety net of KVSPEC_EXAMPLES" in bare.stderr
+
+
+def test_the_review_script_says_an_interrupted_review_is_no_verdict(tmp_path):
+    fake = tmp_path / "kvspec"
+    fake.write_text("#!/bin/sh\nexit 130\n")
+    fake.chmod(0o755)
+    done = subprocess.run(["bash", str(CI / "kvspec-review.sh"), "installed", "pr.diff"],
+                          capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, KVSPEC=str(fake), KVSPEC_REPORTS=str(tmp_path),
+                                   GITHUB_STEP_SUMMARY="", KVSPEC_BUDGET="60s"))
+    assert done.returncode == 130
+    assert "kvspec-review: INTERRUPTED: a partial review, no verdict" in done.stderr
 
 
 def test_the_hypofuzz_targets_run_as_plain_hypothesis_tests():

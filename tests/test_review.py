@@ -310,3 +310,36 @@ def test_the_review_says_what_export_test_will_do_with_the_trace():
     assert is_refused_by_export(nothing)
     assert not is_refused_by_export(None) and not is_refused_by_export("TraceError: gone")
     assert _harm(None, broken) == []
+
+
+def test_an_interrupted_review_is_no_pass():
+    """A cancelled CI job (SIGTERM) cut the check on HEAD short: the review
+    says so and exits 130; it wrote PASS with the runs made before."""
+    from types import SimpleNamespace as NS
+    ran = Hunk("vllm/a.py", 1, 2, 1, 2, statements=(1,), ran=(1,), runs=5)
+    r = result()
+    r.interrupted, r.interrupted_by = True, "SIGTERM"
+    verdict = review_verdict(r, [ran], [], [])
+    assert (verdict.code, verdict.word) == (130, "interrupted")
+    assert verdict.line == ("INTERRUPTED by SIGTERM after 100 runs (60s): a partial review, "
+                            "no verdict")
+    r.counterexample = NS(violations=[NS(invariant="cached_le_computed")])
+    r.trace_path = Path("t.json")
+    assert review_verdict(r, [ran], [], []).line == (
+        "INTERRUPTED by SIGTERM after 100 runs (60s): a partial review, no verdict; found "
+        "before it on HEAD, not compared with BASE: cached_le_computed (trace t.json)")
+
+
+def test_a_review_its_time_limit_cut_short_is_incomplete_unless_it_found_one():
+    from types import SimpleNamespace as NS
+    ran = Hunk("vllm/a.py", 1, 2, 1, 2, statements=(1,), ran=(1,), runs=5)
+    r = result()
+    r.time_limited, r.time_limit, r.max_examples = True, 1800.0, 5000
+    verdict = review_verdict(r, [ran], [], [])
+    assert verdict.code == 3 and verdict.line == (
+        "INCOMPLETE: no regression found in the runs made, but not every run was made | "
+        "--time-limit 1800s stopped the run after 100 of 5000 runs (--examples)")
+    r.counterexample = NS(violations=[NS(invariant="cached_le_computed")])
+    verdict = review_verdict(r, [ran], [], [], None, (), "")
+    assert verdict.code == 1 and verdict.line.startswith(
+        "REGRESSION on HEAD (passes on BASE): cached_le_computed | --time-limit 1800s")

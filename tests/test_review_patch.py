@@ -153,6 +153,21 @@ def test_a_connector_base_does_not_register_is_refused_before_anything_runs(base
         "give module.path:ClassName)")
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--budget", "5s", "--time-limit", "10m"], "--time-limit applies with --examples (a "
+                                                "budget in runs); --budget is a time limit "
+                                                "already"),
+    (["--examples", "5", "--time-limit", "soon"], "invalid --time-limit 'soon': use a "
+                                                  "positive duration like 60s, 10m or 1h"),
+])
+def test_a_bad_time_limit_is_refused_before_anything_runs(base, tmp_path, args, message):
+    done = subprocess.run([sys.executable, "-m", "kvspec.cli", "review", str(base.root),
+                           str(write(tmp_path, DIFF)), *args], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == f"kvspec: error: {message}"
+
+
 def test_two_reviews_into_one_out_keep_both_traces(base, tmp_path, monkeypatch):
     """A review's trace is named after its HEAD (it was review-seed0.json for
     every review, so a second review into the same --out overwrote the first)."""

@@ -200,3 +200,39 @@ def test_review_passes_the_refactor_and_saw_it_run(edit, tmp_path):
     report = json.loads(done.stdout)
     assert report["verdict"] == "pass" and report["hunks"]
     assert all(h["runs"] > 0 for h in report["hunks"] if h["statements"]), report["hunks"]
+
+
+@pytest.mark.parametrize("edit", REFACTORS, ids=lambda e: e.stem)
+def test_a_review_cut_short_is_no_pass(edit, tmp_path):
+    """A review stopped by its --time-limit, or by SIGTERM (a cancelled CI job),
+    before its runs were made still writes review.md, and says it is no PASS:
+    INCOMPLETE (exit 3) and INTERRUPTED (exit 130). An interrupted review once
+    wrote PASS over the runs made before the signal."""
+    done = kvspec(["review", "installed", str(edit), "--examples", "100000", "--time-limit",
+                   "8s", "--json", "--out", "limited"], tmp_path)
+    assert done.returncode == 3, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["stopped_by"] == "time limit" and report["time_limit_s"] == 8.0
+    assert report["verdict_line"].startswith(
+        "INCOMPLETE: no regression found in the runs made, but not every run was made | "
+        f"--time-limit 8s stopped the run after {report['runs']} of 100000 runs")
+    assert (tmp_path / "limited" / "review.md").read_text().startswith(
+        "## kvspec review: INCOMPLETE")
+    import signal
+    import time
+    proc = subprocess.Popen([sys.executable, "-m", "kvspec.cli", "review", "installed",
+                             str(edit), "--examples", "100000", "--json", "--out", "cut"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    for line in proc.stderr:  # the check on HEAD has begun
+        if line.startswith("kvspec review: base"):
+            break
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130, out[-2000:]
+    report = json.loads(out)
+    assert report["verdict"] == "interrupted" and report["stopped_by"] == "SIGTERM"
+    assert report["verdict_line"].startswith("INTERRUPTED by SIGTERM after ")
+    assert (tmp_path / "cut" / "review.md").read_text().startswith(
+        "## kvspec review: INTERRUPTED")

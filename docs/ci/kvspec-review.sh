@@ -15,9 +15,15 @@
 # the check ran, the change was never exercised) fails too, with its reason, since a
 # green there would say nothing; KVSPEC_ALLOW_INCOMPLETE=1 turns it into a warning.
 #
+# An interrupted review (exit 130: the job cancelled, SIGINT or SIGTERM) says so in
+# review.md and fails: it is no verdict either way.
+#
 # Settings (environment): KVSPEC_BUDGET (default 10m), or KVSPEC_EXAMPLES (a budget
-# in runs instead: the same verdict on any runner, however fast), KVSPEC_SEED (0),
-# KVSPEC_REPO, KVSPEC_REPORTS (./kvspec-review), KVSPEC (the kvspec command).
+# in runs instead: the same verdict on any runner, however fast) with, optionally,
+# KVSPEC_TIME_LIMIT (its wall-clock safety net, e.g. 30m: set it below the job's
+# timeout so that review.md is written; a review it cuts short is incomplete unless
+# it found a regression), KVSPEC_SEED (0), KVSPEC_REPO, KVSPEC_REPORTS
+# (./kvspec-review), KVSPEC (the kvspec command).
 set -uo pipefail
 
 if [ $# -ne 2 ]; then
@@ -30,8 +36,15 @@ if [ -n "${KVSPEC_EXAMPLES:-}" ] && [ -n "${KVSPEC_BUDGET:-}" ]; then
     echo "$0: KVSPEC_EXAMPLES is a budget in runs instead of KVSPEC_BUDGET: set one of them" >&2
     exit 2
 fi
+if [ -n "${KVSPEC_TIME_LIMIT:-}" ] && [ -z "${KVSPEC_EXAMPLES:-}" ]; then
+    echo "$0: KVSPEC_TIME_LIMIT is the safety net of KVSPEC_EXAMPLES (KVSPEC_BUDGET is a time limit already)" >&2
+    exit 2
+fi
 if [ -n "${KVSPEC_EXAMPLES:-}" ]; then
     args=(--examples "$KVSPEC_EXAMPLES")
+    if [ -n "${KVSPEC_TIME_LIMIT:-}" ]; then
+        args+=(--time-limit "$KVSPEC_TIME_LIMIT")
+    fi
 else
     args=(--budget "${KVSPEC_BUDGET:-10m}")
 fi
@@ -55,6 +68,7 @@ case "$status" in
        else
            echo "kvspec-review: INCOMPLETE: nothing was shown either way (see $OUT/review.md)" >&2
        fi ;;
+    130) echo "kvspec-review: INTERRUPTED: a partial review, no verdict (see $OUT/review.md)" >&2 ;;
     *) echo "kvspec-review: kvspec exited $status" >&2 ;;
 esac
 exit "$status"

@@ -32,7 +32,8 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvspec.harness.example_db import open_database
 from kvspec.harness.heartbeat import periodic
-from kvspec.harness.interrupt import interruptible, is_interrupted, stop_if_interrupted
+from kvspec.harness.interrupt import (INTERRUPTED, TIME_LIMIT, get_cause, interruptible,
+                                      is_interrupted, stop_if_interrupted)
 from kvspec.harness.machine import SCALES, machine_for
 from kvspec.harness.minimize import minimize
 from kvspec.harness.profiles import MODELLED
@@ -77,6 +78,15 @@ class FuzzResult:
     #: SIGINT or SIGTERM stopped the run: what it shows is partial, and
     #: nothing after the interrupt was judged (kvspec.harness.interrupt)
     interrupted: bool = False
+    #: what interrupted it: "SIGINT" or "SIGTERM"
+    interrupted_by: str | None = None
+    #: the wall-clock ``time_limit`` of a budget in runs stopped the run
+    #: before its runs were done (judged up to there, like an interrupt)
+    time_limited: bool = False
+    #: the budget in runs asked for (None: a budget in seconds), and its
+    #: wall-clock safety net in seconds (None: none)
+    max_examples: int | None = None
+    time_limit: float | None = None
     #: the saved trace replayed again: (how many replays broke one of its claims,
     #: how many replays); fewer than all is a flaky verdict
     replays: tuple[int, int] | None = None
@@ -152,7 +162,8 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
          kv: str = "symbolic", recogniser=None,
          on_event: Callable[[str], None] | None = None,
          on_run: Callable[[int], None] | None = None,
-         max_examples: int | None = None, scale: str = "small") -> FuzzResult:
+         max_examples: int | None = None, scale: str = "small",
+         time_limit: float | None = None) -> FuzzResult:
     """Fuzz ``target`` for ``budget`` seconds, shrinking included. ``progress``
     is called after each batch; ``kv``: the worker's KV, symbolic or torch (real
     tensors); ``heartbeat``, if given, every ``heartbeat_every`` seconds from a
@@ -165,13 +176,19 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
     ``lift_shrink_time_cap``), generation stops at the first failure, and the
     example database is written but not replayed first. ``scale``: "small"
     runs, "production"-sized ones (``machine.ProductionMachine``), or "mixed":
-    one batch in ``PRODUCTION_EVERY`` is ``PRODUCTION_BATCH`` production-sized runs."""
+    one batch in ``PRODUCTION_EVERY`` is ``PRODUCTION_BATCH`` production-sized runs.
+    ``time_limit``: with ``max_examples``, seconds of wall clock after which the
+    run stops as an interrupt would (``FuzzResult.time_limited``), a safety net
+    for a CI job's timeout; an examples budget that ends sooner is unaffected."""
+    if time_limit is not None and max_examples is None:
+        raise ValueError("time_limit applies to a budget in runs (max_examples)")
     start = time.monotonic()
     by_examples = max_examples is not None
     deadline = math.inf if by_examples else start + budget
     trace_path = out_dir / (trace_name or f"{safe_file_stem(target)}-seed{seed}.json")
     pending = trace_path.with_name(f".pending-{trace_path.name}")
-    result = FuzzResult(target, seed, 0.0, 0, 0, {})
+    result = FuzzResult(target, seed, 0.0, 0, 0, {}, max_examples=max_examples,
+                        time_limit=time_limit)
     state = {"last": None}
     say = on_event or (lambda _line: None)
 
@@ -229,7 +246,7 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
     # first production batch (one in PRODUCTION_EVERY): a short check meets it
     reuse_first = scale == "mixed" and database is not None and not by_examples
     try:
-        with interruptible():
+        with interruptible(time_limit):
             while (planned < max_examples if by_examples
                    else time.monotonic() < deadline):
                 stop_if_interrupted()
@@ -289,7 +306,12 @@ def fuzz(target: str, budget: float, seed: int, out_dir: Path, db_dir: Path | No
                         progress(result)
             stop_if_interrupted()
     except KeyboardInterrupt:
-        result.interrupted = True
+        if get_cause() == TIME_LIMIT:
+            result.time_limited = True
+            result.shrink_cut = result.counterexample is None and state["last"] is not None
+            INTERRUPTED.clear()  # what follows (a review's replays) runs as usual
+        else:
+            result.interrupted, result.interrupted_by = True, get_cause()
         # found and saved before the interrupt: kept (minimized already, if the
         # interrupt came after minimize)
         if result.counterexample is None and state["last"] is not None:

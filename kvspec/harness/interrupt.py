@@ -17,6 +17,10 @@ import sys
 import threading
 
 INTERRUPTED = threading.Event()
+#: what stopped the run: "SIGINT", "SIGTERM", or TIME_LIMIT
+_cause: list[str] = []
+#: the cause of a stop at ``interruptible``'s own time limit (SIGALRM)
+TIME_LIMIT = "time limit"
 
 
 def is_interrupted() -> bool:
@@ -53,21 +57,34 @@ def stop_if_interrupted() -> None:
         raise KeyboardInterrupt("interrupted")
 
 
+def get_cause() -> str | None:
+    """What stopped the last run: "SIGINT", "SIGTERM", ``TIME_LIMIT``; None."""
+    return _cause[-1] if INTERRUPTED.is_set() and _cause else None
+
+
 def _stop(signum, frame) -> None:
+    name = signal.Signals(signum).name
+    _cause[:] = [TIME_LIMIT if signum == signal.SIGALRM else name]
     INTERRUPTED.set()
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+    raise KeyboardInterrupt(name)
 
 
 @contextlib.contextmanager
-def interruptible():
+def interruptible(time_limit: float | None = None):
     """SIGINT and SIGTERM mark the run interrupted, then stop it (main thread
     only: signal handlers cannot be set elsewhere, and there the default
-    KeyboardInterrupt of the main thread is all there is)."""
+    KeyboardInterrupt of the main thread is all there is). ``time_limit``:
+    seconds after which the run is stopped the same way, its cause
+    ``TIME_LIMIT`` (a wall-clock safety net for a budget in runs)."""
     INTERRUPTED.clear()
+    _cause.clear()
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    stops = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGALRM,) if time_limit else ())
+    previous = {s: signal.signal(s, _stop) for s in stops}
+    if time_limit:
+        signal.setitimer(signal.ITIMER_REAL, time_limit)
     hook = sys.unraisablehook
 
     def drop_lost_interrupt(unraisable) -> None:
@@ -78,6 +95,8 @@ def interruptible():
     try:
         yield
     finally:
+        if time_limit:
+            signal.setitimer(signal.ITIMER_REAL, 0)
         sys.unraisablehook = hook
         for s, handler in previous.items():
             signal.signal(s, handler)
