@@ -40,13 +40,17 @@ def pytest_addoption(parser) -> None:
                     help="add kvspec's default check as test items (one per target and layout)")
     group.addoption("--kvspec-target", action="append", default=None, metavar="TARGET",
                     help="target to check (repeatable; default: impl). See `kvspec targets`.")
-    group.addoption("--kvspec-budget", default="60s", metavar="BUDGET",
-                    help="time budget of each item, shrinking included (default: 60s)")
+    group.addoption("--kvspec-budget", default=None, metavar="BUDGET",
+                    help="time budget of each item, shrinking included (default: 60s; "
+                         "or --kvspec-examples)")
     group.addoption("--kvspec-seed", default=0, type=int, metavar="SEED",
                     help="seed of every item (default: 0)")
     group.addoption("--kvspec-examples", default=None, type=int, metavar="N",
                     help="a budget of N runs instead of --kvspec-budget: the same "
                          "exploration on any machine")
+    group.addoption("--kvspec-time-limit", default=None, metavar="DURATION",
+                    help="with --kvspec-examples: each item's wall-clock safety net (30m); "
+                         "an item it stops with nothing found fails as incomplete")
     group.addoption("--kvspec-layouts", default=None, metavar="LAYOUTS",
                     help="KV cache group layouts joined by commas, one item each "
                          "(default: one item drawing every layout the target maps)")
@@ -142,10 +146,15 @@ class KvspecItem(pytest.Item):
     def get_command(self) -> list[str]:
         opt = self.config.getoption
         command = [sys.executable, "-m", "kvspec", "check", "--target", self.target,
-                   "--budget", opt("--kvspec-budget"), "--seed", str(opt("--kvspec-seed")),
-                   "--out", opt("--kvspec-out"), "--json"]
-        if opt("--kvspec-examples") is not None:
-            command += ["--examples", str(opt("--kvspec-examples"))]
+                   "--seed", str(opt("--kvspec-seed")), "--out", opt("--kvspec-out"), "--json"]
+        examples, budget = opt("--kvspec-examples"), opt("--kvspec-budget")
+        # a budget in runs replaces the time budget (both given: check refuses, one line)
+        if budget is not None or examples is None:
+            command += ["--budget", budget or "60s"]
+        if examples is not None:
+            command += ["--examples", str(examples)]
+        if opt("--kvspec-time-limit") is not None:
+            command += ["--time-limit", opt("--kvspec-time-limit")]
         if self.layout:
             command += ["--layouts", self.layout]
         if opt("--kvspec-vllm") and self.target.startswith("vllm"):

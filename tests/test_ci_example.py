@@ -86,6 +86,31 @@ def test_the_kept_trace_replays_failing(ci_run):
     assert replay.returncode == 1, replay.stdout[-2000:] + replay.stderr[-2000:]
 
 
+def test_the_ci_script_gives_a_budget_in_runs_and_its_time_limit(tmp_path):
+    """KVSPEC_EXAMPLES reaches every item in place of the time budget (the plugin
+    once passed --budget 60s beside it, and every item failed: 'give one of
+    them'), and KVSPEC_TIME_LIMIT stops an item too large for the runner: it
+    fails as INCOMPLETE, with how many runs were made."""
+    shutil.copytree(CI / "example", tmp_path / "example")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSPEC_")}
+    env = dict(env, PYTHON=sys.executable, GITHUB_STEP_SUMMARY="",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+
+    def run(reports: str, **settings):
+        done = subprocess.run(["bash", str(CI / "kvspec-ci.sh"), str(tmp_path / "example")],
+                              env=dict(env, KVSPEC_REPORTS=str(tmp_path / reports), **settings),
+                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        held = get_cases(tmp_path / reports)["kvspec::impl[all]"]
+        return done, {p.get("name"): p.get("value") for p in held.iter("property")}
+    done, props = run("by-runs", KVSPEC_EXAMPLES="5")
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert props["verdict"].startswith("HOLD") and int(props["runs"]) >= 5, props
+    done, props = run("cut", KVSPEC_EXAMPLES="1000000", KVSPEC_TIME_LIMIT="3s")
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert props["verdict"].startswith("INCOMPLETE: no violation in the runs made"), props
+    assert "--time-limit 3s stopped the run after" in props["verdict"], props
+
+
 def test_the_plugin_is_inert_without_the_option(tmp_path):
     shutil.copytree(CI / "example", tmp_path / "example")
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],

@@ -16,6 +16,8 @@
 #   KVSPEC_SEED      seed (default: 0)
 #   KVSPEC_EXAMPLES  a budget of N runs instead of KVSPEC_BUDGET: the same seed
 #                    explores the same way on any machine, however loaded
+#   KVSPEC_TIME_LIMIT with KVSPEC_EXAMPLES: each item's wall-clock safety net
+#                    (e.g. 20m); an item it stops with nothing found fails
 #   KVSPEC_VLLM      the vLLM to check on a vllm target (checkout, wheel, sdist)
 #   KVSPEC_REPORTS   where reports go (default: ./kvspec-reports)
 #   KVSPEC_INSTALL=1 install kvspec and the vLLM CPU runtime first, from
@@ -41,14 +43,20 @@ if [ "${KVSPEC_INSTALL:-0}" = 1 ]; then
 fi
 
 mkdir -p "$REPORTS"
-args=(--kvspec --kvspec-budget "${KVSPEC_BUDGET:-60s}" --kvspec-seed "${KVSPEC_SEED:-0}"
+args=(--kvspec --kvspec-seed "${KVSPEC_SEED:-0}"
       --kvspec-out "$REPORTS/traces" --kvspec-markdown "$REPORTS/kvspec.md"
       --junitxml "$REPORTS/junit.xml")
+if [ -n "${KVSPEC_BUDGET:-}" ] || [ -z "${KVSPEC_EXAMPLES:-}" ]; then
+    args+=(--kvspec-budget "${KVSPEC_BUDGET:-60s}")
+fi
 for target in ${KVSPEC_TARGETS:-impl}; do
     args+=(--kvspec-target "$target")
 done
 if [ -n "${KVSPEC_EXAMPLES:-}" ]; then
     args+=(--kvspec-examples "$KVSPEC_EXAMPLES")
+fi
+if [ -n "${KVSPEC_TIME_LIMIT:-}" ]; then
+    args+=(--kvspec-time-limit "$KVSPEC_TIME_LIMIT")
 fi
 if [ -n "${KVSPEC_VLLM:-}" ]; then
     args+=(--kvspec-vllm "$KVSPEC_VLLM")
