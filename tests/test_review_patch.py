@@ -2,9 +2,9 @@
 
 The patched tree is links to BASE's files with the changed ones copied and
 patched by ``git apply``: BASE is never written through a link, files outside
-``vllm/`` are left out, the tree is found again by the name ``--vllm`` takes,
-and a diff that is empty, unreadable, outside ``vllm/`` or does not apply is
-a one-line error. None of this imports vLLM: BASE is a small directory.
+``vllm/`` are left out (a diff of those alone has nothing to review), the
+tree is found again by the name ``--vllm`` takes, and a diff that is empty,
+unreadable or does not apply is a one-line error. None of this imports vLLM: BASE is a small directory.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 
 from kvspec.harness import vllm_source
 from kvspec.harness.vllm_source import SourceError, resolve, resolve_change
+from kvspec.review import changed_hunks
 
 SCHEDULER = "vllm/v1/core/sched/scheduler.py"
 ORIGINAL = "def step():\n    n = (tokens + block_size - 1) // block_size\n    return n\n"
@@ -96,8 +97,6 @@ def test_a_source_is_not_taken_for_a_patch(base):
 @pytest.mark.parametrize("text, message", [
     ("", "empty"),
     ("hello\n", "not a patch git can read"),
-    ("--- a/tests/x.py\n+++ b/tests/x.py\n@@ -1 +1 @@\n-a\n+b\n",
-     "changes no file under vllm/ (it changes tests/x.py)"),
     (DIFF.replace("- 1) // block_size\n+", "- 2) // block_size\n+"),
      "does not apply to BASE (vLLM unknown): patch failed: "),
     (DIFF.replace("a/vllm/", "vllm/").replace("b/vllm/", "vllm/").replace(
@@ -126,13 +125,30 @@ def test_a_missing_patch_file(base, tmp_path):
 
 
 def test_the_review_command_says_it_in_one_line(base, tmp_path):
-    bad = write(tmp_path, "--- a/docs/x.md\n+++ b/docs/x.md\n@@ -1 +1 @@\n-a\n+b\n")
+    bad = write(tmp_path, DIFF.replace("- 1) // block_size\n+", "- 2) // block_size\n+"))
     done = subprocess.run([sys.executable, "-m", "kvspec.cli", "review", str(base.root),
                            str(bad), "--budget", "5s"], capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert done.returncode == 2, done.stdout + done.stderr
-    assert done.stderr.strip() == (f"kvspec: error: patch {str(bad)!r}: changes no file "
-                                   "under vllm/ (it changes docs/x.md)")
+    assert done.stderr.strip() == (f"kvspec: error: patch {str(bad)!r} does not apply to BASE "
+                                   f"(vLLM unknown): patch failed: {SCHEDULER}:1; make the "
+                                   "diff against BASE")
+
+
+def test_a_patch_of_tests_or_docs_alone_has_nothing_to_review(base, tmp_path):
+    """A pull request that changes no file under vllm/ (docs, tests): HEAD is
+    BASE, and the review passes with nothing to review, as a review of two
+    identical sources does (it was a one-line error, exit 2, failing the job
+    of every such pull request)."""
+    docs = write(tmp_path, "--- a/docs/x.md\n+++ b/docs/x.md\n@@ -1 +1 @@\n-a\n+b\n")
+    head = resolve_change(str(docs), base)
+    assert head.kind == "patched" and changed_hunks(base, head) == []
+    done = subprocess.run([sys.executable, "-m", "kvspec.cli", "review", str(base.root),
+                           str(docs), "--budget", "5s", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "PASS: nothing to review (HEAD changes none of vLLM's Python files)" in done.stdout
 
 
 def test_a_connector_base_does_not_register_is_refused_before_anything_runs(base, tmp_path):

@@ -198,16 +198,13 @@ def patched(base: VllmSource, text: str, name: str) -> VllmSource:
     ``.diff``, ``git diff`` or ``git format-patch`` output, paths ``a/vllm/...``):
     a tree of links to ``base``'s files in ``.kvspec/sources/patch-*``, the files
     the diff changes copied and patched with ``git apply``, which applies
-    exactly or not at all. Files outside ``vllm/`` (tests, docs) are left out;
-    a diff that changes nothing under ``vllm/`` or does not apply to ``base``
-    is a SourceError naming the first file that did not fit."""
+    exactly or not at all. Files outside ``vllm/`` (tests, docs) are left out,
+    so a diff of those alone is ``base`` unchanged (a review of it has nothing
+    to review, and passes); an empty diff, or one that does not apply to
+    ``base``, is a SourceError naming the first file that did not fit."""
     if not text.strip():
         raise SourceError(f"patch {_shown(name)}: empty")
-    files = _patch_files(text, name)
-    inside = [f for f in files if f.startswith("vllm/")]
-    if not inside:
-        raise SourceError(f"patch {_shown(name)}: changes no file under vllm/ (it changes "
-                          f"{', '.join(files[:3])}{', ...' if len(files) > 3 else ''})")
+    inside = [f for f in _patch_files(text, name) if f.startswith("vllm/")]
     root = CACHE / f"patch-{_digest(str(base.package.resolve()) + chr(0) + text)}"
     diff = root.with_suffix(".diff")
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -275,6 +272,8 @@ def _apply_over(base: VllmSource, diff: Path, inside: list[str], tmp: Path,
             real = path.resolve()
             path.unlink()
             path.write_bytes(real.read_bytes())
+    if not inside:  # tests or docs only: nothing of vLLM's to apply
+        return
     done = _git_apply(tmp, ["--include=vllm/*", str(diff.resolve())])
     if done.returncode != 0:
         raise SourceError(f"patch {_shown(name)} does not apply to BASE (vLLM {base.version}): "
