@@ -986,16 +986,16 @@ def review(base: str = typer.Argument(..., help="the vLLM before the change: a s
     check_examples(examples)
     limit = get_time_limit(time_limit, examples)
     set_scale(scale)  # the check on HEAD draws as `kvspec check` does
+    check_writable_dir(out, "--out")  # before anything runs (a patch's tree is built)
+    markdown = markdown or out / "review.md"
+    check_writable_dir(markdown.parent, "--markdown")
+    if markdown.is_dir():
+        fail(f"--markdown {shown(markdown)}: is a directory")
     try:
         base_src = vllm_source.resolve(base, repo)
         head_src = vllm_source.resolve_change(head, base_src, repo)
     except vllm_source.SourceError as exc:
         fail(str(exc))
-    check_writable_dir(out, "--out")
-    markdown = markdown or out / "review.md"
-    check_writable_dir(markdown.parent, "--markdown")  # before anything runs
-    if markdown.is_dir():
-        fail(f"--markdown {shown(markdown)}: is a directory")
     from kvspec.harness.targets import vllm_target_name
     target = vllm_target_name("all", (), get_connector_choice(connector, connector_config))
     check_connector_name(target, head_src)
@@ -1095,10 +1095,13 @@ def replay(traces: list[Path] = typer.Argument(..., help="trace files written by
         fail(str(exc))
     named = [target if target is not None else data["target"] for data in loaded]
     use_found_on_source(traces, loaded, named, vllm)
-    codes = [_replay_one(t, target, n, ignore) for t, n in zip(traces, named)]
+    codes = []
+    for trace, name in zip(traces, named):
+        if len(traces) > 1:  # each result under the trace it is of
+            console.print(Text(f"\n{trace}:", style="bold"))
+        codes.append(_replay_one(trace, target, name, ignore))
     if len(traces) > 1:
-        failing = sum(1 for c in codes if c)
-        console.print(f"{len(traces)} traces replayed: {failing} still fail")
+        console.print(Text(describe_replays(traces, codes)))
     raise typer.Exit(1 if any(codes) else 0)
 
 
@@ -1170,6 +1173,18 @@ def _source_name(recorded: dict) -> str:
     return vllm_source.name_again(recorded.get("kind"), recorded["given"], recorded.get("root"))
 
 
+def describe_replays(traces: list[Path], codes: list[int]) -> str:
+    """The summary of several replays, naming the smaller group's traces."""
+    failing = [t.name for t, c in zip(traces, codes) if c]
+    passing = [t.name for t, c in zip(traces, codes) if not c]
+    line = f"\n{len(traces)} traces replayed: {len(failing)} still fail"
+    if failing and passing:
+        label, names = ("still failing", failing) if len(failing) <= len(passing) \
+            else ("passing", passing)
+        line += f"; {label}: {', '.join(names)}"
+    return line
+
+
 def _replay_one(trace: Path, target: str | None, named: str, ignore) -> int:
     from kvspec.harness.replay import replay_trace
     from kvspec.harness.trace import TraceError
@@ -1230,6 +1245,10 @@ def export_test(trace: Path = typer.Argument(..., help="a trace of the vllm targ
     named = target or data["target"]
     if name is not None and not name.isidentifier():
         fail(f"--name: {shown(name, 60)} is not a Python identifier")
+    if out is not None:  # before the recording (vLLM's import, the run): not after
+        if out.is_dir():
+            fail(f"-o {shown(out)}: is a directory, not a file to write")
+        check_writable_dir(out.parent, "-o")
     use_found_on_source([trace], [data], [named], vllm)
     try:
         recording = record(trace, target)

@@ -181,9 +181,9 @@ def hit_with_last_state_leaves_last_token(c: ConnectorCall) -> Iterator[str]:
 @invariant(cites="finding one-token-async-hit-livelock; NixlConnector clears "
                  "do_remote_prefill in update_state_after_alloc", kind="connector",
            role="contract", action="lookup",
-           unwitnessed_because="""the reference scheduler keeps a landed load's tokens and
-           does not ask its connector again; vLLM asks again only when the landed load leaves
-           nothing computed (a one-token prompt)""")
+           unwitnessed_because="""a scheduler asks its connector again after a landed load
+           only when the load left nothing computed (vLLM, for a one-token prompt), which few
+           runs draw; the reference scheduler keeps a landed load's tokens and never asks""")
 def finished_load_not_offered_again(c: ConnectorCall) -> Iterator[str]:
     """A load that landed is not offered again until the request is preempted.
 

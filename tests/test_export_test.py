@@ -166,9 +166,15 @@ def test_a_trace_a_run_saved_is_named_by_what_it_breaks(tmp_path):
      "not a Python identifier"),
     (["docs/findings/connectors/offloading-reset-reload-assert.json"],  # a real connector's
      "the test would not call"),
+    # refused before the recording (it was after vLLM's import and the run, 13 s)
+    (["docs/findings/vllm-0.32.0-sync-full-prompt-hit-crash.json", "-o", "a-file/t.py"],
+     "-o 'a-file': exists and is not a directory"),
+    (["docs/findings/vllm-0.32.0-sync-full-prompt-hit-crash.json", "-o", "."],
+     "is a directory, not a file to write"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, says):
     args = [str(ROOT / a) if a.startswith(("docs/", "model_tests/")) else a for a in args]
+    (tmp_path / "a-file").write_text("")
     out = run_kvspec(tmp_path, "export-test", *args, env=INSTALLED)
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert says in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -135,6 +135,17 @@ def test_the_review_command_says_it_in_one_line(base, tmp_path):
                                    "diff against BASE")
 
 
+def test_a_bad_out_is_refused_before_the_patch_is_applied(base, tmp_path):
+    (tmp_path / "taken").write_text("")
+    done = subprocess.run([sys.executable, "-m", "kvspec.cli", "review", str(base.root),
+                           str(write(tmp_path, DIFF)), "--out", str(tmp_path / "taken")],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--out" in done.stderr and "exists and is not a directory" in done.stderr
+    assert not list(Path(".kvspec/sources").glob("patch-*"))  # no tree was built
+
+
 def test_a_patch_of_tests_or_docs_alone_has_nothing_to_review(base, tmp_path):
     """A pull request that changes no file under vllm/ (docs, tests): HEAD is
     BASE, and the review passes with nothing to review, as a review of two
