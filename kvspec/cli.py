@@ -55,7 +55,8 @@ DB_HELP = ("Hypothesis example database, replayed first by every run: a director
            "(a workflow's uploaded database, read beside .kvspec/examples)")
 EXAMPLES_HELP = ("a budget in runs instead of --budget: the same seed explores the same way "
                  "on any machine (no time limit, shrinking included; the example database "
-                 "is written, not replayed first)")
+                 "is written, not replayed first). N counts the runs Hypothesis keeps: the "
+                 "run count also holds those it discards and those shrinking a failure makes")
 TIME_LIMIT_HELP = ("with --examples: a wall-clock safety net (30m, 1h) for a CI job's "
                    "timeout; a run it stops is judged up to there, and is incomplete (exit 3) "
                    "unless it found something")
@@ -719,6 +720,8 @@ def fuzz_in_parallel(argv: list[str], workers: int, seed: int, out: Path, db: st
     summaries = [s for _, s, _ in results if s is not None]
     if summaries:
         summary = dict(parallel.combine(summaries), examples_budget=examples)
+        if examples is not None:
+            summary["budget_s"] = None
         from kvspec.run import describe_scaled_runs
         scaled = describe_scaled_runs(summary["runs_by_scale"]["production"])
         print(f"kvspec: campaign: {summary['runs']} runs{scaled}, {summary['actions']} actions in "
@@ -824,6 +827,8 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
         summary = json_summary(result, target_version(target), prep.seconds, prep.profile,
                                design_rules, target_patches(target), prep)
         summary["examples_budget"] = examples
+        if examples is not None:  # no time budget applied (as review's JSON says)
+            summary["budget_s"] = None
         summary["time_limit_s"], summary["time_limited"] = time_limit, result.time_limited
         if costs is not None:
             summary["claim_costs"] = get_claim_costs(costs, result.actions)

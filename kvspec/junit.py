@@ -53,8 +53,12 @@ def junit_xml(summary: dict) -> str:
     suites = ET.Element("testsuites")
     suite = ET.SubElement(suites, "testsuite", name=f"kvspec {summary['target']}",
                           time=f"{summary['elapsed_s']:.3f}")
+    # a run's budget is seconds or runs (--examples), never both
+    budget = ({"examples_budget": summary["examples_budget"]}
+              if summary.get("examples_budget") is not None else
+              {"budget_s": summary["budget_s"]})
     _properties(suite, {"verdict": summary["verdict_line"], "exit_code": summary["exit_code"],
-                        "seed": summary["seed"], "budget_s": summary["budget_s"],
+                        "seed": summary["seed"], **budget,
                         "runs": summary["runs"], "actions": summary["actions"],
                         "version": summary["version"], "trace": summary["trace"]})
     outcomes = [_claim_case(suite, summary, c) for c in summary["claims"]]

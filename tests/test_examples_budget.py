@@ -67,6 +67,7 @@ def test_the_time_limit_stops_a_budget_in_runs_as_incomplete(tmp_path):
     assert done.returncode == 3, done.stderr[-1500:]
     summary = json.loads(done.stdout)
     assert summary["time_limited"] is True and summary["time_limit_s"] == 3.0
+    assert summary["budget_s"] is None  # no time budget applied (it said 60, the default)
     assert 0 < summary["runs"] < 1000000
     assert summary["verdict_line"].startswith(
         "INCOMPLETE: no violation in the runs made, but not every run asked for was made | "
