@@ -266,6 +266,26 @@ def get_harm(trace: Path, violations, config):
     return got
 
 
+def get_specific(trace: Path, violations):
+    """A regression the transition model alone caught ("admitted by no shape
+    of spec/effects.py" says what, not why), replayed on HEAD with the model
+    unchecked: the specific claims the same run goes on to break, whose
+    messages say why (None: a specific claim broke already, or none follows)."""
+    from kvspec.harness.replay import replay_trace
+    from kvspec.harness.runner import is_lost_performance
+    from kvspec.harness.trace import TraceError
+    from kvspec.spec.catalogue import REGISTRY
+    claims = {v.invariant for v in violations}
+    if not claims <= set(REGISTRY) or any(REGISTRY[c].kind != "model" for c in claims):
+        return None
+    try:
+        got = replay_trace(trace, ignore=frozenset(claims))
+    except (TraceError, ValueError, RuntimeError):
+        return None
+    specific = [v for v in got.violations if not is_lost_performance(v)]
+    return specific or None
+
+
 @attrs.frozen
 class LostOnHead:
     """Lost performance the check on HEAD met, and what BASE does with its trace."""
@@ -341,7 +361,8 @@ def harm_claims(harm) -> list[str]:
 
 
 def review_verdict(result, hunks: list[Hunk], base_errors, code_changed,
-                   harm=None, lost=(), base_note: str | None = None) -> ReviewVerdict:
+                   harm=None, lost=(), base_note: str | None = None,
+                   specific=None) -> ReviewVerdict:
     """The review's first line and exit code (see the module doc). ``base_note``:
     what BASE did with the regression's trace (``get_base_note``: "" it passed,
     else how it failed otherwise than HEAD; None: not asked, or no answer)."""
@@ -376,7 +397,9 @@ def review_verdict(result, hunks: list[Hunk], base_errors, code_changed,
         leads = f"; it leads on to {', '.join(led)}" if led else ""
         on_base = " (passes on BASE)" if base_note == "" else ""
         differs = f" ({base_note})" if base_note else ""
-        return ReviewVerdict(f"REGRESSION on HEAD{on_base}: {', '.join(claims)}{differs}"
+        why = (f" (with the model unchecked: "
+               f"{', '.join(sorted({v.invariant for v in specific}))})" if specific else "")
+        return ReviewVerdict(f"REGRESSION on HEAD{on_base}: {', '.join(claims)}{why}{differs}"
                              f"{leads}{tail}", 1)
     new_lost = [x for x in lost if x.is_regression]
     if new_lost:
@@ -437,6 +460,9 @@ class Review:
     #: for a regression of claims only kvspec can check: the same trace on HEAD
     #: with those unchecked, to show what a standalone test sees it lead to
     harm: object = None
+    #: for a regression the transition model alone caught: the specific claims
+    #: (violations) the same trace breaks with the model unchecked
+    specific: object = None
     #: the run's lost performance, each asked of BASE (see ``classify_lost``)
     lost: list = attrs.Factory(list)
     #: what BASE did with the regression's trace (``get_base_note``)
@@ -513,6 +539,7 @@ def check_head(review: Review, worker, seed: int, out: Path, console,
         # what BASE does with it when nothing of kvspec's is applied
         review.base_as_released = worker.replay(with_connector("vllm?fixes=none", target),
                                                 ce.runner.config, list(ce.runner.actions))
+        review.specific = get_specific(Path(review.result.trace_path), ce.violations)
         review.harm = get_harm(Path(review.result.trace_path), ce.violations,
                                ce.runner.config)
     review.lost = classify_lost(getattr(review.result, "efficiency", {}) or {}, worker, target)
@@ -520,7 +547,7 @@ def check_head(review: Review, worker, seed: int, out: Path, console,
     changed = [s for s in prep.statuses if s.status == "code-changed"]
     review.verdict = review_verdict(review.result, review.hunks,
                                     prep.recogniser.base_errors, changed, review.harm,
-                                    review.lost, review.base_note)
+                                    review.lost, review.base_note, review.specific)
 
 
 def to_json(review: Review, markdown_path: Path) -> dict:
@@ -545,7 +572,8 @@ def to_json(review: Review, markdown_path: Path) -> dict:
             "fails_on_base_otherwise": review.base_note or None,
             "fails_on_base_as_released": review.base_as_released is not None
             and review.base_as_released.fails,
-            "leads_on_to": harm_claims(review.harm)},
+            "leads_on_to": harm_claims(review.harm),
+            "with_the_model_unchecked": sorted({v.invariant for v in review.specific or ()})},
         "lost_performance": [attrs.asdict(x) for x in review.lost],
         "pre_existing": [] if r is None else [
             {"finding": h.finding, "count": h.count, "how": h.how, "trace": str(h.trace_path)}
@@ -643,6 +671,10 @@ def _regression(review: Review, command_arg) -> list[str]:
     md += [f"| {s.index} | `{s.action}` | {s.requests} |" for s in log[:-1]]
     md += [f"| **{s.index} (broke here)** | `{s.action}` | {s.requests} |" for s in log[-1:]]
     md += [""] + [f"- **{x.invariant}**: {x.message}" for x in ce.violations] + [""]
+    if review.specific:
+        md += ["Why, in specific claims: with the transition model unchecked, the same trace "
+               "on HEAD breaks:", ""] + [
+            f"- **{x.invariant}**: {x.message}" for x in review.specific] + [""]
     md += _harm(review.harm, ce.violations)
     if result.shrink_cut:
         md += ["The budget ran out while this example was being shrunk: it may hold actions "

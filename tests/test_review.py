@@ -343,3 +343,24 @@ def test_a_review_its_time_limit_cut_short_is_incomplete_unless_it_found_one():
     verdict = review_verdict(r, [ran], [], [], None, (), "")
     assert verdict.code == 1 and verdict.line.startswith(
         "REGRESSION on HEAD (passes on BASE): cached_le_computed | --time-limit 1800s")
+
+
+def test_a_regression_the_model_alone_caught_names_the_specific_claims():
+    """"admitted by no shape of spec/effects.py" says what, not why: the review
+    replays the trace with the model unchecked and names what it breaks then
+    (battery edit 13: placeholders_match_in_flight, 'num_output_placeholders=3,
+    but its steps in flight will sample 1')."""
+    from types import SimpleNamespace as NS
+    r = result()
+    r.counterexample = NS(violations=[NS(invariant="transition_admitted_by_model")])
+    specific = [NS(invariant="placeholders_match_in_flight")]
+    line = review_verdict(r, [], [], [], None, (), "", specific).line
+    assert line == ("REGRESSION on HEAD (passes on BASE): transition_admitted_by_model (with "
+                    "the model unchecked: placeholders_match_in_flight)")
+
+
+def test_the_model_is_unchecked_only_where_it_alone_broke(tmp_path):
+    from types import SimpleNamespace as NS
+    from kvspec.review import get_specific
+    both = [NS(invariant="transition_admitted_by_model"), NS(invariant="cached_le_computed")]
+    assert get_specific(tmp_path / "never-read.json", both) is None  # no replay at all
