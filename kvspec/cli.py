@@ -522,8 +522,13 @@ def report(result, design_rules: bool = True, prep=None, first_line: bool = True
     from kvspec.run import get_scaled_runs
     console.print(f"{result.runs} runs{get_scaled_runs(result)}, {result.actions} actions in "
                   f"{result.elapsed:.1f}s ({rate(result)})")
-    for name, why in get_run_unwitnessed(result, design_rules,
-                                          getattr(prep, "profile", None)).items():
+    unwitnessed = get_run_unwitnessed(result, design_rules, getattr(prep, "profile", None))
+    if result.counterexample is not None and unwitnessed:
+        # a run ended at its first failure: why each claim was not reached is noise
+        console.print(f"[yellow]never witnessed before the counterexample ended the run:[/] "
+                      f"{', '.join(unwitnessed)}")
+        unwitnessed = {}
+    for name, why in unwitnessed.items():
         console.print(f"[yellow]never witnessed:[/] {name}" + (f" ({why})" if why else ""))
     if result.known:
         console.print(known_table(result.known))
@@ -1269,7 +1274,9 @@ def export_test(trace: Path = typer.Argument(..., help="a trace of the vllm targ
     console.print(f"wrote {shown(path)}: {sum(c[0] == 'schedule' for c in recording.calls)} "
                   f"steps; on {recording.where} it {how} "
                   f"({', '.join(sorted({v.invariant for v in recording.violations}))}{before}). "
-                  "Put it in vLLM's tests/v1/kv_connector/unit/ and run pytest on it.")
+                  "Put it in vLLM's tests/v1/kv_connector/unit/ and run pytest on it (vLLM's "
+                  "test helpers read facebook/opt-125m's config from the Hugging Face hub or "
+                  "its local cache).")
 
 
 @app.command()

@@ -235,8 +235,9 @@ def get_unseen(target: str) -> dict[str, str]:
 def known_table(known: dict) -> Table:
     """Known findings met during a run (kvspec.harness.fuzz.KnownHit)."""
     table = Table(title="known findings met (the run went on)")
-    for column in ("finding", "times", "recognised", "upstream", "first trace"):
+    for column in ("finding", "times", "recognised", "upstream"):
         table.add_column(column)
+    table.add_column("first trace", overflow="fold")  # whole, to copy into a replay
     for hit in known.values():
         table.add_row(Text(printable(hit.finding or hit.label or "pre-existing")),
                       str(hit.count), Text(printable(hit.how)), Text(printable(hit.upstream)),
@@ -247,8 +248,9 @@ def known_table(known: dict) -> Table:
 def efficiency_table(lost: dict) -> Table:
     """Efficiency claims broken during a run (kvspec.harness.fuzz.KnownHit per claim)."""
     table = Table(title="lost performance (the run went on; no safety claim broken by it)")
-    for column in ("claim", "times", "first message", "first trace"):
+    for column in ("claim", "times", "first message"):
         table.add_column(column)
+    table.add_column("first trace", overflow="fold")
     for key, hit in lost.items():
         table.add_row(Text(printable(key)), str(hit.count), Text(printable(hit.how)),
                       Text(printable(str(hit.trace_path or ""))))
