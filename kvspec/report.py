@@ -39,12 +39,32 @@ def step_table(steps, violations) -> Table:
     table.add_column("step", justify="right")
     table.add_column("action")
     table.add_column("requests after it (status c=computed/tokens hit=cached/external b=blocks)")
-    for i, s in enumerate(steps):
+    steps = list(steps)
+    for i, j in get_runs_of_same_rows(steps):
+        s = steps[i]
         failing = bool(violations) and i == len(steps) - 1
         table.add_row(Text(f"{s.index} *", style="bold red") if failing else str(s.index),
                       Text(printable(s.action)),
                       Text(printable(s.requests).replace(" r", "\nr")))
+        if j > i:  # a drain's steps that changed nothing shown: one row for them
+            table.add_row(Text("..."), Text(f"{j - i} more rows like step {s.index} (steps "
+                                            f"{steps[i + 1].index}-{steps[j].index})",
+                                            style="dim"), Text(""))
     return table
+
+
+def get_runs_of_same_rows(steps) -> list[tuple[int, int]]:
+    """(first, last) index of each run of consecutive rows with the same action
+    and requests; the last row, where claims broke, is never folded."""
+    runs, i = [], 0
+    while i < len(steps):
+        j = i
+        while j + 1 < len(steps) - 1 and (steps[j + 1].action, steps[j + 1].requests) == \
+                (steps[i].action, steps[i].requests):
+            j += 1
+        runs.append((i, j))
+        i = j + 1
+    return runs
 
 
 def print_counterexample(console: Console, steps, violations, trace_path=None,

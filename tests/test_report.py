@@ -29,6 +29,18 @@ def test_the_last_row_is_marked_where_the_claims_broke():
     assert "the claims below broke at step 1, the last row" in out
 
 
+def test_rows_that_repeat_are_one_row_and_the_last_is_always_shown():
+    """A drain's steps that change nothing shown (about 33 rows of
+    'r1:RUNNING c=11/12' in a battery trace) are folded into one row."""
+    same = NS(action="drain.step()", requests="r1:RUNNING c=11/12 b=[0]")
+    steps = [NS(index=0, action="add(id=r1)", requests="r1:WAITING c=0/12 b=[]")] + [
+        NS(index=k, action=same.action, requests=same.requests) for k in range(1, 35)]
+    out = render(steps, [Violation("every_request_finishes", "r1 never finished")])
+    assert "32 more rows like step 1 (steps 2-33)" in out
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert len(rows) == 4 and "34 *" in rows[-1], out  # add, step 1, the fold, the last
+
+
 def test_no_mark_without_a_violation_and_the_configuration_comes_first():
     config = make_config(block_size=4, num_blocks=9, max_num_batched_tokens=4, max_num_seqs=2,
                          max_model_len=13)
