@@ -148,7 +148,8 @@ def unwitnessed(checks: dict[str, int], witnessed: dict[str, int],
 #: contract claims that read what kvspec's world around a connector knows of
 #: its store and transfers (spec/contract.py: None there is "unknown")
 WORLD_CLAIMS = ("hit_within_stored", "load_lands_in_given_blocks",
-                "load_reads_what_was_stored", "delay_covers_reads_in_flight")
+                "load_reads_what_was_stored", "delay_covers_reads_in_flight",
+                "store_reads_computed_kv")
 
 
 def get_unreachable(profile) -> dict[str, str]:

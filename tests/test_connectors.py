@@ -112,6 +112,8 @@ def test_a_choice_round_trips_through_the_target_name():
     (["--target", "impl", "--connector", "ExampleConnector"], "apply to the vllm target"),
     (["--connector", "model_tests.connectors.async_store:_Loads"], "is not a connector"),
     (["--connector", "model_tests.connectors.async_store:annotations"], "is not a connector"),
+    (["--connector", "model_tests.connectors.async_store:_Load"],
+     "has no _Load; did you mean model_tests.connectors.async_store:_Loads?"),
 ])
 def test_the_command_line_refuses_in_one_line(tmp_path, args, says):
     out = run_kvspec(tmp_path, "check", "--budget", "5s", *args)
@@ -336,6 +338,8 @@ def test_the_never_witnessed_lines_say_whether_kvspec_sees_the_store():
     base = "vllm?connector=model_tests.connectors.async_store:"
     unseen = get_unseen(base + "AsyncPrefixStore")
     assert "hit_within_stored" not in unseen and "load_lands_in_given_blocks" in unseen
+    # its stores too (the registry's reason spoke of kvspec's own offloading store)
+    assert "does not see its transfers" in unseen["store_reads_computed_kv"]
     blind = get_unseen(base + "NoStoreProbe")
     assert "or its store (a kvspec_stored_end method would show it)" in blind["hit_within_stored"]
 

@@ -32,3 +32,17 @@ def test_each_result_is_printed_under_its_trace(tmp_path):
         at = lines.index(f"{trace}:")
         assert lines[at + 1].startswith("replayed "), lines[at:at + 3]
     assert lines[-1] == "2 traces replayed: 0 still fail"
+
+
+def test_a_verdict_is_the_same_when_only_a_source_line_moved():
+    """0.33.0 raises the same assert as 0.32.0 at another line: 'still fails
+    (same verdict as recorded)', not 'verdict differs from the recording'."""
+    from kvspec.harness.replay import get_comparable
+    recorded = [("target_crashed", "AssertionError: at vllm/v1/core/sched/scheduler.py:1170: "
+                                   "assert num_new_tokens > 0")]
+    moved = [("target_crashed", "AssertionError: at vllm/v1/core/sched/scheduler.py:1347: "
+                                "assert num_new_tokens > 0")]
+    other = [("target_crashed", "AssertionError: at vllm/v1/core/sched/scheduler.py:1347: "
+                                "assert request.num_output_placeholders >= 0")]
+    assert get_comparable(recorded) == get_comparable(moved)
+    assert get_comparable(recorded) != get_comparable(other)

@@ -125,7 +125,10 @@ def get_connector_class(choice: ConnectorChoice):
         import importlib
         module = importlib.import_module(choice.module_path)
         if not hasattr(module, choice.class_name):
-            raise ConnectorChoiceError(f"{choice.module_path} has no {choice.class_name}")
+            near = difflib.get_close_matches(choice.class_name, dir(module), n=1, cutoff=0.6)
+            raise ConnectorChoiceError(
+                f"--connector {choice.name}: {choice.module_path} has no {choice.class_name}"
+                + (f"; did you mean {choice.module_path}:{near[0]}?" if near else ""))
         found = getattr(module, choice.class_name)
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
         if not (isinstance(found, type) and issubclass(found, KVConnectorBase_V1)):
