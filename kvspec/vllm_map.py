@@ -131,6 +131,9 @@ CONSTRAINS: dict[str, str] = {
                                        "`ext_tokens, load_kv_async = "
                                        "self.connector.get_num_new_matched_tokens(...)` "
                                        "and compares `ext_tokens` with `None` and integers.",
+    "finish_answer_has_the_api_types": f"`Scheduler._connector_finished` ({S}): unpacks "
+                                       "`delay_free_blocks, kv_xfer_params = "
+                                       "self.connector.request_finished(...)`.",
     "async_load_has_tokens": f"`Scheduler.schedule` ({S}): an async answer parks the request "
                              "in WAITING_FOR_REMOTE_KVS after "
                              "`assert num_external_computed_tokens > 0`.",

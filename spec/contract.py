@@ -252,6 +252,24 @@ def load_reads_what_was_stored(c: ConnectorCall) -> Iterator[str]:
                "of them never stored")
 
 
+@invariant(cites="KVConnectorBase_V1.request_finished (base.py): returns "
+                 "tuple[bool, dict[str, Any] | None]", kind="connector", role="contract",
+           action="finish")
+def finish_answer_has_the_api_types(c: ConnectorCall) -> Iterator[str]:
+    """A finished request's answer is a pair: whether to delay freeing its
+    blocks (a bool) and the KV transfer parameters to hand back (a dict, or
+    None).
+
+    Protects the scheduler from an answer it unpacks as something else: vLLM
+    takes the pair apart without a check in ``_connector_finished``, so another
+    shape fails there and reads as a scheduler crash. kvspec stops the call
+    instead and names the answer."""
+    c.witness()
+    if c.malformed:
+        yield (f"{c.request_id}: request_finished answered {c.malformed}, not "
+               "(delay_free_blocks, kv_transfer_params or None)")
+
+
 @invariant(cites="KVConnectorBase_V1.request_finished (base.py): delay the free while blocks "
                  "are sent or saved asynchronously; RFC #57187", kind="connector",
            role="contract", action="finish")

@@ -197,6 +197,9 @@ def test_a_send_reported_before_the_load_of_an_aborted_loader_is_no_breach():
      "answered ('0', False) (num_tokens is a str, not an int or None), not"),
     ("SwapsThePair", "lookup_answer_has_the_api_types",
      "answered (False, 0) (num_tokens is a bool, not an int or None), not"),
+    # a finished request's answer, too (it was vLLM's TypeError, blamed on no one)
+    ("FinishesWithABool", "finish_answer_has_the_api_types",
+     "request_finished answered True (a bool, not a pair), not"),
 ])
 def test_a_lookup_answer_outside_the_api_is_the_connectors_breach(connector, claim, says):
     """Answers vLLM's API forbids are named as the connector's breach at the

@@ -1415,6 +1415,21 @@ def get_lookup_answer_problem(answer) -> str:
     return ""
 
 
+def get_finish_answer_problem(answer) -> str:
+    """What is wrong with ``request_finished``'s answer ("": nothing): a pair
+    of a bool (an integer's truth is plain, numpy's bool too) and a dict or
+    None."""
+    if not (isinstance(answer, tuple) and len(answer) == 2):
+        size = f" of {len(answer)}" if isinstance(answer, (tuple, list)) else ""
+        return f"{name_type(answer)}{size}, not a pair"
+    delay, params = answer
+    if not (isinstance(delay, numbers.Integral) or is_numpy_bool(delay)):
+        return f"delay_free_blocks is {name_type(delay)}, not a bool"
+    if not (params is None or isinstance(params, dict)):
+        return f"kv_transfer_params is {name_type(params)}, not a dict or None"
+    return ""
+
+
 def is_int(value) -> bool:
     """An integer, numpy's included, and not a bool (a bool where a count
     belongs is a mistake: a swapped pair, a flag for a count)."""
@@ -1482,7 +1497,12 @@ class ConnectorProbe:
         self.world.on_meta(meta, scheduler_output)
 
     def _after_request_finished(self, answer, request, block_ids):
-        delay = bool(answer[0]) if isinstance(answer, tuple) and answer else False
+        problem = get_finish_answer_problem(answer)
+        if problem:
+            self.env.record_malformed_finish(request.request_id, answer, problem)
+            raise ConnectorAnswerError(f"request_finished answered {answer!r} ({problem}), "
+                                       "not (delay_free_blocks, kv_transfer_params or None)")
+        delay = bool(answer[0])
         rid = request.request_id
         self.env.content.cancel_load(rid)
         tables = self.target.get_spec_tables(block_ids)

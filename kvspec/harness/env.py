@@ -240,6 +240,13 @@ class EnvConnector:
             self.calls.append(ConnectorCall("store", request_id, num_stored=num_stored,
                                             bad_positions=bad_positions))
 
+    def record_malformed_finish(self, request_id: str, answer, problem: str) -> None:
+        """``request_finished`` answered outside the API's types: the call the
+        contract judges (``finish_answer_has_the_api_types``), whoever the
+        request is."""
+        self.calls.append(ConnectorCall("finish", request_id, reads_in_flight=None,
+                                        malformed=f"{repr(answer)[:200]} ({problem})"))
+
     def record_finish(self, request_id: str, delay: bool, reads_in_flight: bool | None) -> None:
         if self.is_judged(request_id):
             self.calls.append(ConnectorCall("finish", request_id, delay=bool(delay),

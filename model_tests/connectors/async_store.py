@@ -152,3 +152,11 @@ class NeverDecides(AsyncPrefixStore):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         hit, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         return (None, False) if hit else (hit, is_async)
+
+
+class FinishesWithABool(AsyncPrefixStore):
+    """Breach: ``request_finished`` answers a bare bool, not the pair
+    (finish_answer_has_the_api_types); vLLM's unpacking raised a TypeError."""
+
+    def request_finished(self, request, block_ids):
+        return super().request_finished(request, block_ids)[0]
