@@ -92,3 +92,21 @@ def test_a_real_connector_that_rules_a_claim_out_is_named():
     assert get_connector_silence("vllm?connector=NixlConnector", {}) == {}
     # kvspec's own connector answers as the run draws: nothing to say of it
     assert get_connector_silence("vllm", {}) == {} and get_connector_silence("impl", {}) == {}
+
+
+def test_a_crash_says_where_it_raised_beside_its_message():
+    """A TypeError deep in vLLM names no place; the line under the crash does
+    (file:line and function). The message, which recorded verdicts compare,
+    stays as it was."""
+    from kvspec.harness.runner import describe_crash
+
+    def unpack_the_answer(answer):
+        delay, params = answer
+        return delay, params
+    try:
+        unpack_the_answer(True)
+    except TypeError as exc:
+        crash = describe_crash(exc)
+    assert crash.invariant == "target_crashed"
+    assert crash.message == "TypeError: cannot unpack non-iterable bool object"
+    assert "test_report.py:" in crash.doc and crash.doc.endswith(" in unpack_the_answer.")

@@ -145,8 +145,21 @@ def describe_crash(exc: Exception) -> Violation:
         where = f"{os.path.relpath(last.filename, top)}:{last.lineno}"
         return Violation("kvspec_crashed", f"{type(exc).__name__} at {where}: {exc}",
                          KVSPEC_CRASHED)
+    where = f", at {get_place(last)}" if last is not None else ""
     return Violation("target_crashed", f"{type(exc).__name__}: {exc}",
-                     "The target raised while handling a legal call.")
+                     f"The target raised while handling a legal call{where}.")
+
+
+def get_place(frame) -> str:
+    """``vllm/.../file.py:LINE in function`` of the frame that raised (the
+    source's line where kvspec patched the module): shown under a crash whose
+    message names no place (a TypeError deep in vLLM), never in the message,
+    which recorded verdicts compare."""
+    from kvspec.harness.vllm_patches import source_place
+    filename, lineno, in_patch = source_place(frame.filename, frame.lineno)
+    path = filename.replace("\\", "/")
+    short = path[path.rindex("/vllm/") + 1:] if "/vllm/" in path else os.path.relpath(path)
+    return f"{short}:{lineno} in {frame.name}" + (" (in kvspec's fix)" if in_patch else "")
 
 
 class BudgetSpent(Exception):
