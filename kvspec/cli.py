@@ -99,19 +99,19 @@ def _options(version: bool = typer.Option(False, "--version", is_eager=True,
     """kvspec: an executable spec of vLLM's KV-cache request lifecycle."""
 
 
-def parse_budget(text: str) -> float:
+def parse_budget(text: str, what: str = "budget") -> float:
     """'60s', '10m', '1h' or a plain number of seconds; at least ``MIN_BUDGET``, at
-    most ``MAX_BUDGET``."""
+    most ``MAX_BUDGET``. ``what``: the option's name in an error."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text or "")
     if not m or float(m.group(1)) <= 0:
-        raise UsageError(f"invalid budget {text[:60]!r}: use a positive duration like 60s, "
+        raise UsageError(f"invalid {what} {text[:60]!r}: use a positive duration like 60s, "
                          "10m or 1h")
     seconds = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
     if seconds < MIN_BUDGET:
-        raise UsageError(f"invalid budget {text[:60]!r}: less than {MIN_BUDGET:g}s does no "
+        raise UsageError(f"invalid {what} {text[:60]!r}: less than {MIN_BUDGET:g}s does no "
                          f"fuzzing; use at least {MIN_BUDGET:g}s")
     if not math.isfinite(seconds) or seconds > MAX_BUDGET:
-        raise UsageError(f"invalid budget {text[:60]!r}: more than a week; use at most "
+        raise UsageError(f"invalid {what} {text[:60]!r}: more than a week; use at most "
                          f"{MAX_BUDGET / 3600:g}h")
     return seconds
 
@@ -724,9 +724,8 @@ def fuzz_in_parallel(argv: list[str], workers: int, seed: int, out: Path, db: st
     code = parallel.get_worst_code([c for c, _, _ in results])
     summaries = [s for _, s, _ in results if s is not None]
     if summaries:
-        summary = dict(parallel.combine(summaries), examples_budget=examples)
-        if examples is not None:
-            summary["budget_s"] = None
+        summary = parallel.combine(summaries)
+        set_budget_fields(summary, examples)
         from kvspec.run import describe_scaled_runs
         scaled = describe_scaled_runs(summary["runs_by_scale"]["production"])
         print(f"kvspec: campaign: {summary['runs']} runs{scaled}, {summary['actions']} actions in "
@@ -767,9 +766,9 @@ def get_time_limit(time_limit: str | None, examples: int | None) -> float | None
         fail("--time-limit applies with --examples (a budget in runs); --budget is a time "
              "limit already")
     try:
-        return parse_budget(time_limit)
+        return parse_budget(time_limit, "--time-limit")
     except UsageError as exc:
-        fail(str(exc).replace("budget", "--time-limit", 1))
+        fail(str(exc))
 
 
 def get_budget(budget: str | None, examples: int | None) -> str:
@@ -831,14 +830,20 @@ def fuzz_and_report(target: str, budget: str, seed: int, out: Path, db: Path,
         from kvspec.report import json_summary
         summary = json_summary(result, target_version(target), prep.seconds, prep.profile,
                                design_rules, target_patches(target), prep)
-        summary["examples_budget"] = examples
-        if examples is not None:  # no time budget applied (as review's JSON says)
-            summary["budget_s"] = None
+        set_budget_fields(summary, examples)
         summary["time_limit_s"], summary["time_limited"] = time_limit, result.time_limited
         if costs is not None:
             summary["claim_costs"] = get_claim_costs(costs, result.actions)
         write_reports(summary, as_json, junit, markdown)
     raise typer.Exit(code)
+
+
+def set_budget_fields(summary: dict, examples: int | None) -> None:
+    """A run's budget in its summary: runs (``--examples``), and then no
+    time budget (as review's JSON says), or seconds."""
+    summary["examples_budget"] = examples
+    if examples is not None:
+        summary["budget_s"] = None
 
 
 def get_claim_costs(costs: dict[str, list], actions: int) -> list[dict]:
@@ -870,10 +875,16 @@ def check_report_options(junit: Path | None, markdown: Path | None,
     """Bad report paths or run counts are one line before anything runs."""
     for option, path in (("--junit", junit), ("--markdown", markdown)):
         if path is not None:
-            if path.is_dir():
-                fail(f"{option} {shown(path)}: is a directory, not a file to write")
-            check_writable_dir(path.parent, option)
+            check_writable_file(path, option)
     check_examples(examples)
+
+
+def check_writable_file(path: Path, option: str) -> None:
+    """``path`` is no directory and its directory takes a new file: checked
+    before a run starts (``check_writable_dir``)."""
+    if path.is_dir():
+        fail(f"{option} {shown(path)}: is a directory, not a file to write")
+    check_writable_dir(path.parent, option)
 
 
 def check_examples(examples: int | None) -> None:
@@ -1256,9 +1267,7 @@ def export_test(trace: Path = typer.Argument(..., help="a trace of the vllm targ
     if name is not None and not name.isidentifier():
         fail(f"--name: {shown(name, 60)} is not a Python identifier")
     if out is not None:  # before the recording (vLLM's import, the run): not after
-        if out.is_dir():
-            fail(f"-o {shown(out)}: is a directory, not a file to write")
-        check_writable_dir(out.parent, "-o")
+        check_writable_file(out, "-o")
     use_found_on_source([trace], [data], [named], vllm)
     try:
         recording = record(trace, target)

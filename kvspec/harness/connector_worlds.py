@@ -1404,9 +1404,8 @@ def get_lookup_answer_problem(answer) -> str:
     an integer (a bool there is a swapped pair) or None, and whose flag is a
     bool (an integer's truth is unambiguous too, numpy's included; a string
     "False" is true)."""
-    if not (isinstance(answer, tuple) and len(answer) == 2):
-        size = f" of {len(answer)}" if isinstance(answer, (tuple, list)) else ""
-        return f"{name_type(answer)}{size}, not a pair"
+    if not is_pair(answer):
+        return get_not_a_pair(answer)
     count, is_async = answer
     if not (count is None or is_int(count)):
         return f"num_tokens is {name_type(count)}, not an int or None"
@@ -1419,15 +1418,24 @@ def get_finish_answer_problem(answer) -> str:
     """What is wrong with ``request_finished``'s answer ("": nothing): a pair
     of a bool (an integer's truth is plain, numpy's bool too) and a dict or
     None."""
-    if not (isinstance(answer, tuple) and len(answer) == 2):
-        size = f" of {len(answer)}" if isinstance(answer, (tuple, list)) else ""
-        return f"{name_type(answer)}{size}, not a pair"
+    if not is_pair(answer):
+        return get_not_a_pair(answer)
     delay, params = answer
     if not (isinstance(delay, numbers.Integral) or is_numpy_bool(delay)):
         return f"delay_free_blocks is {name_type(delay)}, not a bool"
     if not (params is None or isinstance(params, dict)):
         return f"kv_transfer_params is {name_type(params)}, not a dict or None"
     return ""
+
+
+def is_pair(answer) -> bool:
+    """A tuple of two: the shape every pair-valued connector answer has."""
+    return isinstance(answer, tuple) and len(answer) == 2
+
+
+def get_not_a_pair(answer) -> str:
+    size = f" of {len(answer)}" if isinstance(answer, (tuple, list)) else ""
+    return f"{name_type(answer)}{size}, not a pair"
 
 
 def is_int(value) -> bool:

@@ -155,11 +155,11 @@ def get_place(frame) -> str:
     source's line where kvspec patched the module): shown under a crash whose
     message names no place (a TypeError deep in vLLM), never in the message,
     which recorded verdicts compare."""
-    from kvspec.harness.vllm_patches import source_place
-    filename, lineno, in_patch = source_place(frame.filename, frame.lineno)
-    path = filename.replace("\\", "/")
-    short = path[path.rindex("/vllm/") + 1:] if "/vllm/" in path else os.path.relpath(path)
-    return f"{short}:{lineno} in {frame.name}" + (" (in kvspec's fix)" if in_patch else "")
+    from kvspec.harness.vllm_patches import get_shown_place
+    short, lineno = get_shown_place(frame.filename, frame.lineno)
+    if os.path.isabs(short):  # not vLLM's: the reference's, a connector's
+        short = os.path.relpath(short)
+    return f"{short}:{lineno} in {frame.name}"
 
 
 class BudgetSpent(Exception):

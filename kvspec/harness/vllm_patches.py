@@ -390,6 +390,16 @@ def source_place(filename: str, line: int) -> tuple[str, int, bool]:
 _line_maps: dict[str, dict[int, int]] = {}
 
 
+def get_shown_place(filename: str, line: int) -> tuple[str, int]:
+    """A place as a report shows it: the source's file from ``vllm/`` on
+    (another path as it is), " (in kvspec's fix)" where the line is the
+    patch's own (``source_place``), and its line."""
+    filename, line, in_patch = source_place(filename, line)
+    path = filename.replace("\\", "/")
+    short = path[path.rindex("/vllm/") + 1:] if "/vllm/" in path else path
+    return short + (" (in kvspec's fix)" if in_patch else ""), line
+
+
 #: modules that subclass or build a class of another module: executed again when
 #: that module is patched, so that (say) AsyncScheduler inherits the patched
 #: Scheduler and the Scheduler builds the patched KVCacheManager (listed so that

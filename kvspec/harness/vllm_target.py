@@ -650,13 +650,9 @@ def _located(exc: AssertionError) -> AssertionError:
     inner = inside[-1] if inside else (frames[-1] if frames else None)
     if inner is None:
         return exc
-    from kvspec.harness.vllm_patches import source_place
+    from kvspec.harness.vllm_patches import get_shown_place
     # a module kvspec patched runs under its own name: tell the source's line
-    filename, lineno, in_patch = source_place(inner.filename, inner.lineno)
-    path = filename.replace("\\", "/")
-    short = path[path.rindex("/vllm/") + 1:] if "/vllm/" in path else path
-    if in_patch:
-        short += " (in kvspec's fix)"
+    short, lineno = get_shown_place(inner.filename, inner.lineno)
     detail = f" ({exc})" if str(exc) else ""
     return AssertionError(f"{short}:{lineno}: {inner.line}{detail}")
 
