@@ -137,3 +137,59 @@ def test_a_scheduler_output_with_lists_of_the_wrong_length_is_the_targets():
     assert blame(observer.get_step_view, out, {}) == "target_crashed"
     cached.num_computed_tokens = [16, 8]
     assert observer.get_step_view(out, {}).num_computed_before == {"a": 16, "b": 8}
+
+
+def crash_of(fn, *args):
+    return RUNNER["apply"](fn, *args)
+
+
+def test_a_re_raised_vllm_assert_is_placed_at_vllms_line():
+    """vLLM's bare asserts are re-raised with their place by the adapter's
+    context manager: the place under the crash is vLLM's line, not the
+    adapter's ``raise ... from``."""
+    inner = define(VLLM_FILE, "def schedule(x):\n    assert x > 0\n")
+    adapter = define(HARNESS_DIR + "vllm_target.py",
+                     "def located(x):\n    try:\n        schedule(x)\n"
+                     "    except AssertionError as exc:\n"
+                     "        raise AssertionError('scheduler.py:2: assert x > 0') from exc\n",
+                     schedule=inner["schedule"])
+    crash = crash_of(adapter["located"], -1)
+    assert crash.invariant == "target_crashed"
+    assert crash.doc.endswith("scheduler.py:2 in schedule."), crash.doc
+    assert "vllm_target.py" not in crash.doc
+
+
+def test_a_connector_crash_names_the_vllm_call_that_led_there():
+    """A connector's method raising, called by vLLM's scheduler: both places,
+    so its author sees which call of theirs broke and where vLLM made it."""
+    conn = define("/tmp/my_pkg/my_connector.py",
+                  "def request_finished(r):\n    return r.missing\n")
+    calls = define(VLLM_FILE, "def finish(r):\n    return request_finished(r)\n",
+                   request_finished=conn["request_finished"])
+    crash = crash_of(calls["finish"], Renamed())
+    assert crash.invariant == "target_crashed"
+    assert crash.doc.endswith("my_connector.py:2 in request_finished, called from "
+                              "vllm/v1/core/sched/scheduler.py:2 in finish."), crash.doc
+
+
+def test_kvspec_debug_prints_a_crashs_traceback(monkeypatch, capsys):
+    inner = define(VLLM_FILE, "def schedule(x):\n    return x.gone\n")
+    monkeypatch.setenv("KVSPEC_DEBUG", "1")
+    crash_of(inner["schedule"], Renamed())
+    err = capsys.readouterr().err
+    assert "Traceback" in err and 'scheduler.py", line 2, in schedule' in err
+    assert "AttributeError: 'Renamed' object has no attribute 'gone'" in err
+
+
+def test_a_crash_after_answers_beyond_the_contract_does_not_call_its_call_legal():
+    """A finding replayed with an arrival marked ``beyond_contract`` (a
+    connector answering as no in-tree one does): the crash says so."""
+    from kvspec.harness.runner import describe_crash_beyond_contract
+    inner = define(VLLM_FILE, "def schedule(x):\n    assert x > 0\n")
+    crash = crash_of(inner["schedule"], -1)
+    assert "legal call" in crash.doc
+    one = describe_crash_beyond_contract(crash, ["r0"])
+    assert "legal" not in one.doc and "r0 is an arrival marked beyond_contract" in one.doc
+    assert one.doc.endswith("scheduler.py:2 in schedule.") and one.message == crash.message
+    two = describe_crash_beyond_contract(crash, ["r0", "r2"])
+    assert "r0, r2 are arrivals marked beyond_contract" in two.doc

@@ -112,12 +112,14 @@ KVSPEC_CRASHED = ("kvspec's own code (its model or the harness judging the targe
 
 
 def _frames(exc: BaseException) -> list:
-    """The frames of ``exc`` and of the exceptions it was raised from, outermost
-    first, leaving out library code (the standard library, attrs)."""
+    """The frames of ``exc`` and then of the exceptions it was raised from,
+    leaving out library code (the standard library, attrs): the last is where
+    the first of them raised (under a re-raise such as vLLM's located asserts,
+    the line in vLLM, not the adapter's ``raise ... from``)."""
     chain, seen = [], set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        chain = traceback.extract_tb(exc.__traceback__) + chain
+        chain += traceback.extract_tb(exc.__traceback__)
         exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return [f for f in chain if not f.filename.startswith("<") and not is_library(f.filename)]
 
@@ -145,16 +147,43 @@ def describe_crash(exc: Exception) -> Violation:
         where = f"{os.path.relpath(last.filename, top)}:{last.lineno}"
         return Violation("kvspec_crashed", f"{type(exc).__name__} at {where}: {exc}",
                          KVSPEC_CRASHED)
-    where = f", at {get_place(last)}" if last is not None else ""
+    if os.environ.get("KVSPEC_DEBUG"):
+        traceback.print_exception(exc)
+    where = f", at {get_where(frames)}" if last is not None else ""
     return Violation("target_crashed", f"{type(exc).__name__}: {exc}",
                      f"The target raised while handling a legal call{where}.")
 
 
+#: the doc of a crash after answers the in-tree connectors never give
+BEYOND_CONTRACT_CRASH = ("The target raised after a connector answer outside the in-tree "
+                         "connectors' contract ({ids} marked beyond_contract, stepping outside "
+                         "it on purpose){where}.")
+
+
+def describe_crash_beyond_contract(crash: Violation, request_ids: list[str]) -> Violation:
+    """A crash in a run whose connector answered as no in-tree connector does
+    (a finding replayed that way): its call was not a legal one, so say so."""
+    where = crash.doc.removeprefix("The target raised while handling a legal call")[:-1]
+    ids = (f"{request_ids[0]} is an arrival" if len(request_ids) == 1
+           else f"{', '.join(request_ids)} are arrivals")
+    return attrs.evolve(crash, doc=BEYOND_CONTRACT_CRASH.format(ids=ids, where=where))
+
+
+def get_where(frames: list) -> str:
+    """Where a crash raised, and the call that led there when that came from
+    another file (a connector's method called by vLLM's scheduler)."""
+    last = frames[-1]
+    callers = [f for f in frames[:-1] if f.filename != last.filename]
+    if not callers or os.path.realpath(callers[-1].filename).startswith(HARNESS_DIR):
+        return get_place(last)  # kvspec's adapter calling the target says nothing
+    return f"{get_place(last)}, called from {get_place(callers[-1])}"
+
+
 def get_place(frame) -> str:
-    """``vllm/.../file.py:LINE in function`` of the frame that raised (the
-    source's line where kvspec patched the module): shown under a crash whose
-    message names no place (a TypeError deep in vLLM), never in the message,
-    which recorded verdicts compare."""
+    """``vllm/.../file.py:LINE in function`` of a frame (the source's line where
+    kvspec patched the module): shown under a crash whose message names no
+    place (a TypeError deep in vLLM), never in the message, which recorded
+    verdicts compare."""
     from kvspec.harness.vllm_patches import get_shown_place
     short, lineno = get_shown_place(frame.filename, frame.lineno)
     if os.path.isabs(short):  # not vLLM's: the reference's, a connector's
@@ -235,6 +264,7 @@ class Runner:
         # the connector's answers first: a breach of its contract is the cause
         # of whatever the scheduler then did with them (a crash included)
         calls = self.env.take_calls()
+        violations = [self._get_crash_doc(v) for v in violations]
         shown_calls, self._calls_shown = calls[self._calls_shown:], 0
         violations = self.checker.check_calls(calls) + violations
         if any(v.invariant in ANSWER_TYPE_CLAIMS for v in violations):
@@ -248,6 +278,15 @@ class Runner:
                 self.config, list(self.actions), list(self.log), self.kv))
         if len(lost) < len(violations):  # only safety and design claims stop a run
             raise Counterexample([v for v in violations if v not in lost], self)
+
+    def _get_crash_doc(self, violation: Violation) -> Violation:
+        """A target crash, said to follow answers outside the connector
+        contract when the run has arrivals marked ``beyond_contract``."""
+        beyond = [rid for rid, plan in getattr(self.env, "plans", {}).items()
+                  if plan.beyond_contract]
+        if violation.invariant != "target_crashed" or not beyond:
+            return violation
+        return describe_crash_beyond_contract(violation, beyond)
 
     def _take_unshown_calls(self) -> list:
         """The connector calls since the last row that showed its own (they
