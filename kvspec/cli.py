@@ -47,7 +47,9 @@ PROGRESS_EVERY = 10.0
 
 
 # (help text is Rich markup: a literal "[" is written "\\[")
-BUDGET_HELP = "time budget, shrinking included: 60s (the default), 10m; or --examples"
+BUDGET_HELP = (
+    "time budget, shrinking included: 60s (the default), 10m; or --examples. Start-up (vLLM's "
+    "import, about 10 s on 2 cores) comes on top")
 #: the budget of check and fuzz without --budget or --examples
 DEFAULT_BUDGET = "60s"
 DB_HELP = ("Hypothesis example database, replayed first by every run: a directory, "

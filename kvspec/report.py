@@ -215,9 +215,11 @@ def get_connector_silence(target: str, features: dict) -> dict[str, str]:
     """For a real connector (``--connector``) whose world says it never does
     what a claim needs (an asynchronous load, a failed load, a delayed free)
     and whose run shows none either (``features``: a subclass may differ):
-    its own code rules the claim out, so no budget reaches it. A connector
-    kvspec knows less of (None), or a run that showed it, gets no reason."""
-    from kvspec.harness.connector_worlds import get_world
+    its own code rules the claim out, so no budget reaches it. An out-of-tree
+    connector kvspec knows nothing of, whose run showed none: perhaps its code
+    never does (a longer run would not help then). One whose transfers
+    kvspec's world draws (None there), or a run that showed it, gets no reason."""
+    from kvspec.harness.connector_worlds import get_world, is_generic_world
     from kvspec.harness.targets import parse_connector_choice
     try:
         choice = parse_connector_choice(target)
@@ -226,12 +228,20 @@ def get_connector_silence(target: str, features: dict) -> dict[str, str]:
         return {}
     if world is None:
         return {}
-    silent = {c for c, (feature, _) in SILENCES.items()
-              if getattr(world, c) is False and not features.get(feature, 0)}
+    # unknown (None) counts for a connector whose answers alone decide (no
+    # world of kvspec's draws its transfers): what the run showed is all there is
+    maybe = (False, None) if is_generic_world(world) else (False,)
+    quiet = {c: getattr(world, c) for c, (feature, _) in SILENCES.items()
+             if getattr(world, c) in maybe and not features.get(feature, 0)}
     world.close()  # built only to be asked (ExampleWorld makes a folder)
-    return {claim: f"{choice.name} " + " and ".join(SILENCES[c][1] for c in needs) +
-            ": its own code rules this claim out, so no budget reaches it"
-            for claim, needs in SILENT_CONNECTOR_CLAIMS.items() if set(needs) <= silent}
+    out = {}
+    for claim, needs in SILENT_CONNECTOR_CLAIMS.items():
+        if set(needs) <= set(quiet):
+            out[claim] = f"{choice.name.rsplit(':', 1)[-1]} " + " and ".join(SILENCES[c][1] for c in needs) + (
+                ": its own code rules this claim out, so no budget reaches it"
+                if all(quiet[c] is False for c in needs) else
+                " in this run: if its code never does, no budget reaches it")
+    return out
 
 
 def get_unseen(target: str) -> dict[str, str]:

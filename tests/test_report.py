@@ -110,3 +110,20 @@ def test_a_crash_says_where_it_raised_beside_its_message():
     assert crash.invariant == "target_crashed"
     assert crash.message == "TypeError: cannot unpack non-iterable bool object"
     assert "test_report.py:" in crash.doc and crash.doc.endswith(" in unpack_the_answer.")
+
+
+def test_an_out_of_tree_connector_that_never_loaded_async_is_not_promised_a_longer_run():
+    """A connector kvspec knows nothing of (a generic world) that answered no
+    asynchronous load and delayed no free in the run: the reason says so and
+    that no budget helps if its code never does, rather than "a longer run may
+    reach it". One that did in the run gets no such reason."""
+    pytest.importorskip("vllm", reason="needs vLLM to look the connector up")
+    from kvspec.report import SILENT_CONNECTOR_CLAIMS, get_connector_silence
+    target = "vllm?connector=model_tests.connectors.async_store:AsyncPrefixStore"
+    silent = get_connector_silence(target, {"async_loads": 0})
+    assert set(silent) == set(SILENT_CONNECTOR_CLAIMS) - {"no_caching_of_invalid_blocks"}
+    assert silent["async_load_has_tokens"] == (
+        "AsyncPrefixStore answers no asynchronous load in this run: if its code never does, "
+        "no budget reaches it")
+    assert "never delays a finished request's free" in silent["send_source_intact"]
+    assert "async_load_has_tokens" not in get_connector_silence(target, {"async_loads": 2})
