@@ -146,7 +146,7 @@ def test_recompute_failed_block_not_served_from_prefix_cache():
 
     num_hit_tokens = get_num_hit_tokens("request2")
     assert num_hit_tokens <= block_size, (
-        f"a new request with request 1's prompt gets a {num_hit_tokens}-token prefix "
+        f"a new request extending request 1's prompt gets a {num_hit_tokens}-token prefix "
         f"hit: block ids {req1_block_ids[1:]} (indices 1-3), from the failed block "
         "on, are served from the prefix cache before being recomputed"
     )
