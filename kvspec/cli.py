@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import attrs
@@ -1402,7 +1403,19 @@ def prove(as_json: bool = typer.Option(False, "--json", help="machine-readable o
             else:  # --only left out every obligation that establishes it
                 verdict = "not judged: no obligation of it was run (--only)"
             console.print(f"card claim {claim}: {verdict}")
+        console.print(describe_proofs(rows, total))
     raise typer.Exit(0 if all(row["ok"] for row in rows) else 1)
+
+
+def describe_proofs(rows: list[dict], seconds: float) -> str:
+    """``kvspec prove``'s last line: every obligation held, or which did not."""
+    bad = [row["name"] for row in rows if not row["ok"] or row["vacuous"]]
+    kinds = Counter(row["kind"] for row in rows)
+    counts = ", ".join(f"{n} {kind}{'s' if n != 1 else ''}" for kind, n in sorted(kinds.items()))
+    if bad:
+        return (f"prove: [red]{len(bad)} of {len(rows)} obligations did not hold[/]: "
+                f"{', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''} ({seconds:.1f}s)")
+    return f"prove: every obligation holds ({counts}) in {seconds:.1f}s"
 
 
 @app.command("bmc")
