@@ -66,3 +66,20 @@ def test_long_noise_goes_in_runs_not_one_replay_per_action(monkeypatch):
     assert not any(a.get("id", "").startswith("x") for a in smaller.runner.actions)
     assert len(smaller.runner.actions) <= len(data["actions"])
     assert len(replays) < 40, len(replays)  # 17 here; one action at a time took 132
+
+
+def test_arguments_that_change_nothing_are_dropped():
+    """A step naming a request in ``finish_sends`` and ``finish_loads`` that
+    has no send or async load to act on (legal no-ops the fuzzer makes): the step table
+    is as long without them, and they go all the same, so a shrunk trace
+    says only what the failure needs."""
+    data = load_trace(REGRESSION)
+    noisy = list(data["actions"])
+    noisy[-1] = {**noisy[-1], "finish_sends": ["r0"], "finish_loads": ["r0"]}
+    failure = replay_actions(TARGET, data["config"], noisy)
+    assert failure is not None
+    smaller = minimize(TARGET, failure)
+    step = [a for a in smaller.runner.actions if a["op"] == "step"][-1]
+    assert not step.get("finish_sends") and not step.get("finish_loads"), step
+    claim = data["verdict"][0]["invariant"]
+    assert claim in {v.invariant for v in smaller.violations}

@@ -57,6 +57,11 @@ def _candidates(config: Config, actions: list[dict]):
             if action.get(key):
                 yield config, (actions[:i] + [{k: v for k, v in action.items() if k != key}]
                                + actions[i + 1:])
+        for key in REQUEST_ARGS:
+            named = action.get(key) or ()
+            for rid in named if len(named) > 1 else ():
+                less = {**action, key: [r for r in named if r != rid]}
+                yield config, actions[:i] + [less] + actions[i + 1:]
     for i, action in enumerate(actions):
         if action["op"] == "add":
             for simpler in _add_simplifications(action):
@@ -124,8 +129,23 @@ def _config_simplifications(config: Config):
         yield {"groups": config.groups[:-1]}
 
 
-def _size(failure: Counterexample) -> tuple[int, int]:
-    return len(failure.runner.log), len(failure.runner.actions)
+def _size(failure: Counterexample) -> tuple[int, int, int]:
+    """Step-table rows, then actions, then the arguments they set: a step
+    argument that changes nothing (``fail`` of a request with no load in
+    flight) is dropped too, though the table stays as long."""
+    actions = failure.runner.actions
+    return len(failure.runner.log), len(actions), sum(map(_count_arguments, actions))
+
+
+def _count_arguments(action: dict) -> int:
+    """The step arguments an action sets, a request named in one counting once,
+    and an arrival's flags."""
+    if action["op"] == "step":
+        return sum(len(action[k]) if k in REQUEST_ARGS else 1
+                   for k in STEP_ARGS if action.get(k))
+    if action["op"] == "add":
+        return sum(1 for k in ADD_FLAGS if action.get(k))
+    return 0
 
 
 def minimize(target: str, failure: Counterexample, kinds=ALL_KINDS,
