@@ -257,10 +257,12 @@ def get_unseen(target: str) -> dict[str, str]:
     if not generic:
         return {}
     why = (f"{choice.name} derives from no in-tree connector kvspec plays, so kvspec does not "
-           "see its transfers" + ("" if probed else
-                                  f" or its store (a {STORE_PROBE} method would show it)"))
-    return {claim: why for claim in WORLD_CLAIMS
-            if not (probed and claim == "hit_within_stored")}
+           "see its transfers")
+    out = {claim: why for claim in WORLD_CLAIMS if claim != "hit_within_stored"}
+    if not probed:  # the store probe shows the store, which only this claim reads
+        out["hit_within_stored"] = (why + f" or its store (a {STORE_PROBE} method would "
+                                    "show it)")
+    return out
 
 
 def known_table(known: dict) -> Table:

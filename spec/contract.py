@@ -66,6 +66,11 @@ class ConnectorCall(Witnessing):
     #: lookup: the answer as given, when it is not of the API's types
     #: (``num_external`` is then None: no other claim reads it)
     malformed: str = ""
+    #: report: a transfer ("load" or "send") the connector's
+    #: ``update_connector_output`` added to the worker's report, and what was
+    #: known of it (``REPORT_STATES``)
+    transfer: str = ""
+    report_state: str = ""
 
     witnessed: int = 0
 
@@ -268,6 +273,43 @@ def finish_answer_has_the_api_types(c: ConnectorCall) -> Iterator[str]:
     if c.malformed:
         yield (f"{c.request_id}: request_finished answered {c.malformed}, not "
                "(delay_free_blocks, kv_transfer_params or None)")
+
+
+#: what was known of a transfer a connector's ``update_connector_output``
+#: added to the worker's report: a report it held back earlier (passed on
+#: late, which the API allows) or one it had no worker report of
+REPORT_STATES = {
+    "withheld": "",
+    "passed_on": "the worker's report of it was already passed on",
+    "in_flight": "the worker has not reported it finished",
+    "never_started": "no asynchronous load of it was started",
+    "not_delayed": "request_finished did not delay its free",
+}
+
+
+@invariant(cites="Scheduler._update_from_kv_xfer_finished (scheduler.py): calls "
+                 "update_connector_output, then trusts finished_recving and finished_sending "
+                 "(vLLM 0.32 asserts each request's status)", kind="connector",
+           role="contract", action="report", unwitnessed_because="""
+           judges a connector whose update_connector_output adds transfers to the worker's
+           report (held back ones passed on later); kvspec's own connector and most in-tree
+           ones never add any""")
+def report_names_finished_transfers(c: ConnectorCall) -> Iterator[str]:
+    """A connector's ``update_connector_output`` adds to the worker's report
+    only transfers the worker reported finished: a load or send it held back
+    from an earlier report may be passed on late, no other.
+
+    Protects the scheduler, which trusts the report after that call: a load
+    named finished before its KV landed is computed on (the step reads blocks
+    nothing wrote), one never started or named twice fails vLLM's status
+    asserts, and a send named finished frees blocks still read, or a request
+    already gone. Such a crash reads as the scheduler's; the claim names the
+    connector."""
+    c.witness()
+    why = REPORT_STATES.get(c.report_state, c.report_state)
+    if why:
+        where = "finished_recving" if c.transfer == "load" else "finished_sending"
+        yield (f"{c.request_id}: update_connector_output added it to {where}, but {why}")
 
 
 @invariant(cites="KVConnectorBase_V1.request_finished (base.py): delay the free while blocks "

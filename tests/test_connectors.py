@@ -30,7 +30,8 @@ PLANTED = "model_tests.connectors.planted_example:"
 
 def test_the_contract_is_its_own_role_judging_connector_calls():
     assert CONTRACT and all(REGISTRY[n].kind == "connector" for n in CONTRACT)
-    assert {REGISTRY[n].action for n in CONTRACT} == {"lookup", "load", "store", "finish"}
+    assert {REGISTRY[n].action for n in CONTRACT} == {"lookup", "load", "store", "finish",
+                                                        "report"}
 
 
 def test_kvspecs_own_connector_keeps_the_contract_by_construction():
@@ -263,6 +264,58 @@ def test_a_lookup_in_the_drain_is_shown_on_the_drain_step_that_made_it():
     assert "lookups" not in lines[-1] and lines[-1] == "drain()", lines
 
 
+#: r0 stored, then r1's async load of its prefix given blocks, reported
+#: finished by the worker, and run to the end
+LOAD_ACTIONS = [
+    {"op": "add", "id": "r0", "prompt": [1, 2, 3, 4, 5], "max_tokens": 1},
+    {"op": "step"}, {"op": "step"}, {"op": "step", "finish_sends": ["r0"]},
+    {"op": "reset_prefix_cache"},
+    {"op": "add", "id": "r1", "prompt": [1, 2, 3, 4, 9], "max_tokens": 1},
+    {"op": "step"}, {"op": "step"}, {"op": "step", "finish_loads": ["r1"]}, {"op": "drain"}]
+
+
+@needs_vllm
+@pytest.mark.parametrize("connector, says", [
+    ("ReportsLoadEarly", "r1: update_connector_output added it to finished_recving, but the "
+                         "worker has not reported it finished"),
+    ("HoldsBackLoadsOnce", None),
+    # numpy counts: vLLM computes on with them; kvspec's stand-in sampler once
+    # turned them into numpy tokens, which vLLM rejects (a crash of kvspec's making)
+    ("AnswersANumpyCount", None),
+])
+def test_a_connector_that_adds_to_the_workers_report_is_judged(connector, says):
+    """``update_connector_output`` may rewrite the worker's report before the
+    scheduler trusts it: a load passed on late keeps the contract; one named
+    finished before the worker reported it is the connector's breach, at the
+    call (report_names_finished_transfers)."""
+    runner = Runner("vllm?connector=model_tests.connectors.async_store:" + connector,
+                    make_config(block_size=2, num_blocks=12, max_num_batched_tokens=8))
+    found = runner.run(LOAD_ACTIONS)
+    if says is None:
+        assert found is None, found.violations
+        assert runner.checker.witnessed["report_names_finished_transfers"] >= (
+            connector == "HoldsBackLoadsOnce")
+        return
+    assert found is not None
+    first = found.violations[0]
+    assert (first.invariant, first.message) == ("report_names_finished_transfers", says)
+
+
+@needs_vllm
+def test_a_load_report_a_connector_drops_is_named_in_the_hang():
+    """A connector that takes the worker's report of a finished load out and
+    never passes it on leaves the request waiting: the hang says whose doing."""
+    runner = Runner("vllm?connector=model_tests.connectors.async_store:DropsFinishedLoads",
+                    make_config(block_size=2, num_blocks=12, max_num_batched_tokens=8))
+    found = runner.run(LOAD_ACTIONS)
+    assert found is not None
+    hang = next(v for v in found.violations if v.invariant == "every_request_finishes")
+    assert hang.message.startswith("r1 still WAITING_FOR_REMOTE_KVS"), hang.message
+    assert hang.message.endswith("its connector's update_connector_output took the worker's "
+                                 "report of its finished load out of finished_recving and has "
+                                 "not passed it on"), hang.message
+
+
 def _run_store(connector: str, prompt: list[int]):
     """r0's prompt stored (its send reported), the local prefix cache reset, then
     r1 looked up on the connector's store alone."""
@@ -345,6 +398,9 @@ def test_the_never_witnessed_lines_say_whether_kvspec_sees_the_store():
     assert "does not see its transfers" in unseen["store_reads_computed_kv"]
     blind = get_unseen(base + "NoStoreProbe")
     assert "or its store (a kvspec_stored_end method would show it)" in blind["hit_within_stored"]
+    # the probe shows the store, not the transfers: the other claims do not suggest it
+    assert "kvspec_stored_end" not in blind["store_reads_computed_kv"]
+    assert "kvspec_stored_end" not in blind["delay_covers_reads_in_flight"]
 
 
 @needs_vllm

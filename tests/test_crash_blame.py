@@ -168,6 +168,7 @@ def test_a_connector_crash_names_the_vllm_call_that_led_there():
                    request_finished=conn["request_finished"])
     crash = crash_of(calls["finish"], Renamed())
     assert crash.invariant == "target_crashed"
+    assert crash.doc.startswith("The connector's own code raised, at "), crash.doc
     assert crash.doc.endswith("my_connector.py:2 in request_finished, called from "
                               "vllm/v1/core/sched/scheduler.py:2 in finish."), crash.doc
 
@@ -193,3 +194,32 @@ def test_a_crash_after_answers_beyond_the_contract_does_not_call_its_call_legal(
     assert one.doc.endswith("scheduler.py:2 in schedule.") and one.message == crash.message
     two = describe_crash_beyond_contract(crash, ["r0", "r2"])
     assert "r0, r2 are arrivals marked beyond_contract" in two.doc
+
+
+def test_a_crash_raised_while_handling_a_counterexample_is_placed_in_the_target():
+    """Hypothesis runs an example again inside its handler of the last one's
+    counterexample: that counterexample is the crash's context, not its cause,
+    and the place stays the target's line."""
+    from kvspec.harness.steplog import Counterexample
+    inner = define(VLLM_FILE, "def schedule(x):\n    return x.gone\n")
+
+    def again():
+        try:
+            raise Counterexample([], None)
+        except Counterexample:
+            return crash_of(inner["schedule"], Renamed())
+    crash = again()
+    assert crash.invariant == "target_crashed"
+    assert crash.doc.endswith(", at vllm/v1/core/sched/scheduler.py:2 in schedule."), crash.doc
+
+
+def test_a_crash_after_a_contract_breach_says_the_breach_came_first():
+    from kvspec.harness.runner import describe_crash_after_breach
+    from kvspec.spec.registry import Violation
+    inner = define(VLLM_FILE, "def schedule(x):\n    assert x > 0\n")
+    crash = crash_of(inner["schedule"], -1)
+    breach = Violation("hit_within_uncomputed_tokens", "r1: the connector claimed 8")
+    after = describe_crash_after_breach(crash, [breach, breach])
+    assert after.doc == ("The target raised after the connector broke its contract "
+                         "(hit_within_uncomputed_tokens, above), at "
+                         "vllm/v1/core/sched/scheduler.py:2 in schedule.")

@@ -35,6 +35,7 @@ import numbers
 import os
 import tempfile
 import urllib.parse
+from collections import Counter
 
 import attrs
 
@@ -1453,6 +1454,10 @@ def is_numpy_bool(value) -> bool:
     return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
 
 
+#: a transfer's field of the worker's report (``KVConnectorOutput``)
+REPORT_FIELDS = {"load": "finished_recving", "send": "finished_sending"}
+
+
 class ConnectorProbe:
     """Wraps one connector instance's scheduler-side methods (instance
     attributes shadow the class's, so ``isinstance`` checks vLLM makes, such
@@ -1462,12 +1467,45 @@ class ConnectorProbe:
         self.connector, self.target, self.world, self.env = connector, target, world, target.env
         #: request id -> whether its latest hit loads asynchronously
         self.is_async: dict[str, bool] = {}
+        #: per transfer ("load", "send"): the requests whose transfer was
+        #: started (an async load given blocks, a delayed free), the worker
+        #: reported finished, and the scheduler was told of, each counted
+        self.started = {"load": Counter(), "send": Counter()}
+        self.reported = {"load": Counter(), "send": Counter()}
+        self.passed = {"load": Counter(), "send": Counter()}
         for name in ("get_num_new_matched_tokens", "update_state_after_alloc",
                      "build_connector_meta", "request_finished",
                      "request_finished_all_groups"):
             inner = getattr(connector, name, None)
             if inner is not None:
                 setattr(connector, name, self._wrap(name, inner))
+        inner = connector.update_connector_output
+        connector.update_connector_output = lambda output: self._report(inner, output)
+
+    def _report(self, inner, output) -> None:
+        """``update_connector_output``: what the connector adds to the worker's
+        report (``finished_recving``, ``finished_sending``) is judged against
+        what the worker reported (``report_names_finished_transfers``)."""
+        before = {kind: set(getattr(output, REPORT_FIELDS[kind]) or ()) for kind in REPORT_FIELDS}
+        inner(output)
+        for kind, field in REPORT_FIELDS.items():
+            after = set(getattr(output, field) or ())
+            self.reported[kind].update(before[kind])
+            for rid in sorted(after - before[kind]):
+                self.env.record_report(rid, kind, self._get_report_state(kind, rid))
+            self.passed[kind].update(after)
+        self.env.held_back = {rid for rid, n in self.reported["load"].items()
+                              if n > self.passed["load"][rid]}
+
+    def _get_report_state(self, kind: str, rid: str) -> str:
+        """What was known of a transfer the connector added to a report."""
+        if self.reported[kind][rid] > self.passed[kind][rid]:
+            return "withheld"
+        if self.started[kind][rid] > self.reported[kind][rid]:
+            return "in_flight"
+        if self.passed[kind][rid]:
+            return "passed_on"
+        return "never_started" if kind == "load" else "not_delayed"
 
     def _wrap(self, name, inner):
         after = getattr(self, "_after_" + name)
@@ -1493,6 +1531,7 @@ class ConnectorProbe:
         if num_external_tokens <= 0:
             return
         rid = request.request_id
+        self.started["load"][rid] += self.is_async.get(rid, False)
         ids = self.target.get_spec_tables(blocks.get_block_ids())
         self.target._note_load(rid, ids)
         start, _ = self.env.answers.get(rid, (request.num_computed_tokens, 0))
@@ -1512,6 +1551,7 @@ class ConnectorProbe:
                                        "not (delay_free_blocks, kv_transfer_params or None)")
         delay = bool(answer[0])
         rid = request.request_id
+        self.started["send"][rid] += delay
         self.env.content.cancel_load(rid)
         tables = self.target.get_spec_tables(block_ids)
         if delay and any(b != NULL_BLOCK for t in tables for b in t):

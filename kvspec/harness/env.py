@@ -46,8 +46,10 @@ VOCAB = 7
 
 
 def sampled_token(request_id: str, position: int) -> int:
-    """The model's deterministic token at a position (never EOS)."""
-    return 1 + (sum(map(ord, request_id)) * 31 + position * 17) % VOCAB
+    """The model's deterministic token at a position (never EOS): a Python
+    int, as a real sampler's ``tolist()`` gives, whatever type the position
+    came in (a connector may answer a numpy int hit)."""
+    return 1 + (sum(map(ord, request_id)) * 31 + int(position) * 17) % VOCAB
 
 
 def draft_token(request_id: str, position: int, k: int) -> int:
@@ -102,6 +104,10 @@ class EnvConnector:
         self.plans: dict[str, RequestSpec] = {}
         #: requests whose latest lookup answered "not known yet" (None)
         self.undecided: set[str] = set()
+        #: requests whose finished load a real connector's
+        #: ``update_connector_output`` took out of the worker's report and has
+        #: not passed on since
+        self.held_back: set[str] = set()
         self.none_left: dict[str, int] = {}
         self.offloaded: dict[str, int] = {}
         #: the latest answer per request: (num_local, num_external); a load
@@ -246,6 +252,13 @@ class EnvConnector:
         request is."""
         self.calls.append(ConnectorCall("finish", request_id, reads_in_flight=None,
                                         malformed=f"{repr(answer)[:200]} ({problem})"))
+
+    def record_report(self, request_id: str, transfer: str, state: str) -> None:
+        """A transfer a connector's ``update_connector_output`` added to the
+        worker's report, and what was known of it (``REPORT_STATES``)."""
+        if self.is_judged(request_id):
+            self.calls.append(ConnectorCall("report", request_id, transfer=transfer,
+                                            report_state=state))
 
     def record_finish(self, request_id: str, delay: bool, reads_in_flight: bool | None) -> None:
         if self.is_judged(request_id):

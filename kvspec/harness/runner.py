@@ -54,14 +54,19 @@ ENVIRONMENT_CONTRACT = ("The environment answered outside the connector contract
 PLAN_KEYS = frozenset({"ext", "async", "none", "send", "offload"})
 
 
-def note_undecided(v: Violation, undecided: set[str]) -> Violation:
-    """A request left waiting whose connector still answers "not known yet":
-    the message says so (the connector keeps it waiting, not the scheduler)."""
+def note_connector(v: Violation, env) -> Violation:
+    """A request left waiting by its connector, not the scheduler: its latest
+    lookup still answers "not known yet", or its connector took the worker's
+    report of its finished load out and never passed it on: the message says so."""
     rid = v.message.split(" ", 1)[0]
-    if rid not in undecided:
-        return v
-    return attrs.evolve(v, message=v.message + "; its connector's latest lookup answered "
-                        "'not known yet' (None), so the scheduler asks again each step")
+    if rid in env.undecided:
+        return attrs.evolve(v, message=v.message + "; its connector's latest lookup answered "
+                            "'not known yet' (None), so the scheduler asks again each step")
+    if rid in getattr(env, "held_back", ()):
+        return attrs.evolve(v, message=v.message + "; its connector's update_connector_output "
+                            "took the worker's report of its finished load out of "
+                            "finished_recving and has not passed it on")
+    return v
 
 
 def describe_lookup(c) -> str:
@@ -82,6 +87,7 @@ CONNECTOR_ANSWER = ("The connector answered outside the API's types, or its kvsp
 #: raised in here is kvspec's own bug, never the target's
 SPEC_DIR = os.path.realpath(kvspec.spec.__path__[0]) + os.sep
 HARNESS_DIR = os.path.dirname(os.path.realpath(__file__)) + os.sep
+KVSPEC_DIR = os.path.dirname(HARNESS_DIR[:-1]) + os.sep
 #: the harness's judging side: it observes and judges the target, never runs as
 #: part of it (unlike the adapters, kvspec's connectors, its fixes and mutants)
 JUDGING_MODULES = frozenset(HARNESS_DIR + f"{name}.py" for name in (
@@ -115,13 +121,21 @@ def _frames(exc: BaseException) -> list:
     """The frames of ``exc`` and then of the exceptions it was raised from,
     leaving out library code (the standard library, attrs): the last is where
     the first of them raised (under a re-raise such as vLLM's located asserts,
-    the line in vLLM, not the adapter's ``raise ... from``)."""
+    the line in vLLM, not the adapter's ``raise ... from``). A counterexample
+    it was raised while handling is kvspec's control flow, not its cause:
+    Hypothesis runs an example again inside its handler of the last one."""
     chain, seen = [], set()
-    while exc is not None and id(exc) not in seen:
+    while exc is not None and id(exc) not in seen and not is_control_flow(exc):
         seen.add(id(exc))
         chain += traceback.extract_tb(exc.__traceback__)
         exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return [f for f in chain if not f.filename.startswith("<") and not is_library(f.filename)]
+
+
+def is_control_flow(exc: BaseException) -> bool:
+    """kvspec's or Hypothesis's own exceptions for ending an example: what a
+    crash was raised while handling, never its cause."""
+    return isinstance(exc, Counterexample) or type(exc).__module__.startswith("hypothesis")
 
 
 #: the contract claims that name a connector answer outside the API's types
@@ -150,8 +164,30 @@ def describe_crash(exc: Exception) -> Violation:
     if os.environ.get("KVSPEC_DEBUG"):
         traceback.print_exception(exc)
     where = f", at {get_where(frames)}" if last is not None else ""
-    return Violation("target_crashed", f"{type(exc).__name__}: {exc}",
-                     f"The target raised while handling a legal call{where}.")
+    if last is not None and is_connectors(last.filename):
+        return Violation("target_crashed", f"{type(exc).__name__}: {exc}",
+                         f"The connector's own code raised{where}.")
+    return Violation("target_crashed", f"{type(exc).__name__}: {exc}", f"{LEGAL_CALL}{where}.")
+
+
+#: how a target crash's doc begins when nothing was wrong with what it was given
+LEGAL_CALL = "The target raised while handling a legal call"
+
+
+def describe_crash_after_breach(crash: Violation, breaches: list[Violation]) -> Violation:
+    """A crash in the action whose connector answers broke the contract: the
+    breach (listed first) is the cause, the crash what vLLM did with it."""
+    names = ", ".join(dict.fromkeys(v.invariant for v in breaches))
+    where = crash.doc.removeprefix(LEGAL_CALL)[:-1]
+    return attrs.evolve(crash, doc=f"The target raised after the connector broke its "
+                                   f"contract ({names}, above){where}.")
+
+
+def is_connectors(path: str) -> bool:
+    """A frame of neither vLLM nor kvspec: an out-of-tree connector's code
+    (or a package it calls), which vLLM ran on the connector's behalf."""
+    real = os.path.realpath(path).replace(os.sep, "/")
+    return "/vllm/" not in real and not real.startswith(KVSPEC_DIR)
 
 
 #: the doc of a crash after answers the in-tree connectors never give
@@ -163,7 +199,7 @@ BEYOND_CONTRACT_CRASH = ("The target raised after a connector answer outside the
 def describe_crash_beyond_contract(crash: Violation, request_ids: list[str]) -> Violation:
     """A crash in a run whose connector answered as no in-tree connector does
     (a finding replayed that way): its call was not a legal one, so say so."""
-    where = crash.doc.removeprefix("The target raised while handling a legal call")[:-1]
+    where = crash.doc.removeprefix(LEGAL_CALL)[:-1]
     ids = (f"{request_ids[0]} is an arrival" if len(request_ids) == 1
            else f"{', '.join(request_ids)} are arrivals")
     return attrs.evolve(crash, doc=BEYOND_CONTRACT_CRASH.format(ids=ids, where=where))
@@ -173,9 +209,12 @@ def get_where(frames: list) -> str:
     """Where a crash raised, and the call that led there when that came from
     another file (a connector's method called by vLLM's scheduler)."""
     last = frames[-1]
-    callers = [f for f in frames[:-1] if f.filename != last.filename]
-    if not callers or os.path.realpath(callers[-1].filename).startswith(HARNESS_DIR):
-        return get_place(last)  # kvspec's adapter calling the target says nothing
+    # kvspec's adapter calling the target, or its probe wrapping a connector
+    # method, says nothing: the caller shown is the target's own
+    callers = [f for f in frames[:-1] if f.filename != last.filename
+               and not os.path.realpath(f.filename).startswith(HARNESS_DIR)]
+    if not callers:
+        return get_place(last)
     return f"{get_place(last)}, called from {get_place(callers[-1])}"
 
 
@@ -264,9 +303,9 @@ class Runner:
         # the connector's answers first: a breach of its contract is the cause
         # of whatever the scheduler then did with them (a crash included)
         calls = self.env.take_calls()
-        violations = [self._get_crash_doc(v) for v in violations]
         shown_calls, self._calls_shown = calls[self._calls_shown:], 0
-        violations = self.checker.check_calls(calls) + violations
+        breaches = self.checker.check_calls(calls)
+        violations = breaches + [self._get_crash_doc(v, breaches) for v in violations]
         if any(v.invariant in ANSWER_TYPE_CLAIMS for v in violations):
             violations = [v for v in violations if v.invariant != "connector_answer"]
         violations = list({(v.invariant, v.message): v for v in violations}.values())
@@ -279,14 +318,17 @@ class Runner:
         if len(lost) < len(violations):  # only safety and design claims stop a run
             raise Counterexample([v for v in violations if v not in lost], self)
 
-    def _get_crash_doc(self, violation: Violation) -> Violation:
-        """A target crash, said to follow answers outside the connector
-        contract when the run has arrivals marked ``beyond_contract``."""
+    def _get_crash_doc(self, violation: Violation, breaches: list[Violation]) -> Violation:
+        """A target crash after answers outside the connector contract (a
+        breach judged in the same action, or arrivals marked
+        ``beyond_contract``) does not call its call legal."""
+        if violation.invariant != "target_crashed" or not violation.doc.startswith(LEGAL_CALL):
+            return violation
+        if breaches:
+            return describe_crash_after_breach(violation, breaches)
         beyond = [rid for rid, plan in getattr(self.env, "plans", {}).items()
                   if plan.beyond_contract]
-        if violation.invariant != "target_crashed" or not beyond:
-            return violation
-        return describe_crash_beyond_contract(violation, beyond)
+        return describe_crash_beyond_contract(violation, beyond) if beyond else violation
 
     def _take_unshown_calls(self) -> list:
         """The connector calls since the last row that showed its own (they
@@ -497,5 +539,5 @@ class Runner:
             record_step(self.log, self.violation_counts,
                         self._get_shown({"op": "drain.step"}, self._take_unshown_calls()),
                         self.obs, ())
-        return self.checker.check_full() + [note_undecided(v, self.env.undecided)
+        return self.checker.check_full() + [note_connector(v, self.env)
                                              for v in self.judge.check_liveness(self.obs)]

@@ -648,13 +648,20 @@ def _located(exc: AssertionError) -> AssertionError:
     frames = traceback.extract_tb(exc.__traceback__)
     inside = [f for f in frames if "/vllm/" in f.filename.replace("\\", "/")]
     inner = inside[-1] if inside else (frames[-1] if frames else None)
-    if inner is None:
-        return exc
+    if inner is None or (inside and frames[-1] is not inner and not _is_kvspecs(frames[-1])):
+        return exc  # a connector's own assert: its message and place are its own
     from kvspec.harness.vllm_patches import get_shown_place
     # a module kvspec patched runs under its own name: tell the source's line
     short, lineno = get_shown_place(inner.filename, inner.lineno)
     detail = f" ({exc})" if str(exc) else ""
     return AssertionError(f"{short}:{lineno}: {inner.line}{detail}")
+
+
+def _is_kvspecs(frame) -> bool:
+    """A frame of kvspec's own code (its patched vLLM modules run under vLLM's
+    names and are vLLM's)."""
+    import kvspec
+    return os.path.realpath(frame.filename).startswith(os.path.dirname(kvspec.__file__) + os.sep)
 
 
 class _LocateAsserts:
@@ -665,7 +672,9 @@ class _LocateAsserts:
 
     def __exit__(self, kind, exc, tb):
         if kind is not None and issubclass(kind, AssertionError):
-            raise _located(exc) from exc
+            located = _located(exc)
+            if located is not exc:
+                raise located from exc
         return False
 
 

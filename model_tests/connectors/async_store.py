@@ -160,3 +160,54 @@ class FinishesWithABool(AsyncPrefixStore):
 
     def request_finished(self, request, block_ids):
         return super().request_finished(request, block_ids)[0]
+
+
+class _Reports(AsyncPrefixStore):
+    """Keeps the async loads it was given, for ``update_connector_output``."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.loading: set[str] = set()
+        self.held: set[str] = set()
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if num_external_tokens > 0:
+            self.loading.add(request.request_id)
+
+
+class ReportsLoadEarly(_Reports):
+    """Breaks the contract: names its loads finished at the next report,
+    before the worker says so (the scheduler then computes on KV not landed)."""
+
+    def update_connector_output(self, connector_output) -> None:
+        early, self.loading = self.loading, set()
+        connector_output.finished_recving = set(connector_output.finished_recving or ()) | early
+
+
+class HoldsBackLoadsOnce(_Reports):
+    """Keeps its contract: passes each finished load on one report late (the
+    API allows a connector to reconcile the worker's report)."""
+
+    def update_connector_output(self, connector_output) -> None:
+        now = set(connector_output.finished_recving or ())
+        connector_output.finished_recving = self.held or None
+        self.held = now
+
+
+class DropsFinishedLoads(_Reports):
+    """Breaks the contract by omission: takes every finished load out of the
+    worker's report and never passes it on, so its requests wait forever."""
+
+    def update_connector_output(self, connector_output) -> None:
+        connector_output.finished_recving = None
+
+
+class AnswersANumpyCount(AsyncPrefixStore):
+    """Keeps its contract: counts with numpy (base.py's ``int``; numpy's
+    integers are integers), as a store that computes hits with arrays may."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        import numpy as np
+        hit, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return np.int64(hit), is_async
