@@ -54,7 +54,7 @@ mapped into one abstract state; the checks below read only that state.
   prefix cache mapping a block hash (a chain over all earlier tokens) to the
   block holding that content.
 - **Block tables.** Every request has one block table per KV cache group
-  (one block size per group); the checks today exercise one full-attention group.
+  (one block size per group): full attention, sliding window, last-state (Mamba).
 - **Connector.** An external KV store may hold a prefix of a prompt. A load
   is *sync* (it runs in the step the request is scheduled) or *async* (the
   request waits in WAITING_FOR_REMOTE_KVS until the load is reported in
@@ -135,8 +135,9 @@ Every claim has a *role*. A **safety** claim protects users: KV read or
 cached that is not what its position holds, a crash, wrong stats, a lost
 request, a leaked block. Every correct scheduler keeps them. A **design** rule
 is a rule of vLLM's current design that a different, correct scheduler may
-break: one writer per recomputed block after a shared load failure, and the
-long-prefill cap. `kvspec check --no-design-rules` checks an alternative
+break: one writer per recomputed block after a shared load failure, the
+long-prefill cap, the victim the scheduling policy picks, and stopping at a
+fenced victim. `kvspec check --no-design-rules` checks an alternative
 design against the safety claims alone; `alt:conservative_recovery` (every
 request a failure touches recomputes from block 0) passes it, and a test keeps
 it passing. A **contract** claim judges the KV connector, not the scheduler:
@@ -218,6 +219,7 @@ def _render_entry(inv, z3_obligations: dict[str, list[str]]) -> list[str]:
 
 def render_generated() -> str:
     from kvspec.spec.prove import claims_established
+    from kvspec.spec.pool_effects import NUM_BLOCKS, NUM_REQUESTS
     registry = _load_registry()
     z3_obligations = claims_established()
     by_kind: dict[str, list] = {}
@@ -237,7 +239,16 @@ def render_generated() -> str:
              "generated from the registry "
              "(`kvspec.spec.registry.REGISTRY`). \"Established by\" is derived from the Z3 "
              "obligations that name a claim (`kvspec prove --json`, `claims_established`), "
-             "never written by hand.", ""]
+             "never written by hand. Z3 establishes a claim within its model's bounds "
+             "(docs/proofs.md, \"Honest limits\"): the pool claims over a pool of "
+             f"{NUM_REQUESTS} requests and {NUM_BLOCKS} blocks with no fenced frees, pins or "
+             "delayed-free senders; `every_group_serves_computed` for the recovery cut only; "
+             "`placeholders_match_in_flight` with at most two steps in flight. Hypothesis "
+             "judges every claim on every step, beyond those bounds.", "",
+             "*Cites* names where a claim comes from: `#N` is a vLLM pull request or issue; "
+             "`seed 000` to `seed 004` are the sources kvspec was first written from (vLLM "
+             "#34616, #36859, #27644, #35223, and the v1 `Scheduler` as it was before "
+             "#34616); `issue N` is kvspec's own tracker.", ""]
     lines += _render_reviewers_kit()
     for kind in kinds:
         heading = KIND_HEADINGS.get(kind, f"Other ({kind})")
@@ -305,16 +316,23 @@ fields, not version numbers, so one adapter serves every supported release.
 NOT_MODELLED = """\
 ### What is not modelled
 
-- Async scheduling (`AsyncScheduler`, output placeholders, a step in flight): issue 10.
-- Several KV cache groups (sliding window, last-state groups, per-group failures): issue 11.
-- Real KV tensors and a real model: the data oracle tracks content symbolically (issue 13).
-- Stop strings and stop token ids (EOS is the only stop token), `min_tokens`, repetition
-  detection, structured-output grammars, streaming sessions, pooling and encoder-decoder models.
+Async scheduling (output placeholders, steps in flight), several KV cache groups
+(sliding window, last-state groups, two block sizes), real KV tensors (`--kv torch`), a
+forced `reset_prefix_cache(reset_running_requests=True)` and the connector contract are
+modelled and drawn by the fuzzer. Outside the model:
+
+- A real model: the data oracle tracks content symbolically, and `--kv torch` moves
+  tensors a stand-in worker writes.
+- Stop strings, structured-output grammars, streaming sessions and encoder-decoder models.
+  Stop token ids, `min_tokens`, pooling requests and repetition detection are read from a
+  target's requests (vLLM's own tests use them) and judged loosely (a repetition stop is
+  earned by any output), never drawn by the fuzzer, whose only stop token is EOS.
 - Pipeline parallelism, data-parallel prefill balancing, DSV4.1 replay, CoW of partially
-  hashed blocks (`hash_block_size < block_size`), `reset_prefix_cache(reset_running_requests=True)`.
-- The connector's worker side and metadata (`build_connector_meta`): the harness plays the worker.
-- A connector answer outside its contract (more external tokens than uncomputed) is an
-  environment contract violation, tested apart, never explored by the fuzzer."""
+  hashed blocks (`hash_block_size < block_size`).
+- A real connector's worker side (`get_finished`, load errors): kvspec plays it, and reads
+  the connector's metadata (`build_connector_meta`) only where its world knows the format.
+- kvspec's own connector keeps the contract by construction; a finding that needs an answer
+  outside it replays with arrivals marked `beyond_contract`."""
 
 
 def _render_frame_table() -> list[str]:
@@ -349,7 +367,10 @@ def _render_frame_table() -> list[str]:
               "| `update_draft_token_ids` | `spec_token_ids` | none |",
               "| `finish_requests` | status of the named live requests | their blocks (unless "
               "a send delays the free) |",
-              "| `reset_prefix_cache` | none | the prefix cache, only when every block is free |",
+              "| `reset_prefix_cache` | none; forced (`reset_running_requests`), every running "
+              "request preempted | the prefix cache, only when every block is free (forced, "
+              "vLLM raises when blocks are still held: a load in flight, a delayed-free send, "
+              "a fenced free) |",
               ""]
     return lines
 
@@ -524,10 +545,12 @@ each is established.
   lowered stats and a waiter's resume point are parameters bounded by guards; the data
   oracle, not Z3, checks that what they count is valid KV.
 - **Not modelled:** several KV cache groups in the per-request and pool
-  induction (one lemma, `lemma_recovery_cut_served_by_every_group`, proves the
-  recovery rule across groups; the fuzzer checks the rest), async scheduling with
-  output placeholders (the predicate exists; the primitives do not), the contents
-  of blocks beyond the pool's valid bit.
+  induction beyond the shortest table (one lemma, `lemma_recovery_cut_served_by_every_group`,
+  proves the recovery rule across groups; the fuzzer checks the rest), more than two
+  steps in flight for the placeholder count (the step shapes model async scheduling,
+  `sample_stale` included; the placeholder lemma is bounded to two), the contents of
+  blocks beyond the pool's valid bit, and in the pool model fenced frees, a
+  connector's pins and delayed-free senders.
 - **Bounded model checking** (`kvspec bmc`, default depth 7) is explicit-state:
   breadth-first over every sequence of up to k actions from an 8-action alphabet (two
   requests sharing a prefix, one async and one sync load, an offloading one; steps that

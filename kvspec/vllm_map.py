@@ -27,13 +27,16 @@ CONSTRAINS: dict[str, str] = {
     "schedule_relation": f"`Scheduler.schedule`, `_preempt_request`, `_update_after_schedule` "
                          f"({S}): token budget, `max_model_len` clip, spec-decode padding, "
                          "victim choice (`running[-1]` or the worst priority), "
-                         "`scheduled_new_reqs` vs `resumed_req_ids`, `preempted_req_ids`, "
+                         "`scheduled_new_reqs` vs `resumed_req_ids`, the requests preempted "
+                         "in the call (read off `num_preemptions`: the output's "
+                         "`preempted_req_ids` also names those a forced reset preempted since "
+                         "the last step), "
                          "`num_computed_tokens` at the start of a running request's step.",
-    "worker_tables_match_scheduler": "`Scheduler._make_cached_request_data` and "
+    "worker_tables_match_scheduler": f"`Scheduler._make_cached_request_data` ({S}) and "
                                      "`NewRequestData.from_request` (v1/core/sched/output.py): "
                                      "`new_block_ids` (the blocks `allocate_slots` returned), "
-                                     "`resumed_req_ids` / `resumed_from_preemption` (the worker "
-                                     "replaces the table), `scheduled_new_reqs[].block_ids`.",
+                                     "`resumed_req_ids` (the worker replaces the table), "
+                                     "`scheduled_new_reqs[].block_ids`.",
     "update_from_output_relation": f"`Scheduler.update_from_output`, "
                                    f"`_update_request_with_output`, `_update_from_kv_xfer_finished` "
                                    f"({S}); `check_stop` (v1/core/sched/utils.py): EOS, stop "
@@ -67,11 +70,13 @@ CONSTRAINS: dict[str, str] = {
                               f"`num_new_tokens > 0` assert and the full-hit rule in "
                               f"`_update_waiting_for_remote_kv` ({S}).",
     "placeholders_nonnegative": "`AsyncScheduler._update_after_schedule`, "
-                                "`_update_request_with_output` (v1/core/sched/async_scheduler.py); "
-                                f"`Scheduler._preempt_request` ({S}).",
+                                "`_update_request_with_output` (v1/core/sched/async_scheduler.py; "
+                                "in 0.33 the decrement is `Scheduler._update_request_with_output`"
+                                f"); `Scheduler._preempt_request` ({S}).",
     "placeholders_match_in_flight": "`AsyncScheduler._update_after_schedule`, "
                                     "`_update_request_with_output` "
-                                    "(v1/core/sched/async_scheduler.py); "
+                                    "(v1/core/sched/async_scheduler.py; in 0.33 "
+                                    "`Scheduler._update_request_with_output`); "
                                     f"`Scheduler._preempt_request`, `update_from_output` "
                                     f"(stale output), `_handle_invalid_blocks` ({S}).",
     "output_is_the_sampled_sequence": f"`Scheduler.update_from_output` ({S}): stale output "
@@ -105,11 +110,18 @@ CONSTRAINS: dict[str, str] = {
                                         f"`_update_from_kv_xfer_finished` ({S}): "
                                         "`finished_sending` and `finished_recving` of finished "
                                         "requests.",
-    "prefix_cache_is_consistent": f"`BlockPool.cache_full_blocks`, `_maybe_evict_cached_block` "
+    "prefix_cache_is_consistent": f"`BlockPool.cache_full_blocks`, `cache_partial_block` "
+                                  f"(a partial block's entry), `_maybe_evict_cached_block` "
                                   f"({BP}); `cached_block_hash_to_block`.",
     "no_caching_of_invalid_blocks": f"`KVCacheManager.allocate_slots` caching at admission "
                                     f"({KM}); `Scheduler._update_waiting_for_remote_kv` and "
-                                    f"`_handle_invalid_blocks` (eviction of failed blocks) ({S}).",
+                                    f"`_handle_invalid_blocks` ({S}), which evicts failed "
+                                    "blocks under the \"fail\" policy only: under "
+                                    "\"recompute\" vLLM keeps them cached on purpose, to be "
+                                    "recomputed and reused by requests sharing them (its "
+                                    "comment there), and serves them before they are: "
+                                    "kvspec's finding recompute-failed-block-stays-cached, "
+                                    "which open PR #53298 addresses.",
     "computed_blocks_are_cached": f"`KVCacheManager.allocate_slots` and `cache_blocks` "
                                   f"({KM}): each group's manager caches its full blocks under "
                                   "its own group's key (`BlockPool.cache_full_blocks`).",
@@ -123,17 +135,29 @@ CONSTRAINS: dict[str, str] = {
                           "`KVConnectorBase_V1.request_finished` "
                           "(distributed/kv_transfer/kv_connector/v1/base.py).",
     "failed_block_recomputed_once": f"`Scheduler._update_requests_with_invalid_blocks` ({S}): "
-                                    "`marked_invalid_block_ids`, the first running request to "
-                                    "meet a failed block owns the recompute; "
-                                    "`_waits_for_recompute` holds the others.",
+                                    "`marked_invalid_block_ids` (local to one call: the async "
+                                    "and the sync pass do not share it), the first running "
+                                    "request to meet a failed block truncates there and owns "
+                                    "the recompute; a request whose failed blocks were all "
+                                    "marked by an earlier one is rolled back to the computed "
+                                    "count it had before the step, failed block included, and "
+                                    "scheduled as usual.",
     # the connector contract: what the scheduler relies on a connector to answer
     "lookup_answer_has_the_api_types": f"`Scheduler.schedule` ({S}): unpacks "
                                        "`ext_tokens, load_kv_async = "
                                        "self.connector.get_num_new_matched_tokens(...)` "
                                        "and compares `ext_tokens` with `None` and integers.",
     "finish_answer_has_the_api_types": f"`Scheduler._connector_finished` ({S}): unpacks "
-                                       "`delay_free_blocks, kv_xfer_params = "
-                                       "self.connector.request_finished(...)`.",
+                                       "`delay_free, kv_xfer_params = "
+                                       "self.connector.request_finished(...)` (or "
+                                       "`request_finished_all_groups(...)` for a connector "
+                                       "declaring `SupportsHMA`), then ORs the delay with "
+                                       "the partial-tail save's.",
+    "report_names_finished_transfers": f"`Scheduler._update_from_kv_xfer_finished` ({S}): "
+                                       "calls `self.connector.update_connector_output(...)`, "
+                                       "then moves each `finished_recving` request on (assert "
+                                       "it is waiting or finished) and frees each "
+                                       "`finished_sending` one.",
     "async_load_has_tokens": f"`Scheduler.schedule` ({S}): an async answer parks the request "
                              "in WAITING_FOR_REMOTE_KVS after "
                              "`assert num_external_computed_tokens > 0`.",
@@ -145,15 +169,24 @@ CONSTRAINS: dict[str, str] = {
                                "computed in the same step; `num_new_tokens` must stay positive.",
     "hit_with_last_state_leaves_last_token": "`MambaManager` (v1/core/single_type_kv_cache_manager"
                                              ".py, align mode): the state block of position "
-                                             "`n - 1`; `NixlConnectorScheduler._prefill_backoff`.",
+                                             "`n - 1`; "
+                                             "`NixlBaseConnectorScheduler._prefill_backoff` "
+                                             "(nixl/base_scheduler.py).",
     "finished_load_not_offered_again": f"`Scheduler._update_waiting_for_remote_kv` ({S}): a "
-                                       "landed load sends the request back to WAITING, where "
-                                       "`get_num_new_matched_tokens` is asked again.",
+                                       "landed load sends the request back to WAITING; "
+                                       "`schedule` asks `get_num_new_matched_tokens` again only "
+                                       "while `num_computed_tokens == 0` (a load that left "
+                                       "nothing computed).",
     "hit_within_stored": "The connector's own lookup (`OffloadingManager.lookup`, "
                          "`ExampleConnector._found_match_for_prompt`); the scheduler trusts it.",
-    "load_lands_in_given_blocks": f"`Scheduler.schedule` ({S}): `update_state_after_alloc(request, "
-                                  "new_computed_blocks + new_blocks, num_external_tokens)`; the "
-                                  "connector's metadata names the blocks its worker loads into.",
+    "load_lands_in_given_blocks": f"`Scheduler.schedule` ({S}): `update_state_after_alloc("
+                                  "request, self.kv_cache_manager.get_blocks(request_id), "
+                                  "num_external_tokens)`, every block of the request, its "
+                                  "local prefix-cache hit included (0.33 may defer the call to "
+                                  "`_drain_deferred_loads` in `update_from_output`); the "
+                                  "connector's metadata names the blocks its worker loads into. "
+                                  "So the claim does not catch a load into the local hit's "
+                                  "shared blocks.",
     "delay_covers_reads_in_flight": f"`Scheduler._free_request`, `_connector_finished` ({S}): "
                                     "`delay_free_blocks` keeps the blocks until "
                                     "`finished_sending`.",

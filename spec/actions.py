@@ -202,9 +202,11 @@ def preemption_stops_at_fenced_victim(t: Transition):
 
     A rule of vLLM's design from 0.31 on (#49675), not a safety claim: such a
     victim frees nothing this step, so preempting on makes no room and only
-    restarts more requests; under async scheduling nearly every victim is
-    fenced, and the cascade of #49674 preempted the whole running queue every
-    step, so requests never finished. vLLM 0.31 and later refuse a fenced
+    restarts more requests. Blocks are fenced when vLLM defers frees (a KV
+    consumer connector with more than one batch in flight: async scheduling
+    or pipeline parallelism); there nearly every victim is fenced, and the
+    cascade of #49674 preempted the whole running queue every step, so
+    requests never finished. vLLM 0.31 and later refuse a fenced
     victim outright; the reference preempts one and stops. Witnessed by a step
     that preempted."""
     if not t.step.preempted_req_ids:
@@ -426,9 +428,13 @@ def _check_stop(r, added):
 
 def is_stop_earned(r) -> bool:
     """FINISHED_STOPPED is earned by a stop token just sampled, or, for a
-    request that samples nothing, by its prompt computed."""
+    request that samples nothing, by its prompt computed; with repetition
+    detection on, by any output (vLLM's FINISHED_REPETITION reads as
+    FINISHED_STOPPED, and the pattern it found is not modelled)."""
     if not r.samples_tokens:
         return not r.output_token_ids and r.num_computed_tokens >= r.num_prompt_tokens
+    if r.detects_repetition and r.output_token_ids:
+        return True
     return bool(r.output_token_ids) and r.output_token_ids[-1] in get_stop_ids(r)
 
 
@@ -480,8 +486,9 @@ def reset_prefix_cache_relation(t: Transition):
     nothing computed, no blocks; its output in flight is stale, #46066,
     #49860). A forced reset may refuse (report failure) only having changed
     nothing: no request preempted, the cache as it was. vLLM as released
-    preempts everything and then raises when a step in flight still fences
-    the preempted requests' blocks; the fix in the packet
+    preempts everything and then raises when any block is still held (a
+    step in flight fencing the preempted requests' blocks, a load in flight,
+    a delayed-free send); the fix in the packet
     forced-reset-raises-under-deferred-frees refuses before preempting, and
     its callers retry once no step is in flight. Unchanged: every other
     request."""

@@ -142,7 +142,12 @@ def stats_set_exactly_once(ctx: Context):
 
     Protects the meaning of the stats (the hits of the request's first prefill)
     that the frontend reports once. Re-setting one of the pair on a
-    re-scheduling is what made the pair inconsistent in #36859. Witnessed by a
+    re-scheduling is what made the pair inconsistent in #36859. On vLLM from
+    0.32 the request's ``prefill_stats`` are recorded again at each lookup
+    until the request first runs (after a failed allocation or a failed async
+    load too, with possibly higher counts), so kvspec reads them as set when
+    the request first runs (``vllm_observe``: final from RUNNING on), the
+    values the frontend is handed. Witnessed by a
     request with recorded stats that has since been preempted or cut back by a
     load failure: the events a scheduler could re-set them on."""
     for r in ctx.live():
@@ -247,10 +252,11 @@ def cached_le_computed(ctx: Context):
 @invariant(cites="#34616, #27644", scope="request")
 def computed_within_tokens(ctx: Context):
     """``0 <= num_computed_tokens - num_output_placeholders <= num_tokens``
-    between steps (within a step the scheduled drafts count too; under async
-    scheduling the placeholders of steps in flight are positions whose tokens
-    are not known yet), and a waiting request whose KV has arrived leaves at
-    least one token to compute.
+    between steps (under async scheduling the placeholders of steps in flight
+    are positions whose tokens are not known yet); within a step, when the
+    scheduled drafts count too, only the lower bound is judged (the upper is
+    ``num_tokens + max_model_len``, no real bound), and a waiting request
+    whose KV has arrived leaves at least one token to compute.
 
     Protects the model runner: it cannot run a request with nothing scheduled,
     so a full-prompt hit must recompute the last token (the rule #34616 kept).
@@ -569,8 +575,9 @@ def no_leak_when_idle(ctx: Context):
 def finished_request_releases_blocks(ctx: Context):
     """A finished request holds blocks only while its KV send is pending (the
     connector asked for a delayed free and ``finished_sending`` has not named it)
-    or, until the next worker report, while an async load it was waiting for may
-    still be writing them.
+    or, until a worker report names its load in ``finished_recving`` (one or
+    many reports later), while an async load it was waiting for may still be
+    writing them.
 
     Protects the pool from leaks while the server is busy: a scheduler that
     ignores ``finished_sending`` never frees the request's blocks, which

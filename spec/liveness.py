@@ -4,7 +4,7 @@ from __future__ import annotations
 from kvspec.spec.registry import invariant
 
 
-@invariant(cites="seed 004 (_update_waiting_for_remote_kv); #45474", kind="liveness")
+@invariant(cites="seed 004 (_update_waiting_for_remote_kv)", kind="liveness")
 def every_request_finishes(ctx):
     """With no new failures and no new arrivals, and every load and send
     completing, every request finishes within a bounded number of steps (the

@@ -4,7 +4,9 @@ holds: whether it is in the prefix cache, whether its content is valid (what
 its hash names), and whether a load is still writing it.
 
 Z3 proves the pool invariants inductive over every action, for every request
-and block: ``ref_count_is_holders`` and ``free_queue_is_free_blocks`` with the
+and block of a pool of ``NUM_REQUESTS`` requests and ``NUM_BLOCKS`` blocks,
+without fenced frees, a connector's pins or delayed-free senders (Hypothesis
+judges those on every step): ``ref_count_is_holders`` and ``free_queue_is_free_blocks`` with the
 predicates the concrete invariants use, ``no_caching_of_invalid_blocks`` with
 ``is_cached_block_valid``, the predicate the data oracle applies to every
 prefix-cache entry, and ``no_load_into_free_blocks`` with

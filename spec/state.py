@@ -293,6 +293,9 @@ class RequestView:
     #: request on an encoder-only instance; it ends FINISHED_STOPPED with no
     #: output once its prompt is computed, and may fill all ``max_model_len``
     samples_tokens: bool = True
+    #: vLLM's repetition detection is on for it (``repetition_detection``): a
+    #: repeated pattern, which kvspec does not model, may stop it too
+    detects_repetition: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

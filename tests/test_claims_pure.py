@@ -58,3 +58,19 @@ def test_evaluating_a_claim_twice_gives_the_same_verdict_and_changes_nothing(
     kinds = {REGISTRY[name].kind for name in seen}
     assert {"state", "data", "relation", "model"} <= kinds, kinds
     assert seen.get("transition_admitted_by_model"), "the model claim was never evaluated"
+
+
+def test_repetition_detection_earns_a_stop_kvspec_does_not_model():
+    """vLLM's FINISHED_REPETITION reads as FINISHED_STOPPED: with repetition
+    detection on, a stop after a repeated pattern of ordinary tokens is
+    earned (a maintainer's review: the finish relation once flagged it)."""
+    from types import SimpleNamespace
+
+    from kvspec.spec.actions import is_stop_earned
+    r = SimpleNamespace(samples_tokens=True, output_token_ids=(3, 4, 3, 4), eos_token_id=0,
+                        stop_token_ids=(), detects_repetition=False,
+                        num_computed_tokens=9, num_prompt_tokens=5)
+    assert not is_stop_earned(r)
+    assert is_stop_earned(SimpleNamespace(**{**vars(r), "detects_repetition": True}))
+    assert not is_stop_earned(SimpleNamespace(**{**vars(r), "detects_repetition": True,
+                                                 "output_token_ids": ()}))

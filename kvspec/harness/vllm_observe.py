@@ -229,7 +229,8 @@ class VllmObserver:
                 stop_token_ids=tuple(stop_ids) if isinstance(stop_ids, (list, tuple)) else (),
                 min_tokens=min_tokens if isinstance(min_tokens, int) else 0,
                 samples_tokens=not (getattr(r, "pooling_params", None)
-                                    or getattr(self.scheduler, "is_mm_encoder_only", False)))
+                                    or getattr(self.scheduler, "is_mm_encoder_only", False)),
+                detects_repetition=getattr(params, "repetition_detection", None) is not None)
         return extra
 
     def _pool_view(self) -> PoolView:
