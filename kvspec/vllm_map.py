@@ -153,6 +153,11 @@ CONSTRAINS: dict[str, str] = {
                                        "`request_finished_all_groups(...)` for a connector "
                                        "declaring `SupportsHMA`), then ORs the delay with "
                                        "the partial-tail save's.",
+    "meta_is_connector_metadata": f"`Scheduler.schedule` ({S}): "
+                                  "`scheduler_output.kv_connector_metadata = "
+                                  "connector.build_connector_meta(scheduler_output)`; the "
+                                  "worker asserts it is not None "
+                                  "(v1/worker/kv_connector_model_runner_mixin.py).",
     "report_names_finished_transfers": f"`Scheduler._update_from_kv_xfer_finished` ({S}): "
                                        "calls `self.connector.update_connector_output(...)`, "
                                        "then moves each `finished_recving` request on (assert "

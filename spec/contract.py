@@ -275,6 +275,25 @@ def finish_answer_has_the_api_types(c: ConnectorCall) -> Iterator[str]:
                "(delay_free_blocks, kv_transfer_params or None)")
 
 
+@invariant(cites="KVConnectorBase_V1.build_connector_meta (base.py): returns "
+                 "KVConnectorMetadata; the worker asserts scheduler_output."
+                 "kv_connector_metadata is not None (kv_connector_model_runner_mixin.py)",
+           kind="connector", role="contract", action="meta", unwitnessed_because="""
+           judges a real connector's build_connector_meta (--connector); kvspec's own
+           connector builds none""")
+def meta_is_connector_metadata(c: ConnectorCall) -> Iterator[str]:
+    """Each step's ``build_connector_meta`` returns the connector's metadata:
+    a ``KVConnectorMetadata``, never None.
+
+    Protects the worker, which asserts the step's metadata is there and binds
+    it before the forward pass: a method that forgets its ``return`` stops the
+    engine on its first step, in the model runner, far from the connector.
+    kvspec plays the worker, so without this claim such a connector held."""
+    c.witness()
+    if c.malformed:
+        yield f"build_connector_meta returned {c.malformed}"
+
+
 #: what was known of a transfer a connector's ``update_connector_output``
 #: added to the worker's report: a report it held back earlier (passed on
 #: late, which the API allows) or one it had no worker report of

@@ -31,7 +31,7 @@ PLANTED = "model_tests.connectors.planted_example:"
 def test_the_contract_is_its_own_role_judging_connector_calls():
     assert CONTRACT and all(REGISTRY[n].kind == "connector" for n in CONTRACT)
     assert {REGISTRY[n].action for n in CONTRACT} == {"lookup", "load", "store", "finish",
-                                                        "report"}
+                                                        "report", "meta"}
 
 
 def test_kvspecs_own_connector_keeps_the_contract_by_construction():
@@ -201,6 +201,9 @@ def test_a_send_reported_before_the_load_of_an_aborted_loader_is_no_breach():
     # a finished request's answer, too (it was vLLM's TypeError, blamed on no one)
     ("FinishesWithABool", "finish_answer_has_the_api_types",
      "request_finished answered True (a bool, not a pair), not"),
+    # a step's metadata: vLLM's worker asserts it is there (kvspec plays the worker)
+    ("ForgetsTheMeta", "meta_is_connector_metadata",
+     "build_connector_meta returned None (a NoneType, not a KVConnectorMetadata)"),
 ])
 def test_a_lookup_answer_outside_the_api_is_the_connectors_breach(connector, claim, says):
     """Answers vLLM's API forbids are named as the connector's breach at the

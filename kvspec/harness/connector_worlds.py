@@ -1415,6 +1415,15 @@ def get_lookup_answer_problem(answer) -> str:
     return ""
 
 
+def get_meta_problem(meta) -> str:
+    """What is wrong with a step's connector metadata ("": nothing): the
+    worker asserts it is not None, and the API types it KVConnectorMetadata."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    if isinstance(meta, KVConnectorMetadata):
+        return ""
+    return f"{repr(meta)[:200]} ({name_type(meta)}, not a KVConnectorMetadata)"
+
+
 def get_finish_answer_problem(answer) -> str:
     """What is wrong with ``request_finished``'s answer ("": nothing): a pair
     of a bool (an integer's truth is plain, numpy's bool too) and a dict or
@@ -1541,6 +1550,10 @@ class ConnectorProbe:
             self.env.record_load(rid, ids, None)
 
     def _after_build_connector_meta(self, meta, scheduler_output):
+        problem = get_meta_problem(meta)
+        self.env.record_meta(problem)
+        if problem:
+            raise ConnectorAnswerError(f"build_connector_meta returned {problem}")
         self.world.on_meta(meta, scheduler_output)
 
     def _after_request_finished(self, answer, request, block_ids):

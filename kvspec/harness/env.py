@@ -253,6 +253,11 @@ class EnvConnector:
         self.calls.append(ConnectorCall("finish", request_id, reads_in_flight=None,
                                         malformed=f"{repr(answer)[:200]} ({problem})"))
 
+    def record_meta(self, problem: str) -> None:
+        """A real connector's step metadata, and what is wrong with it ("":
+        nothing): judged by ``meta_is_connector_metadata``."""
+        self.calls.append(ConnectorCall("meta", "", malformed=problem))
+
     def record_report(self, request_id: str, transfer: str, state: str) -> None:
         """A transfer a connector's ``update_connector_output`` added to the
         worker's report, and what was known of it (``REPORT_STATES``)."""

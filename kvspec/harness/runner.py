@@ -140,7 +140,8 @@ def is_control_flow(exc: BaseException) -> bool:
 
 #: the contract claims that name a connector answer outside the API's types
 #: (the ``connector_answer`` line that stopped the call says no more)
-ANSWER_TYPE_CLAIMS = ("lookup_answer_has_the_api_types", "finish_answer_has_the_api_types")
+ANSWER_TYPE_CLAIMS = ("lookup_answer_has_the_api_types", "finish_answer_has_the_api_types",
+                      "meta_is_connector_metadata")
 
 
 def describe_crash(exc: Exception) -> Violation:

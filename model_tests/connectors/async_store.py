@@ -211,3 +211,11 @@ class AnswersANumpyCount(AsyncPrefixStore):
         import numpy as np
         hit, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         return np.int64(hit), is_async
+
+
+class ForgetsTheMeta(AsyncPrefixStore):
+    """Breaks the contract: its ``build_connector_meta`` forgets to return
+    (vLLM's worker asserts the step's metadata is there)."""
+
+    def build_connector_meta(self, scheduler_output):
+        self.pending = {}
