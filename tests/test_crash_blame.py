@@ -223,3 +223,15 @@ def test_a_crash_after_a_contract_breach_says_the_breach_came_first():
     assert after.doc == ("The target raised after the connector broke its contract "
                          "(hit_within_uncomputed_tokens, above), at "
                          "vllm/v1/core/sched/scheduler.py:2 in schedule.")
+
+
+def test_a_crash_in_an_installed_package_under_vllm_is_not_the_connectors():
+    """torch or numpy raising under vLLM's own call is the target's crash
+    (an installed package decides nothing), not 'the connector's own code'."""
+    from kvspec.harness.runner import INSTALLED_DIRS
+    torch_like = define(INSTALLED_DIRS[0] + "torch/functional.py",
+                        "def cat(x):\n    return x.gone\n")
+    calls = define(VLLM_FILE, "def schedule(x):\n    return cat(x)\n", cat=torch_like["cat"])
+    crash = crash_of(calls["schedule"], Renamed())
+    assert crash.invariant == "target_crashed"
+    assert crash.doc.startswith("The target raised while handling a legal call"), crash.doc

@@ -165,7 +165,7 @@ def describe_crash(exc: Exception) -> Violation:
     if os.environ.get("KVSPEC_DEBUG"):
         traceback.print_exception(exc)
     where = f", at {get_where(frames)}" if last is not None else ""
-    if last is not None and is_connectors(last.filename):
+    if is_connectors_crash(frames):
         return Violation("target_crashed", f"{type(exc).__name__}: {exc}",
                          f"The connector's own code raised{where}.")
     return Violation("target_crashed", f"{type(exc).__name__}: {exc}", f"{LEGAL_CALL}{where}.")
@@ -184,11 +184,24 @@ def describe_crash_after_breach(crash: Violation, breaches: list[Violation]) -> 
                                    f"contract ({names}, above){where}.")
 
 
-def is_connectors(path: str) -> bool:
-    """A frame of neither vLLM nor kvspec: an out-of-tree connector's code
-    (or a package it calls), which vLLM ran on the connector's behalf."""
-    real = os.path.realpath(path).replace(os.sep, "/")
+def is_connectors_crash(frames: list) -> bool:
+    """The innermost frame of vLLM, kvspec or code outside the installed
+    packages is none of vLLM's or kvspec's: an out-of-tree connector's own
+    code raised. An installed package's frame (torch, numpy, a connector's
+    own package) decides nothing: vLLM calls those too, so such a crash
+    keeps the target's wording."""
+    owners = [f for f in frames if not is_other_package(f.filename)]
+    if not owners:
+        return False
+    real = os.path.realpath(owners[-1].filename).replace(os.sep, "/")
     return "/vllm/" not in real and not real.startswith(KVSPEC_DIR)
+
+
+def is_other_package(path: str) -> bool:
+    """An installed package's file, neither vLLM's nor kvspec's."""
+    real = os.path.realpath(path)
+    return (real.startswith(INSTALLED_DIRS) and "/vllm/" not in real.replace(os.sep, "/")
+            and not real.startswith(KVSPEC_DIR))
 
 
 #: the doc of a crash after answers the in-tree connectors never give
