@@ -157,7 +157,8 @@ CONSTRAINS: dict[str, str] = {
                                   "`scheduler_output.kv_connector_metadata = "
                                   "connector.build_connector_meta(scheduler_output)`; the "
                                   "worker asserts it is not None "
-                                  "(v1/worker/kv_connector_model_runner_mixin.py).",
+                                  "(v1/worker/kv_connector_model_runner_mixin.py); "
+                                  "MultiConnector's worker binds each child's part.",
     "report_names_finished_transfers": f"`Scheduler._update_from_kv_xfer_finished` ({S}): "
                                        "calls `self.connector.update_connector_output(...)`, "
                                        "then moves each `finished_recving` request on (assert "

@@ -433,8 +433,8 @@ def is_stop_earned(r) -> bool:
     FINISHED_STOPPED, and the pattern it found is not modelled)."""
     if not r.samples_tokens:
         return not r.output_token_ids and r.num_computed_tokens >= r.num_prompt_tokens
-    if r.detects_repetition and r.output_token_ids:
-        return True
+    if r.detects_repetition and len(r.output_token_ids) >= max(1, r.min_tokens):
+        return True  # vLLM checks for a pattern only from min_tokens outputs on
     return bool(r.output_token_ids) and r.output_token_ids[-1] in get_stop_ids(r)
 
 

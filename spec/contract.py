@@ -282,8 +282,8 @@ def finish_answer_has_the_api_types(c: ConnectorCall) -> Iterator[str]:
            judges a real connector's build_connector_meta (--connector); kvspec's own
            connector builds none""")
 def meta_is_connector_metadata(c: ConnectorCall) -> Iterator[str]:
-    """Each step's ``build_connector_meta`` returns the connector's metadata:
-    a ``KVConnectorMetadata``, never None.
+    """Each step's ``build_connector_meta`` returns the connector's metadata,
+    never None (a MultiConnector's part for each child too).
 
     Protects the worker, which asserts the step's metadata is there and binds
     it before the forward pass: a method that forgets its ``return`` stops the
@@ -303,6 +303,7 @@ REPORT_STATES = {
     "in_flight": "the worker has not reported it finished",
     "never_started": "no asynchronous load of it was started",
     "not_delayed": "request_finished did not delay its free",
+    "not_finished": "it has not finished (a send frees a finished request's blocks)",
 }
 
 

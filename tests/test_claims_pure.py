@@ -68,9 +68,11 @@ def test_repetition_detection_earns_a_stop_kvspec_does_not_model():
 
     from kvspec.spec.actions import is_stop_earned
     r = SimpleNamespace(samples_tokens=True, output_token_ids=(3, 4, 3, 4), eos_token_id=0,
-                        stop_token_ids=(), detects_repetition=False,
+                        stop_token_ids=(), detects_repetition=False, min_tokens=0,
                         num_computed_tokens=9, num_prompt_tokens=5)
     assert not is_stop_earned(r)
-    assert is_stop_earned(SimpleNamespace(**{**vars(r), "detects_repetition": True}))
-    assert not is_stop_earned(SimpleNamespace(**{**vars(r), "detects_repetition": True,
-                                                 "output_token_ids": ()}))
+    on = {**vars(r), "detects_repetition": True}
+    assert is_stop_earned(SimpleNamespace(**on))
+    assert not is_stop_earned(SimpleNamespace(**{**on, "output_token_ids": ()}))
+    # vLLM looks for a pattern only from min_tokens outputs on
+    assert not is_stop_earned(SimpleNamespace(**{**on, "min_tokens": 5}))

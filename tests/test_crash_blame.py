@@ -235,3 +235,47 @@ def test_a_crash_in_an_installed_package_under_vllm_is_not_the_connectors():
     crash = crash_of(calls["schedule"], Renamed())
     assert crash.invariant == "target_crashed"
     assert crash.doc.startswith("The target raised while handling a legal call"), crash.doc
+
+
+def test_the_references_own_crash_is_never_the_connectors():
+    """kvspec's packages outside kvspec/ (impl/, spec/ and gpu/, mapped by
+    pyproject) are kvspec's: a reference or mutant crash keeps the target's
+    wording, as there is no connector in such a run."""
+    from kvspec.harness.runner import KVSPEC_DIRS
+    impl_dir = next(d for d in KVSPEC_DIRS if d.rstrip("/").endswith("impl"))
+    ref = define(impl_dir + "scheduler.py", "def schedule(x):\n    return x.gone\n")
+    crash = crash_of(ref["schedule"], Renamed())
+    assert crash.doc.startswith("The target raised while handling a legal call"), crash.doc
+
+
+def test_an_exception_raised_while_handling_another_is_placed_at_its_own_raise():
+    """vLLM handling a connector's KeyError and raising its own error: the
+    place is vLLM's raise (the handler's), not the connector's line, and the
+    crash is not the connector's."""
+    conn = define("/tmp/my_pkg/my_connector.py",
+                  "def lookup(d):\n    return d['k']\n")
+    calls = define(VLLM_FILE, "def schedule(d):\n    try:\n        lookup(d)\n"
+                              "    except KeyError:\n        return d.gone\n",
+                   lookup=conn["lookup"])
+    crash = crash_of(calls["schedule"], {})
+    assert crash.doc.startswith("The target raised while handling a legal call"), crash.doc
+    assert crash.doc.endswith("scheduler.py:5 in schedule."), crash.doc
+    assert "my_connector" not in crash.doc
+
+
+def test_a_connectors_own_assert_keeps_its_message_and_vllms_is_located():
+    """vLLM's bare asserts are re-raised with vLLM's place; a connector's own
+    assert under vLLM's call is left as it is (its message, its place)."""
+    from kvspec.harness.vllm_target import _located
+    conn = define("/tmp/my_pkg/my_connector.py",
+                  "def alloc(n):\n    assert n > 0, 'no tokens to load'\n")
+    calls = define(VLLM_FILE, "def schedule(n):\n    alloc(n)\n", alloc=conn["alloc"])
+    try:
+        calls["schedule"](0)
+    except AssertionError as exc:
+        assert _located(exc) is exc
+    bare = define(VLLM_FILE, "def schedule(n):\n    assert n > 0\n")
+    try:
+        bare["schedule"](0)
+    except AssertionError as exc:
+        assert str(_located(exc)).startswith("vllm/v1/core/sched/scheduler.py:2: ")

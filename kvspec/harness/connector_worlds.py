@@ -1417,11 +1417,21 @@ def get_lookup_answer_problem(answer) -> str:
 
 def get_meta_problem(meta) -> str:
     """What is wrong with a step's connector metadata ("": nothing): the
-    worker asserts it is not None, and the API types it KVConnectorMetadata."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-    if isinstance(meta, KVConnectorMetadata):
-        return ""
-    return f"{repr(meta)[:200]} ({name_type(meta)}, not a KVConnectorMetadata)"
+    worker asserts it is not None (any other object binds), and a
+    MultiConnector's worker binds each child's part, which its child then
+    asserts is there."""
+    if meta is None:
+        return "None (the worker asserts the step's metadata is there)"
+    parts = getattr(meta, "metadata", None) if type(meta).__name__ == MULTI_META else None
+    missing = [i for i, part in enumerate(parts or ()) if part is None]
+    if missing:
+        return (f"a {MULTI_META} whose child {missing[0]}'s metadata is None (that child's "
+                "worker asserts it is there)")
+    return ""
+
+
+#: MultiConnector's metadata: one part per child connector
+MULTI_META = "MultiKVConnectorMetadata"
 
 
 def get_finish_answer_problem(answer) -> str:
@@ -1482,6 +1492,8 @@ class ConnectorProbe:
         self.started = {"load": Counter(), "send": Counter()}
         self.reported = {"load": Counter(), "send": Counter()}
         self.passed = {"load": Counter(), "send": Counter()}
+        #: requests ``request_finished`` was called for
+        self.finished: set[str] = set()
         for name in ("get_num_new_matched_tokens", "update_state_after_alloc",
                      "build_connector_meta", "request_finished",
                      "request_finished_all_groups"):
@@ -1514,7 +1526,9 @@ class ConnectorProbe:
             return "in_flight"
         if self.passed[kind][rid]:
             return "passed_on"
-        return "never_started" if kind == "load" else "not_delayed"
+        if kind == "send":
+            return "not_delayed" if rid in self.finished else "not_finished"
+        return "never_started"
 
     def _wrap(self, name, inner):
         after = getattr(self, "_after_" + name)
@@ -1565,6 +1579,7 @@ class ConnectorProbe:
         delay = bool(answer[0])
         rid = request.request_id
         self.started["send"][rid] += delay
+        self.finished.add(rid)
         self.env.content.cancel_load(rid)
         tables = self.target.get_spec_tables(block_ids)
         if delay and any(b != NULL_BLOCK for t in tables for b in t):

@@ -57,11 +57,6 @@ def _candidates(config: Config, actions: list[dict]):
             if action.get(key):
                 yield config, (actions[:i] + [{k: v for k, v in action.items() if k != key}]
                                + actions[i + 1:])
-        for key in REQUEST_ARGS:
-            named = action.get(key) or ()
-            for rid in named if len(named) > 1 else ():
-                less = {**action, key: [r for r in named if r != rid]}
-                yield config, actions[:i] + [less] + actions[i + 1:]
     for i, action in enumerate(actions):
         if action["op"] == "add":
             for simpler in _add_simplifications(action):
@@ -129,23 +124,27 @@ def _config_simplifications(config: Config):
         yield {"groups": config.groups[:-1]}
 
 
-def _size(failure: Counterexample) -> tuple[int, int, int]:
-    """Step-table rows, then actions, then the arguments they set: a step
-    argument that changes nothing (``fail`` of a request with no load in
-    flight) is dropped too, though the table stays as long."""
-    actions = failure.runner.actions
-    return len(failure.runner.log), len(actions), sum(map(_count_arguments, actions))
+def _size(failure: Counterexample) -> tuple[int, int]:
+    return len(failure.runner.log), len(failure.runner.actions)
 
 
-def _count_arguments(action: dict) -> int:
-    """The step arguments an action sets, a request named in one counting once,
-    and an arrival's flags."""
-    if action["op"] == "step":
-        return sum(len(action[k]) if k in REQUEST_ARGS else 1
-                   for k in STEP_ARGS if action.get(k))
-    if action["op"] == "add":
-        return sum(1 for k in ADD_FLAGS if action.get(k))
-    return 0
+def _argument_candidates(actions: list[dict]):
+    """One step argument less, or one request less in a step argument naming
+    several: a last sweep, once nothing shortens the trace, drops what changes
+    nothing (``finish_sends`` of a request with no send) though the step table
+    stays as long."""
+    for i, action in enumerate(actions):
+        if action["op"] != "step":
+            continue
+        for key in STEP_ARGS:
+            if action.get(key):
+                less = {k: v for k, v in action.items() if k != key}
+                yield actions[:i] + [less] + actions[i + 1:]
+        for key in REQUEST_ARGS:
+            named = action.get(key) or ()
+            for rid in named if len(named) > 1 else ():
+                less = {**action, key: [r for r in named if r != rid]}
+                yield actions[:i] + [less] + actions[i + 1:]
 
 
 def minimize(target: str, failure: Counterexample, kinds=ALL_KINDS,
@@ -176,4 +175,23 @@ def minimize(target: str, failure: Counterexample, kinds=ALL_KINDS,
                     and (still_new is None or still_new(found))):
                 best, improved = found, True
                 break
+    return _drop_idle_arguments(target, best, claims, kinds, design_rules, deadline, still_new)
+
+
+def _drop_idle_arguments(target, best, claims, kinds, design_rules, deadline, still_new):
+    """The last sweep (``_argument_candidates``): each argument tried once,
+    in order, from the trace as it stands; kept when the same claims still
+    break and the trace is no longer."""
+    i = 0
+    while time.monotonic() < deadline:
+        candidates = list(_argument_candidates(list(best.runner.actions)))
+        if i >= len(candidates):
+            return best
+        found = replay_actions(target, best.runner.config, candidates[i], kinds, design_rules,
+                               kv=best.runner.kv)
+        if (found is not None and claims & {v.invariant for v in found.violations}
+                and _size(found) <= _size(best) and (still_new is None or still_new(found))):
+            best = found  # the same position now holds the next argument
+        else:
+            i += 1
     return best

@@ -86,8 +86,17 @@ CONNECTOR_ANSWER = ("The connector answered outside the API's types, or its kvsp
 #: kvspec's model of the system (the oracle, the claims' helpers): an exception
 #: raised in here is kvspec's own bug, never the target's
 SPEC_DIR = os.path.realpath(kvspec.spec.__path__[0]) + os.sep
+
+
+def _package_paths(name: str) -> list[str]:
+    import importlib.util
+    spec = importlib.util.find_spec(name)
+    return list(spec.submodule_search_locations or ()) if spec else []
+
 HARNESS_DIR = os.path.dirname(os.path.realpath(__file__)) + os.sep
-KVSPEC_DIR = os.path.dirname(HARNESS_DIR[:-1]) + os.sep
+#: the folders of kvspec's packages (pyproject maps kvspec.spec to spec/ and so on)
+KVSPEC_DIRS = tuple(os.path.realpath(p) + os.sep for m in (
+    "kvspec", "kvspec.spec", "kvspec.impl", "kvspec.gpu") for p in _package_paths(m))
 #: the harness's judging side: it observes and judges the target, never runs as
 #: part of it (unlike the adapters, kvspec's connectors, its fixes and mutants)
 JUDGING_MODULES = frozenset(HARNESS_DIR + f"{name}.py" for name in (
@@ -118,17 +127,19 @@ KVSPEC_CRASHED = ("kvspec's own code (its model or the harness judging the targe
 
 
 def _frames(exc: BaseException) -> list:
-    """The frames of ``exc`` and then of the exceptions it was raised from,
-    leaving out library code (the standard library, attrs): the last is where
-    the first of them raised (under a re-raise such as vLLM's located asserts,
-    the line in vLLM, not the adapter's ``raise ... from``). A counterexample
-    it was raised while handling is kvspec's control flow, not its cause:
-    Hypothesis runs an example again inside its handler of the last one."""
+    """The frames of ``exc`` and then of the exceptions it was explicitly
+    raised from (``raise ... from``), leaving out library code (the standard
+    library, attrs): the last is where the first of them raised (under a
+    re-raise such as vLLM's located asserts, the line in vLLM, not the
+    adapter's ``raise ... from``). What it was raised while handling (its
+    implicit ``__context__``) is not followed: there the place is the handler's
+    raise, and a counterexample Hypothesis was handling is kvspec's control
+    flow, never a cause."""
     chain, seen = [], set()
     while exc is not None and id(exc) not in seen and not is_control_flow(exc):
         seen.add(id(exc))
         chain += traceback.extract_tb(exc.__traceback__)
-        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+        exc = exc.__cause__
     return [f for f in chain if not f.filename.startswith("<") and not is_library(f.filename)]
 
 
@@ -153,6 +164,7 @@ def describe_crash(exc: Exception) -> Violation:
     is the target's: the observer names a state the target must never reach."""
     frames = _frames(exc)
     last = frames[-1] if frames else None
+    print_once_if_debugging(exc)
     paths = [os.path.realpath(f.filename) for f in frames]
     ours = last is not None and not isinstance(exc, TargetStateError) and (
         paths[-1].startswith(SPEC_DIR)
@@ -162,13 +174,24 @@ def describe_crash(exc: Exception) -> Violation:
         where = f"{os.path.relpath(last.filename, top)}:{last.lineno}"
         return Violation("kvspec_crashed", f"{type(exc).__name__} at {where}: {exc}",
                          KVSPEC_CRASHED)
-    if os.environ.get("KVSPEC_DEBUG"):
-        traceback.print_exception(exc)
     where = f", at {get_where(frames)}" if last is not None else ""
     if is_connectors_crash(frames):
         return Violation("target_crashed", f"{type(exc).__name__}: {exc}",
                          f"The connector's own code raised{where}.")
     return Violation("target_crashed", f"{type(exc).__name__}: {exc}", f"{LEGAL_CALL}{where}.")
+
+
+#: crashes whose traceback ``KVSPEC_DEBUG`` printed (shrinking meets one many times)
+_PRINTED: set[tuple[str, str]] = set()
+
+
+def print_once_if_debugging(exc: BaseException) -> None:
+    """With ``KVSPEC_DEBUG`` set, a crash's whole traceback, once per kind and
+    message in a process."""
+    key = (type(exc).__name__, str(exc))
+    if os.environ.get("KVSPEC_DEBUG") and key not in _PRINTED:
+        _PRINTED.add(key)
+        traceback.print_exception(exc)
 
 
 #: how a target crash's doc begins when nothing was wrong with what it was given
@@ -191,17 +214,19 @@ def is_connectors_crash(frames: list) -> bool:
     own package) decides nothing: vLLM calls those too, so such a crash
     keeps the target's wording."""
     owners = [f for f in frames if not is_other_package(f.filename)]
-    if not owners:
-        return False
-    real = os.path.realpath(owners[-1].filename).replace(os.sep, "/")
-    return "/vllm/" not in real and not real.startswith(KVSPEC_DIR)
+    return bool(owners) and not is_vllms_or_kvspecs(owners[-1].filename)
+
+
+def is_vllms_or_kvspecs(path: str) -> bool:
+    """A file of vLLM (patched modules keep its path) or of one of kvspec's
+    packages (``spec/``, ``impl/`` and ``gpu/`` live beside ``kvspec/``)."""
+    real = os.path.realpath(path)
+    return "/vllm/" in real.replace(os.sep, "/") or real.startswith(KVSPEC_DIRS)
 
 
 def is_other_package(path: str) -> bool:
     """An installed package's file, neither vLLM's nor kvspec's."""
-    real = os.path.realpath(path)
-    return (real.startswith(INSTALLED_DIRS) and "/vllm/" not in real.replace(os.sep, "/")
-            and not real.startswith(KVSPEC_DIR))
+    return os.path.realpath(path).startswith(INSTALLED_DIRS) and not is_vllms_or_kvspecs(path)
 
 
 #: the doc of a crash after answers the in-tree connectors never give
@@ -227,6 +252,8 @@ def get_where(frames: list) -> str:
     # method, says nothing: the caller shown is the target's own
     callers = [f for f in frames[:-1] if f.filename != last.filename
                and not os.path.realpath(f.filename).startswith(HARNESS_DIR)]
+    if "/vllm/" not in last.filename.replace(os.sep, "/"):  # vLLM's call into it, if any
+        callers = [f for f in callers if "/vllm/" in f.filename.replace(os.sep, "/")] or callers
     if not callers:
         return get_place(last)
     return f"{get_place(last)}, called from {get_place(callers[-1])}"
@@ -340,8 +367,9 @@ class Runner:
             return violation
         if breaches:
             return describe_crash_after_breach(violation, breaches)
+        answered = getattr(self.env, "answers", {})  # looked up: answered outside it
         beyond = [rid for rid, plan in getattr(self.env, "plans", {}).items()
-                  if plan.beyond_contract]
+                  if plan.beyond_contract and rid in answered]
         return describe_crash_beyond_contract(violation, beyond) if beyond else violation
 
     def _take_unshown_calls(self) -> list:

@@ -230,7 +230,8 @@ class VllmObserver:
                 min_tokens=min_tokens if isinstance(min_tokens, int) else 0,
                 samples_tokens=not (getattr(r, "pooling_params", None)
                                     or getattr(self.scheduler, "is_mm_encoder_only", False)),
-                detects_repetition=getattr(params, "repetition_detection", None) is not None)
+                detects_repetition=getattr(getattr(params, "repetition_detection", None),
+                                           "max_pattern_size", 0) > 0)
         return extra
 
     def _pool_view(self) -> PoolView:

@@ -648,7 +648,7 @@ def _located(exc: AssertionError) -> AssertionError:
     frames = traceback.extract_tb(exc.__traceback__)
     inside = [f for f in frames if "/vllm/" in f.filename.replace("\\", "/")]
     inner = inside[-1] if inside else (frames[-1] if frames else None)
-    if inner is None or (inside and frames[-1] is not inner and not _is_kvspecs(frames[-1])):
+    if inner is None or (inside and _is_connectors_assert(frames)):
         return exc  # a connector's own assert: its message and place are its own
     from kvspec.harness.vllm_patches import get_shown_place
     # a module kvspec patched runs under its own name: tell the source's line
@@ -657,11 +657,12 @@ def _located(exc: AssertionError) -> AssertionError:
     return AssertionError(f"{short}:{lineno}: {inner.line}{detail}")
 
 
-def _is_kvspecs(frame) -> bool:
-    """A frame of kvspec's own code (its patched vLLM modules run under vLLM's
-    names and are vLLM's)."""
-    import kvspec
-    return os.path.realpath(frame.filename).startswith(os.path.dirname(kvspec.__file__) + os.sep)
+def _is_connectors_assert(frames) -> bool:
+    """The assert fired in an out-of-tree connector's own code, not in vLLM's
+    (nor kvspec's, nor an installed package such as torch that vLLM called):
+    the crash blame's rule (``runner.is_connectors_crash``)."""
+    from kvspec.harness.runner import is_connectors_crash, is_library
+    return is_connectors_crash([f for f in frames if not is_library(f.filename)])
 
 
 class _LocateAsserts:
