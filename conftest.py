@@ -15,6 +15,8 @@ SLOW = {
     "tests/test_vllm.py::test_planted_bug_is_caught_by_the_default_check[finished-load-caches-whole-prompt]",
     "tests/test_vllm.py::test_planted_bug_is_caught_by_the_default_check[sharer-resumes-without-waiting]",
     "tests/test_vllm.py::test_planted_bug_is_caught_by_the_default_check[async-load-never-started]",
+    "tests/test_vllm.py::test_planted_bug_is_caught_by_the_default_check"
+    "[prefill-stats-reset-after-preemption]",
     "tests/test_vllm.py::test_default_check_finds_no_new_finding",
     "tests/test_review_vllm.py::test_review_reports_a_regression_that_passes_on_the_base",
     "tests/test_review_vllm.py::test_review_passes_the_refactor_and_saw_it_run"
