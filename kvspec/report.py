@@ -237,7 +237,7 @@ def get_connector_silence(target: str, features: dict) -> dict[str, str]:
     out = {}
     for claim, needs in SILENT_CONNECTOR_CLAIMS.items():
         if set(needs) <= set(quiet):
-            out[claim] = f"{choice.name.rsplit(':', 1)[-1]} " + " and ".join(SILENCES[c][1] for c in needs) + (
+            out[claim] = f"{choice.class_name} " + " and ".join(SILENCES[c][1] for c in needs) + (
                 ": its own code rules this claim out, so no budget reaches it"
                 if all(quiet[c] is False for c in needs) else
                 " in this run: if its code never does, no budget reaches it")

@@ -51,12 +51,9 @@ def _candidates(config: Config, actions: list[dict]):
         if actions[i]["op"] != "drain":
             yield config, _without(actions, i)
     for i, action in enumerate(actions):
-        if action["op"] != "step":
-            continue
-        for key in STEP_ARGS:
-            if action.get(key):
-                yield config, (actions[:i] + [{k: v for k, v in action.items() if k != key}]
-                               + actions[i + 1:])
+        if action["op"] == "step":
+            for candidate in _without_a_step_argument(actions, i):
+                yield config, candidate
     for i, action in enumerate(actions):
         if action["op"] == "add":
             for simpler in _add_simplifications(action):
@@ -128,6 +125,15 @@ def _size(failure: Counterexample) -> tuple[int, int]:
     return len(failure.runner.log), len(failure.runner.actions)
 
 
+def _without_a_step_argument(actions: list[dict], i: int):
+    """``actions`` with one argument of step ``i`` less, each in turn."""
+    action = actions[i]
+    for key in STEP_ARGS:
+        if action.get(key):
+            less = {k: v for k, v in action.items() if k != key}
+            yield actions[:i] + [less] + actions[i + 1:]
+
+
 def _argument_candidates(actions: list[dict]):
     """One step argument less, or one request less in a step argument naming
     several: a last sweep, once nothing shortens the trace, drops what changes
@@ -136,10 +142,7 @@ def _argument_candidates(actions: list[dict]):
     for i, action in enumerate(actions):
         if action["op"] != "step":
             continue
-        for key in STEP_ARGS:
-            if action.get(key):
-                less = {k: v for k, v in action.items() if k != key}
-                yield actions[:i] + [less] + actions[i + 1:]
+        yield from _without_a_step_argument(actions, i)
         for key in REQUEST_ARGS:
             named = action.get(key) or ()
             for rid in named if len(named) > 1 else ():
@@ -170,9 +173,7 @@ def minimize(target: str, failure: Counterexample, kinds=ALL_KINDS,
                                        kv=failure.runner.kv)
             except (ValueError, TypeError):  # a configuration the target refuses
                 continue
-            if (found is not None and claims & {v.invariant for v in found.violations}
-                    and _size(found) < _size(best)
-                    and (still_new is None or still_new(found))):
+            if _still_fails(found, claims, still_new) and _size(found) < _size(best):
                 best, improved = found, True
                 break
     return _drop_idle_arguments(target, best, claims, kinds, design_rules, deadline, still_new)
@@ -189,9 +190,15 @@ def _drop_idle_arguments(target, best, claims, kinds, design_rules, deadline, st
             return best
         found = replay_actions(target, best.runner.config, candidates[i], kinds, design_rules,
                                kv=best.runner.kv)
-        if (found is not None and claims & {v.invariant for v in found.violations}
-                and _size(found) <= _size(best) and (still_new is None or still_new(found))):
+        if _still_fails(found, claims, still_new) and _size(found) <= _size(best):
             best = found  # the same position now holds the next argument
         else:
             i += 1
     return best
+
+
+def _still_fails(found, claims: set[str], still_new) -> bool:
+    """A smaller trace keeps the failure: one of the original's claims breaks,
+    and (``still_new``) no known finding explains it."""
+    return (found is not None and bool(claims & {v.invariant for v in found.violations})
+            and (still_new is None or still_new(found)))

@@ -175,10 +175,8 @@ def describe_crash(exc: Exception) -> Violation:
         return Violation("kvspec_crashed", f"{type(exc).__name__} at {where}: {exc}",
                          KVSPEC_CRASHED)
     where = f", at {get_where(frames)}" if last is not None else ""
-    if is_connectors_crash(frames):
-        return Violation("target_crashed", f"{type(exc).__name__}: {exc}",
-                         f"The connector's own code raised{where}.")
-    return Violation("target_crashed", f"{type(exc).__name__}: {exc}", f"{LEGAL_CALL}{where}.")
+    opening = "The connector's own code raised" if is_connectors_crash(frames) else LEGAL_CALL
+    return Violation("target_crashed", f"{type(exc).__name__}: {exc}", f"{opening}{where}.")
 
 
 #: crashes whose traceback ``KVSPEC_DEBUG`` printed (shrinking meets one many times)
@@ -198,13 +196,18 @@ def print_once_if_debugging(exc: BaseException) -> None:
 LEGAL_CALL = "The target raised while handling a legal call"
 
 
+def reword_crash(crash: Violation, opening: str) -> Violation:
+    """A target crash whose doc opens with ``opening`` in place of
+    ``LEGAL_CALL``, keeping where it raised."""
+    return attrs.evolve(crash, doc=opening + crash.doc.removeprefix(LEGAL_CALL))
+
+
 def describe_crash_after_breach(crash: Violation, breaches: list[Violation]) -> Violation:
     """A crash in the action whose connector answers broke the contract: the
     breach (listed first) is the cause, the crash what vLLM did with it."""
     names = ", ".join(dict.fromkeys(v.invariant for v in breaches))
-    where = crash.doc.removeprefix(LEGAL_CALL)[:-1]
-    return attrs.evolve(crash, doc=f"The target raised after the connector broke its "
-                                   f"contract ({names}, above){where}.")
+    return reword_crash(crash, f"The target raised after the connector broke its contract "
+                               f"({names}, above)")
 
 
 def is_connectors_crash(frames: list) -> bool:
@@ -218,10 +221,14 @@ def is_connectors_crash(frames: list) -> bool:
 
 
 def is_vllms_or_kvspecs(path: str) -> bool:
-    """A file of vLLM (patched modules keep its path) or of one of kvspec's
-    packages (``spec/``, ``impl/`` and ``gpu/`` live beside ``kvspec/``)."""
-    real = os.path.realpath(path)
-    return "/vllm/" in real.replace(os.sep, "/") or real.startswith(KVSPEC_DIRS)
+    """A file of vLLM or of one of kvspec's packages (``spec/``, ``impl/`` and
+    ``gpu/`` live beside ``kvspec/``)."""
+    return is_vllms(path) or os.path.realpath(path).startswith(KVSPEC_DIRS)
+
+
+def is_vllms(path: str) -> bool:
+    """A file of vLLM's package (patched modules keep its path in their name)."""
+    return "/vllm/" in path.replace(os.sep, "/")
 
 
 def is_other_package(path: str) -> bool:
@@ -229,19 +236,18 @@ def is_other_package(path: str) -> bool:
     return os.path.realpath(path).startswith(INSTALLED_DIRS) and not is_vllms_or_kvspecs(path)
 
 
-#: the doc of a crash after answers the in-tree connectors never give
+#: the opening of a crash's doc after answers the in-tree connectors never give
 BEYOND_CONTRACT_CRASH = ("The target raised after a connector answer outside the in-tree "
                          "connectors' contract ({ids} marked beyond_contract, stepping outside "
-                         "it on purpose){where}.")
+                         "it on purpose)")
 
 
 def describe_crash_beyond_contract(crash: Violation, request_ids: list[str]) -> Violation:
     """A crash in a run whose connector answered as no in-tree connector does
     (a finding replayed that way): its call was not a legal one, so say so."""
-    where = crash.doc.removeprefix(LEGAL_CALL)[:-1]
     ids = (f"{request_ids[0]} is an arrival" if len(request_ids) == 1
            else f"{', '.join(request_ids)} are arrivals")
-    return attrs.evolve(crash, doc=BEYOND_CONTRACT_CRASH.format(ids=ids, where=where))
+    return reword_crash(crash, BEYOND_CONTRACT_CRASH.format(ids=ids))
 
 
 def get_where(frames: list) -> str:
@@ -252,8 +258,8 @@ def get_where(frames: list) -> str:
     # method, says nothing: the caller shown is the target's own
     callers = [f for f in frames[:-1] if f.filename != last.filename
                and not os.path.realpath(f.filename).startswith(HARNESS_DIR)]
-    if "/vllm/" not in last.filename.replace(os.sep, "/"):  # vLLM's call into it, if any
-        callers = [f for f in callers if "/vllm/" in f.filename.replace(os.sep, "/")] or callers
+    if not is_vllms(last.filename):  # vLLM's call into it, if any
+        callers = [f for f in callers if is_vllms(f.filename)] or callers
     if not callers:
         return get_place(last)
     return f"{get_place(last)}, called from {get_place(callers[-1])}"
